@@ -1,0 +1,31 @@
+"""Supervised fine-tuning of a vision-language model (a thin Hydra entry point).
+
+    python recipes/sft.py experiment=demo
+    accelerate launch --config_file launch/accelerate/single_node_8gpu_zero3.yaml recipes/sft.py \
+        model=llava_1_5_7b data=add_to_pool training=mmdu_llava peft=lora_mmdu_llava context=8k
+
+The config tree is configs/sft.yaml, validated against mmtune.training.config.SFTConfig;
+the lifecycle (setup -> train -> save -> cleanup) lives in mmtune.training.loop.SFTRecipe.
+"""
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from mmtune.training.config import register_configs, to_sft_config
+from mmtune.training.loop import SFTRecipe
+
+register_configs()
+
+
+@hydra.main(config_path="../configs", config_name="sft", version_base=None)
+def main(cfg: DictConfig) -> None:
+    config = to_sft_config(cfg)
+    recipe = SFTRecipe(config, resolved_config=OmegaConf.to_container(cfg, resolve=True))
+    recipe.setup()
+    recipe.train()
+    recipe.save()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    main()

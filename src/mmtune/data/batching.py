@@ -1,0 +1,356 @@
+"""Batch plans: which samples go into which batch (and which packed row), from lengths alone.
+
+A plan is computed from the sampler's ordered indices and the cached per-sample lengths
+(:mod:`mmtune.data.lengths`), touches no pixels and no tokens, and is deterministic: the
+same order and lengths always give the same plan. That makes exact resume simple:
+recompute the plan for the epoch and skip the batches already consumed
+(:class:`PlannedBatchSampler`).
+
+A plan is a list of batches; a batch is a tuple of rows; a row is a tuple of sample
+indices (one index per row unless packing). Samples with length 0 (skipped by truncation)
+never enter a plan.
+
+Modes:
+
+- ``padding``: ``batch_size`` samples per batch in sampler order.
+- ``length_grouped``: transformers' megabatch trick: split the order into megabatches of
+  ``batch_size * megabatch_mult`` samples, sort each by length (longest first), cut into
+  batches; the batch holding the longest sample goes first so an out-of-memory shows at
+  step 0.
+- ``token_budget``: within each megabatch, sorted by length, batches grow while
+  ``rows * longest <= max_tokens`` and ``images <= max_images``.
+- ``packing``: first-fit-decreasing of each window of ``packing_window`` samples into
+  rows of ``max_length`` tokens (and at most ``max_images`` images per batch), then
+  ``batch_size`` rows per batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Plan",
+    "plan_padding",
+    "plan_length_grouped",
+    "plan_token_budget",
+    "plan_packing",
+    "build_plan",
+    "shard_plan",
+    "plan_stats",
+    "PlannedBatchSampler",
+]
+
+Row = tuple[int, ...]
+Batch = tuple[Row, ...]
+Plan = list[Batch]
+
+
+def _valid(order: Iterable[int], lengths: Sequence[int]) -> list[int]:
+    return [int(i) for i in order if lengths[int(i)] > 0]
+
+
+def _check_fits(index: int, length: int, max_length: int) -> None:
+    if length > max_length:
+        raise ValueError(
+            f"sample {index} is {length} tokens, over the row length {max_length}; lengths must be computed "
+            "with the same collator.max_length (truncation) as the plan"
+        )
+
+
+def plan_padding(order: Iterable[int], lengths: Sequence[int], batch_size: int, drop_last: bool = False) -> Plan:
+    """``batch_size`` samples per batch, in sampler order."""
+    idx = _valid(order, lengths)
+    plan = [tuple((i,) for i in idx[s : s + batch_size]) for s in range(0, len(idx), batch_size)]
+    if drop_last and plan and len(plan[-1]) < batch_size:
+        plan.pop()
+    return plan
+
+
+def plan_length_grouped(
+    order: Iterable[int],
+    lengths: Sequence[int],
+    batch_size: int,
+    megabatch_mult: int = 50,
+    drop_last: bool = False,
+) -> Plan:
+    """Megabatch length grouping, as ``transformers.trainer_pt_utils.get_length_grouped_indices``."""
+    idx = _valid(order, lengths)
+    mega = batch_size * megabatch_mult
+    plan: Plan = []
+    for s in range(0, len(idx), mega):
+        chunk = sorted(idx[s : s + mega], key=lambda i: (-lengths[i], i))
+        plan.extend(tuple((i,) for i in chunk[b : b + batch_size]) for b in range(0, len(chunk), batch_size))
+    if drop_last and plan and len(plan[-1]) < batch_size:
+        plan.pop()
+    if plan:
+        longest = max(range(len(plan)), key=lambda b: max(lengths[r[0]] for r in plan[b]))
+        plan[0], plan[longest] = plan[longest], plan[0]
+    return plan
+
+
+def plan_token_budget(
+    order: Iterable[int],
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    num_images: Sequence[int] | None = None,
+    max_images: int | None = None,
+    megabatch: int = 1000,
+) -> Plan:
+    """Batches of padded size ``rows * longest <= max_tokens`` (and ``<= max_images`` images)."""
+    idx = _valid(order, lengths)
+    plan: Plan = []
+    for s in range(0, len(idx), megabatch):
+        chunk = sorted(idx[s : s + megabatch], key=lambda i: (-lengths[i], i))
+        current: list[int] = []
+        longest = 0
+        images = 0
+        for i in chunk:
+            _check_fits(i, lengths[i], max_tokens)
+            n_img = int(num_images[i]) if num_images is not None else 0
+            if max_images is not None and n_img > max_images:
+                raise ValueError(
+                    f"sample {i} has {n_img} images, over collator.max_images_per_batch={max_images}; raise it"
+                )
+            new_longest = max(longest, lengths[i])
+            over_tokens = (len(current) + 1) * new_longest > max_tokens
+            over_images = max_images is not None and images + n_img > max_images
+            if current and (over_tokens or over_images):
+                plan.append(tuple((j,) for j in current))
+                current, longest, images = [], 0, 0
+                new_longest = lengths[i]
+            current.append(i)
+            longest = new_longest
+            images += n_img
+        if current:
+            plan.append(tuple((j,) for j in current))
+    return plan
+
+
+def plan_packing(
+    order: Iterable[int],
+    lengths: Sequence[int],
+    max_length: int,
+    *,
+    rows_per_batch: int = 1,
+    window: int = 512,
+    num_images: Sequence[int] | None = None,
+    max_images: int | None = None,
+) -> Plan:
+    """Pack samples into rows of ``max_length`` tokens by first-fit-decreasing per window.
+
+    ``max_images`` bounds the images of one batch (rows_per_batch rows): each row is then
+    capped at ``max_images // rows_per_batch`` images.
+    """
+    idx = _valid(order, lengths)
+    row_image_cap = None if max_images is None else max(1, max_images // rows_per_batch)
+    rows: list[list[int]] = []
+    for s in range(0, len(idx), window):
+        chunk = sorted(idx[s : s + window], key=lambda i: (-lengths[i], i))
+        bins: list[list[int]] = []
+        space: list[int] = []
+        images: list[int] = []
+        for i in chunk:
+            _check_fits(i, lengths[i], max_length)
+            n_img = int(num_images[i]) if num_images is not None else 0
+            if row_image_cap is not None and n_img > row_image_cap:
+                raise ValueError(
+                    f"sample {i} has {n_img} images, over the per-row cap {row_image_cap} "
+                    f"(collator.max_images_per_batch={max_images} / batch_size={rows_per_batch}); raise it"
+                )
+            for b in range(len(bins)):
+                if space[b] >= lengths[i] and (row_image_cap is None or images[b] + n_img <= row_image_cap):
+                    bins[b].append(i)
+                    space[b] -= lengths[i]
+                    images[b] += n_img
+                    break
+            else:
+                bins.append([i])
+                space.append(max_length - lengths[i])
+                images.append(n_img)
+        rows.extend(bins)
+    return [tuple(tuple(r) for r in rows[s : s + rows_per_batch]) for s in range(0, len(rows), rows_per_batch)]
+
+
+def build_plan(
+    order: Iterable[int],
+    lengths: Sequence[int],
+    config: Any,
+    *,
+    num_images: Sequence[int] | None = None,
+) -> Plan:
+    """The plan for ``config.batching`` (a :class:`~mmtune.data.collator.CollatorConfig`)."""
+    mode = config.batching
+    if mode == "padding":
+        return plan_padding(order, lengths, config.batch_size, config.drop_last)
+    if mode == "length_grouped":
+        return plan_length_grouped(order, lengths, config.batch_size, config.megabatch_mult, config.drop_last)
+    if mode == "token_budget":
+        budget = config.max_tokens_per_batch or config.batch_size * config.max_length
+        return plan_token_budget(
+            order,
+            lengths,
+            budget,
+            num_images=num_images,
+            max_images=config.max_images_per_batch,
+            megabatch=config.batch_size * config.megabatch_mult,
+        )
+    if mode == "packing":
+        plan = plan_packing(
+            order,
+            lengths,
+            config.max_length,
+            rows_per_batch=config.batch_size,
+            window=config.packing_window,
+            num_images=num_images,
+            max_images=config.max_images_per_batch,
+        )
+        if config.drop_last and plan and len(plan[-1]) < config.batch_size:
+            plan.pop()
+        return plan
+    raise ValueError(f"collator.batching={mode!r}; use padding, length_grouped, token_budget or packing")
+
+
+def shard_plan(plan: Plan, rank: int, world_size: int) -> Plan:
+    """This rank's batches: ``plan[rank::world_size]``, every rank the same number of batches.
+
+    When the plan does not divide evenly, the first batches are reused to fill the last
+    round (as ``DistributedSampler`` repeats samples), so no rank waits at a collective.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if not plan:
+        return []
+    per_rank = -(-len(plan) // world_size)
+    padded = list(plan) + [plan[i % len(plan)] for i in range(per_rank * world_size - len(plan))]
+    return padded[rank::world_size]
+
+
+def plan_stats(plan: Plan, lengths: Sequence[int], row_length: int | None = None) -> dict[str, float]:
+    """Token utilisation: real tokens / tokens computed (rows x padded width).
+
+    ``row_length`` fixes the padded width (packing to ``max_length``); by default each batch
+    pads to its longest row.
+    """
+    real = 0
+    computed = 0
+    for batch in plan:
+        row_lengths = [sum(lengths[i] for i in row) for row in batch]
+        real += sum(row_lengths)
+        computed += len(batch) * (row_length or max(row_lengths))
+    return {
+        "batches": float(len(plan)),
+        "real_tokens": float(real),
+        "computed_tokens": float(computed),
+        "utilization": real / computed if computed else 0.0,
+    }
+
+
+def _plan_hash(plan: Plan) -> str:
+    digest = hashlib.sha1()
+    for batch in plan:
+        digest.update(repr(batch).encode())
+    return digest.hexdigest()[:16]
+
+
+class PlannedBatchSampler:
+    """A resumable, rank-sharded batch sampler over a deterministic plan.
+
+    Use as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=...)``. Each epoch the
+    plan is rebuilt from ``order_fn(epoch)`` (e.g. the mixture sampler's order) and the
+    cached lengths, sharded across ranks, and iterated from the resume point.
+
+    Yields lists of sample indices, or for packing lists of ``(index, row)`` pairs that
+    :class:`~mmtune.data.collator.MultiImageDataset` understands.
+
+    Resume: the DataLoader prefetches, so the sampler cannot know what training consumed.
+    Save ``sampler.state_dict(consumed=batches_this_epoch)`` with the checkpoint and call
+    :meth:`load_state_dict` before building the iterator; the next iteration skips exactly
+    those batches (and checks that the plan is unchanged).
+
+    Args:
+        order_fn: ``epoch -> ordered global sample indices`` (deterministic).
+        lengths: post-truncation length per global index (0 = skipped).
+        config: a CollatorConfig (batching mode and sizes).
+        num_images: images per sample (for image caps), optional.
+        rank, world_size: this process's shard.
+    """
+
+    def __init__(
+        self,
+        order_fn: Callable[[int], Iterable[int]],
+        lengths: Sequence[int],
+        config: Any,
+        *,
+        num_images: Sequence[int] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.order_fn = order_fn
+        self.lengths = np.asarray(lengths)
+        self.num_images = None if num_images is None else np.asarray(num_images)
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self._skip = 0
+        self._expected_hash: str | None = None
+        self._yielded = 0
+        self._cache: tuple[int, Plan] | None = None
+
+    def _plan(self) -> Plan:
+        if self._cache is None or self._cache[0] != self.epoch:
+            plan = build_plan(
+                list(self.order_fn(self.epoch)), self.lengths.tolist(), self.config,
+                num_images=None if self.num_images is None else self.num_images.tolist(),
+            )
+            self._cache = (self.epoch, shard_plan(plan, self.rank, self.world_size))
+        return self._cache[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self._plan())
+
+    def __iter__(self) -> Iterator[list]:
+        plan = self._plan()
+        if self._expected_hash is not None and _plan_hash(plan) != self._expected_hash:
+            raise RuntimeError(
+                f"the batch plan of epoch {self.epoch} on rank {self.rank} differs from the checkpoint's: the "
+                "data order, lengths, collator settings or world size changed since it was saved; resume with the "
+                "same data and collator config, or start a new run"
+            )
+        start, self._skip, self._expected_hash = self._skip, 0, None
+        packed = self.config.batching == "packing"
+        self._yielded = start
+        for batch in plan[start:]:
+            self._yielded += 1
+            if packed:
+                yield [(i, r) for r, row in enumerate(batch) for i in row]
+            else:
+                yield [row[0] for row in batch]
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Resume state. ``consumed``: batches of this epoch the training loop actually used
+        (default: batches yielded so far, which runs ahead of training by the prefetch)."""
+        return {
+            "epoch": self.epoch,
+            "consumed": self._yielded if consumed is None else int(consumed),
+            "plan_hash": _plan_hash(self._plan()),
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(
+                f"checkpoint was saved with world_size {state['world_size']}, this run has {self.world_size}; "
+                "an exact resume needs the same number of ranks"
+            )
+        self.epoch = int(state["epoch"])
+        self._skip = int(state["consumed"])
+        self._expected_hash = state.get("plan_hash")

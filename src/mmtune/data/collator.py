@@ -1,0 +1,314 @@
+"""The multi-image conversation collator: encoded examples -> one model-ready batch.
+
+Batches are dicts with fixed keys::
+
+    input_ids        [B, L] long   token ids; an image is a run of image_token_id
+    labels           [B, L] long   -100 everywhere except assistant content + end-of-turn
+    attention_mask   [B, L] long   1 real / 0 pad; ``None`` for packed batches (below)
+    position_ids     [B, L] long   0.. per sample; restarts at 0 for every packed sample
+    pixel_values     [N_img, 3, H, W] float or None, images in the order of their token
+                     runs, row-major
+    num_loss_tokens  long scalar   count of labels != -100 (for token-weighted losses)
+
+**Packed batches** put several samples in one row. Their ``attention_mask`` is ``None``:
+transformers then reads sample boundaries from ``position_ids`` (every place where the
+position does not increase by one starts a new sample) and builds a block-diagonal causal
+mask for SDPA / eager (``masking_utils.find_packed_sequence_indices``), and flash-attention
+2 derives ``cu_seqlens`` from the same ``position_ids``. A 2-D all-ones mask would switch
+that detection off and let samples attend to each other, so none is passed. Row padding
+forms its own run of positions 0, 1, ... with pad ids and labels -100: it attends only to
+itself and never to a sample. The first label of every packed sample is -100, so the last
+token of one sample never learns to predict the next sample's first token (the same
+target the unpacked sample never sees).
+
+Run the model with :func:`model_inputs`, which also passes ``use_cache=False``: with a
+KV cache object present transformers skips packed-sequence detection (training never
+needs the cache anyway).
+
+Example::
+
+    collate = MultiImageCollator(pad_token_id=tok.pad_token_id)
+    batch = collate([example_a, example_b])
+    loss = model(**model_inputs(batch)).loss
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from mmtune.data.encoding import TRAIN_ON, Example, encode_example
+from mmtune.data.images import CorruptImageError, ImagePipeline
+from mmtune.data.truncation import STRATEGIES, TruncationStats
+from mmtune.models.base import IGNORE_INDEX
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.dialogue import Dialogue
+    from mmtune.models.base import ModelAdapter
+
+__all__ = ["BATCHING_MODES", "BATCH_KEYS", "CollatorConfig", "MultiImageCollator", "MultiImageDataset", "model_inputs"]
+
+BATCHING_MODES = ("padding", "length_grouped", "token_budget", "packing")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "pixel_values", "num_loss_tokens")
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for the model's forward from a collated batch.
+
+    Drops ``num_loss_tokens`` and sets ``use_cache=False``: a KV cache would turn off
+    transformers' detection of packed samples from ``position_ids`` (and training does not
+    need one).
+    """
+    inputs = {k: v for k, v in batch.items() if k != "num_loss_tokens"}
+    if inputs.get("pixel_values") is None:
+        inputs.pop("pixel_values", None)
+    inputs["use_cache"] = False
+    return inputs
+
+
+@dataclass
+class CollatorConfig:
+    """The ``collator/`` config group: encoding, truncation, batching and the image cache."""
+
+    max_length: int = 4096
+    """Token budget per sample (image tokens included); also the row length when packing."""
+    truncation: str = "drop_trailing_turns"
+    """Over-long samples: ``drop_trailing_turns`` (whole exchanges; skip if the first alone is
+    too long), ``skip_sample`` or ``error``."""
+    train_on: str = "all_assistant"
+    """Labelled turns: ``all_assistant`` or ``last_assistant``."""
+    system_prompt: Optional[str] = None
+    """Replaces the template's default system prompt; ``""`` = none; null = template default."""
+    batching: str = "padding"
+    """``padding`` (fixed batch size, pad to longest), ``length_grouped`` (HF-style megabatch
+    sort: less padding), ``token_budget`` (batches up to ``max_tokens_per_batch``) or
+    ``packing`` (several samples per row of ``max_length``)."""
+    batch_size: int = 1
+    """Samples per batch (padding / length_grouped), rows per batch (packing)."""
+    max_tokens_per_batch: Optional[int] = None
+    """token_budget: cap on padded tokens (rows x longest) per batch; null = batch_size x max_length."""
+    max_images_per_batch: Optional[int] = None
+    """Cap on images per batch (vision-tower memory); null = no cap."""
+    megabatch_mult: int = 50
+    """length_grouped: megabatch = batch_size x this; sorted by length inside (as transformers)."""
+    packing_window: int = 512
+    """packing: samples considered together by first-fit-decreasing; larger packs tighter,
+    smaller keeps the sample order closer to the sampler's."""
+    pad_to_multiple_of: Optional[int] = None
+    """Pad the sequence length to a multiple of this (e.g. 8 for tensor cores); null = off."""
+    drop_last: bool = False
+    """Drop the plan's last batch when it has fewer than ``batch_size`` samples (padding,
+    length_grouped) or rows (packing); token_budget batches have no fixed size."""
+    image_cache_dir: Optional[str] = None
+    """Directory of the processed-pixel cache; null disables it."""
+    image_cache_key: str = "content"
+    """Pixel-cache key: ``content`` (file bytes hash) or ``stat`` (path, size, mtime)."""
+    image_errors: str = "strict"
+    """A corrupt image: ``strict`` raises (file, dialogue, turn); ``skip`` drops the sample
+    and counts it."""
+    length_cache_dir: Optional[str] = None
+    """Directory of the per-sample length cache; null keeps lengths in memory only."""
+
+    def validate(self) -> None:
+        """Raise one ValueError listing every invalid field."""
+        problems = []
+        if self.max_length <= 0:
+            problems.append(f"collator.max_length must be > 0 (got {self.max_length})")
+        if self.truncation not in STRATEGIES:
+            problems.append(f"collator.truncation={self.truncation!r}: use one of {list(STRATEGIES)}")
+        if self.train_on not in TRAIN_ON:
+            problems.append(f"collator.train_on={self.train_on!r}: use one of {list(TRAIN_ON)}")
+        if self.batching not in BATCHING_MODES:
+            problems.append(f"collator.batching={self.batching!r}: use one of {list(BATCHING_MODES)}")
+        if self.batch_size <= 0:
+            problems.append(f"collator.batch_size must be > 0 (got {self.batch_size})")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < self.max_length:
+            problems.append(
+                f"collator.max_tokens_per_batch={self.max_tokens_per_batch} is below collator.max_length="
+                f"{self.max_length}: the longest sample could never be batched"
+            )
+        if self.max_images_per_batch is not None and self.max_images_per_batch <= 0:
+            problems.append(f"collator.max_images_per_batch must be > 0 or null (got {self.max_images_per_batch})")
+        if self.megabatch_mult <= 0 or self.packing_window <= 0:
+            problems.append("collator.megabatch_mult and collator.packing_window must be > 0")
+        if self.image_cache_key not in ("content", "stat"):
+            problems.append(f"collator.image_cache_key={self.image_cache_key!r}: use 'content' or 'stat'")
+        if self.image_errors not in ("strict", "skip"):
+            problems.append(f"collator.image_errors={self.image_errors!r}: use 'strict' or 'skip'")
+        if problems:
+            raise ValueError("invalid collator config:\n  - " + "\n  - ".join(problems))
+
+
+class MultiImageCollator:
+    """Pure collate function: a list of :class:`Example` -> a batch dict (see module doc).
+
+    Args:
+        pad_token_id: id used for padding (labels there are -100).
+        packed: group examples into rows by ``Example.row`` (set by packing plans).
+        pad_to_multiple_of: round the padded length up to a multiple of this.
+        image_pipeline: loads pixels for examples whose ``pixel_values`` are not loaded yet
+            (a dataset normally loads them in its worker already).
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        *,
+        packed: bool = False,
+        pad_to_multiple_of: int | None = None,
+        image_pipeline: ImagePipeline | None = None,
+    ):
+        self.pad_token_id = int(pad_token_id)
+        self.packed = packed
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.image_pipeline = image_pipeline
+
+    def _pixels(self, example: Example) -> torch.Tensor | None:
+        if not example.images:
+            return None
+        if example.pixel_values is not None:
+            if example.pixel_values.shape[0] != len(example.images):
+                raise ValueError(
+                    f"dialogue {example.dialogue_id!r}: {example.pixel_values.shape[0]} pixel tensors for "
+                    f"{len(example.images)} images"
+                )
+            return example.pixel_values
+        if self.image_pipeline is None:
+            raise ValueError(
+                f"dialogue {example.dialogue_id!r} has images but no pixel_values and the collator has no "
+                "image_pipeline; load images in the dataset or pass image_pipeline="
+            )
+        return self.image_pipeline.load(example.images, dialogue_id=example.dialogue_id, raw=True)
+
+    def __call__(self, examples: Sequence[Example | None]) -> dict[str, Any]:
+        examples = [e for e in examples if e is not None]
+        if not examples:
+            raise ValueError("empty batch: every sample of this batch was skipped (see the dataset's skip counters)")
+        if self.packed:
+            rows: dict[int, list[Example]] = {}
+            for example in examples:
+                rows.setdefault(example.row if example.row is not None else len(rows), []).append(example)
+            grouped = list(rows.values())
+        else:
+            grouped = [[e] for e in examples]
+
+        lengths = [sum(len(e) for e in row) for row in grouped]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch_size = len(grouped)
+        input_ids = torch.full((batch_size, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((batch_size, width), dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+        pixels: list[torch.Tensor] = []
+        for r, row in enumerate(grouped):
+            start = 0
+            for example in row:
+                n = len(example)
+                if len(example.labels) != n:
+                    raise ValueError(
+                        f"dialogue {example.dialogue_id!r}: {n} input ids but {len(example.labels)} labels"
+                    )
+                input_ids[r, start : start + n] = torch.tensor(example.input_ids, dtype=torch.long)
+                labels[r, start : start + n] = torch.tensor(example.labels, dtype=torch.long)
+                if self.packed:
+                    labels[r, start] = IGNORE_INDEX  # no target across the sample boundary
+                position_ids[r, start : start + n] = torch.arange(n)
+                attention_mask[r, start : start + n] = 1
+                start += n
+                pix = self._pixels(example)
+                if pix is not None:
+                    pixels.append(pix)
+            if self.packed and start < width:
+                # padding is a sample of its own: a fresh position run, so it attends to itself only
+                position_ids[r, start:] = torch.arange(width - start)
+        pixel_values = None
+        if pixels:
+            pixel_values = torch.cat(pixels, dim=0)
+            if pixel_values.dtype == torch.uint8:  # raw cached pixels: normalise the batch at once
+                if self.image_pipeline is None:
+                    raise ValueError("examples carry raw uint8 pixels but the collator has no image_pipeline")
+                pixel_values = self.image_pipeline.finalize(pixel_values)
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": None if self.packed else attention_mask,
+            "position_ids": position_ids,
+            "pixel_values": pixel_values,
+            "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
+        }
+
+
+class MultiImageDataset(torch.utils.data.Dataset):
+    """Encodes a dialogue and loads its pixels on access (so both run in DataLoader workers).
+
+    Indexing with ``i`` gives sample ``i``; with ``(i, row)`` (what packed batch samplers
+    yield) the example's ``row`` is set. Returns ``None`` for a sample that is skipped
+    (truncation, or a corrupt image with ``image_errors: skip``); the collator drops it and
+    :attr:`skipped` counts it (per worker process).
+
+    Args:
+        dialogues: random-access sequence of :class:`~mmtune.data.dialogue.Dialogue`.
+        adapter: the model adapter.
+        config: collator settings (max_length, truncation, train_on, system_prompt, images).
+        image_pipeline: pixel loader; ``None`` builds one from ``config``.
+    """
+
+    def __init__(
+        self,
+        dialogues: Sequence["Dialogue"],
+        adapter: "ModelAdapter",
+        config: CollatorConfig,
+        *,
+        image_pipeline: ImagePipeline | None = None,
+    ):
+        config.validate()
+        self.dialogues = dialogues
+        self.adapter = adapter
+        self.config = config
+        self.images = image_pipeline or ImagePipeline(
+            adapter, cache_dir=config.image_cache_dir, key=config.image_cache_key
+        )
+        self.truncation_stats = TruncationStats()
+        self.skipped_corrupt = 0
+
+    def __len__(self) -> int:
+        return len(self.dialogues)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> Example | None:
+        index, row = (key if isinstance(key, tuple) else (key, None))
+        dialogue = self.dialogues[index]
+        cfg = self.config
+        example = encode_example(
+            self.adapter,
+            dialogue,
+            max_length=cfg.max_length,
+            truncation=cfg.truncation,
+            train_on=cfg.train_on,
+            system_prompt=cfg.system_prompt,
+            stats=self.truncation_stats,
+        )
+        if example is None:
+            return None
+        try:
+            pixels = self.images.load(example.images, dialogue_id=dialogue.id, raw=True)
+        except CorruptImageError:
+            if cfg.image_errors == "strict":
+                raise
+            self.skipped_corrupt += 1
+            return None
+        return replace(example, pixel_values=pixels, row=row)
+
+    def collator(self) -> MultiImageCollator:
+        """The collate function matching this dataset's config."""
+        return MultiImageCollator(
+            self.adapter.tokenizer.pad_token_id
+            if self.adapter.tokenizer.pad_token_id is not None
+            else self.adapter.tokenizer.eos_token_id,
+            packed=self.config.batching == "packing",
+            pad_to_multiple_of=self.config.pad_to_multiple_of,
+            image_pipeline=self.images,
+        )

@@ -1,0 +1,165 @@
+"""The training data module: sources + mixture + lengths + batch plan + collator + DataLoader.
+
+It owns the dataset and the collate function (as litgpt's data modules do) and gets
+the settings known only once the model is built through one :meth:`SFTDataModule.connect`
+call: the adapter (tokenizer, template, image token count), the training window and the
+rank layout.
+
+Exact resume: each epoch's batch plan is a pure function of (data config, seed,
+epoch, lengths, collator settings, world size). The training loop records how many
+micro-batches of the epoch it consumed; resuming rebuilds the plan and starts the
+DataLoader at that micro-batch, without loading the skipped ones. A hash of the plan
+is stored with the checkpoint and checked on resume, so a changed data or collator
+config fails loudly instead of silently training on a different order.
+
+Example::
+
+    dm = SFTDataModule(cfg.data, cfg.collator, seed=42)
+    dm.connect(adapter, max_length=8192, rank=0, world_size=1)
+    dm.setup()
+    for batch, meta in dm.dataloader(epoch=0, start=0):
+        meta["ids"]      # dialogue ids in the batch
+        meta["tokens"]   # real (non-padding) tokens
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.collator import CollatorConfig
+    from mmtune.data.config import DataConfig
+    from mmtune.models.base import ModelAdapter
+
+__all__ = ["SFTDataModule", "CollateWithMeta"]
+
+
+class CollateWithMeta:
+    """Wraps the pure collator to also return ``{"ids": [...], "tokens": int, "images": int}``.
+
+    Picklable, so it runs in DataLoader workers.
+    """
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, examples: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        kept = [e for e in examples if e is not None]
+        batch = self.collate(kept)
+        meta = {"ids": [e.dialogue_id for e in kept], "tokens": sum(len(e) for e in kept),
+                "images": sum(len(e.images) for e in kept)}
+        return batch, meta
+
+
+class SFTDataModule:
+    """Builds, plans and serves the training batches of one rank.
+
+    Args:
+        data: the ``data`` config (sources, mixture, validation).
+        collator: the ``collator`` config (encoding, truncation, batching).
+        seed: unused by the order (the mixture's own seed fixes it); kept for workers' RNG.
+        num_workers: DataLoader workers (encoding and image decoding happen there).
+    """
+
+    def __init__(self, data: "DataConfig", collator: "CollatorConfig", *, seed: int = 0, num_workers: int = 0):
+        self.data_config = data
+        self.collator_config = collator
+        self.seed = seed
+        self.num_workers = num_workers
+        self.adapter: Optional["ModelAdapter"] = None
+        self.rank, self.world_size = 0, 1
+        self._plans: dict[int, list] = {}
+
+    def connect(self, adapter: "ModelAdapter", *, max_length: Optional[int] = None, rank: int = 0,
+                world_size: int = 1) -> None:
+        """Late settings: the adapter, the training window (overrides ``collator.max_length``)
+        and this process's rank among ``world_size``."""
+        self.adapter = adapter
+        if max_length is not None:
+            self.collator_config = replace(self.collator_config, max_length=int(max_length))
+        self.rank, self.world_size = rank, world_size
+
+    def setup(self) -> None:
+        """Load the sources (through the cache), compute exact lengths, build the dataset."""
+        from mmtune.data.batching import PlannedBatchSampler
+        from mmtune.data.collator import MultiImageDataset
+        from mmtune.data.lengths import compute_lengths
+        from mmtune.data.mixture import build_mixture
+
+        if self.adapter is None:
+            raise RuntimeError("SFTDataModule.setup() needs connect(adapter, ...) first")
+        cfg = self.collator_config
+        cfg.validate()
+        self.mixture = build_mixture(self.data_config)
+        # The plan is built over all ranks' samples and then sharded by batch (not by
+        # sample), so token-budget and packed batches stay whole and ranks never overlap.
+        self.order = self.mixture.sampler(num_replicas=1, rank=0)
+        self.lengths = compute_lengths(
+            self.adapter, self.mixture.dialogues, max_length=cfg.max_length, truncation=cfg.truncation,
+            train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=cfg.length_cache_dir,
+        )
+        self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, cfg)
+        self.collate = CollateWithMeta(self.dataset.collator())
+        self.batch_sampler = PlannedBatchSampler(
+            self.order.global_order, self.lengths.lengths, cfg, num_images=self.lengths.num_images,
+            rank=self.rank, world_size=self.world_size,
+        )
+
+    # -- plans -------------------------------------------------------------------------------
+    def plan(self, epoch: int) -> list[list]:
+        """This rank's micro-batches of ``epoch`` (lists of dataset keys), cached."""
+        if epoch not in self._plans:
+            self.batch_sampler.set_epoch(epoch)
+            self._plans = {epoch: list(iter(self.batch_sampler))}  # keep one epoch in memory
+        return self._plans[epoch]
+
+    def num_micro_batches(self, epoch: int) -> int:
+        return len(self.plan(epoch))
+
+    def plan_hash(self, epoch: int) -> str:
+        return hashlib.sha1(repr(self.plan(epoch)).encode()).hexdigest()[:16]
+
+    def state_dict(self, epoch: int, consumed: int) -> dict[str, Any]:
+        """Data position to store with a checkpoint."""
+        return {"epoch": epoch, "consumed": consumed, "plan_hash": self.plan_hash(epoch),
+                "world_size": self.world_size}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise when a checkpoint's data position would not mean the same samples now."""
+        problems = []
+        if state.get("world_size") != self.world_size:
+            problems.append(f"it was saved with {state.get('world_size')} ranks, this run has {self.world_size}")
+        elif state.get("plan_hash") != self.plan_hash(int(state["epoch"])):
+            problems.append("the batch plan differs (data files, data/collator config, window or seed changed)")
+        if problems:
+            raise ValueError("cannot resume exactly: " + "; ".join(problems)
+                             + ". Resume with the same configuration, or start a new output_dir")
+
+    def stats(self) -> dict[str, Any]:
+        from mmtune.data.batching import plan_stats
+
+        plan = self.plan(0)
+        out = {"samples": int(len(self.lengths)), "skipped_by_truncation": int((self.lengths.lengths == 0).sum()),
+               **{f"truncation/{k}": v for k, v in self.lengths.stats.items()}}
+        row = self.collator_config.max_length if self.collator_config.batching == "packing" else None
+        plan = [tuple(tuple(k[0] for k in b) if b and isinstance(b[0], tuple) else tuple((k,) for k in b)) for b in plan]
+        out.update({f"plan/{k}": v for k, v in plan_stats(plan, self.lengths.lengths.tolist(), row).items()})
+        return out
+
+    # -- loading -------------------------------------------------------------------------------
+    def dataloader(self, epoch: int, *, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[dict, dict]]:
+        """Micro-batches ``start:stop`` of this rank's plan for ``epoch`` as ``(batch, meta)``."""
+        batches = self.plan(epoch)[start:stop]
+        if not batches:
+            return iter(())
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + 1000 * epoch + self.rank)
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers,
+            generator=generator, persistent_workers=False, pin_memory=torch.cuda.is_available(),
+        )
+        return iter(loader)

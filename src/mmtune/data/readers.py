@@ -1,0 +1,582 @@
+"""Readers: every supported file format into :class:`~mmtune.data.dialogue.Dialogue`.
+
+Formats (``SourceConfig.format``):
+
+- ``llava``: llava-665k. ``{"id", "image"?, "conversations": [{"from": "human"|"gpt",
+  "value"}]}``; one ``<image>`` placeholder (at the start followed by a newline, or at
+  the end) for a record with an ``image``; records without ``image`` are text-only.
+- ``mmdu``: MMDU benchmark and MMDU-45k. ``image`` is a list; the k-th ``<ImageHere>``
+  in the whole dialogue is the k-th path; roles ``user``/``assistant``.
+- ``xcomposer2``: InternLM-XComposer2's fine-tune JSON (same layout as ``mmdu``; roles
+  ``user``/``human`` and ``assistant``/``bot``/``gpt``). Its ``data.txt`` (``path
+  count_in_thousands`` per line) becomes one source per line: :func:`sources_from_datatxt`.
+- ``messages``: JSONL of ``{"id"?, "messages": [{"role", "content"}]}`` where content
+  is a string or a list of parts ``{"type": "text", "text"}``, ``{"type": "image_url",
+  "image_url": {"url": path}}`` or ``{"type": "image", "image"|"path"|"url": path}``.
+
+Any format may be stored as a JSON list or as JSONL; the first non-blank character
+decides. A JSON list is read incrementally (:func:`iter_json_array`), so a 1.3 GB
+file is never held in memory whole, and every converted, validated record goes
+straight to the Arrow cache (:mod:`mmtune.data.cache`). The returned
+:class:`SourceData` reads dialogues back lazily from the memory-mapped cache.
+
+Image paths are resolved per source: ``strip_image_prefix`` is removed, then the path
+is joined under ``image_root`` (a leading ``/`` included, so the benchmark's
+``/mmdu_pics/x.jpg`` works with ``image_root`` = the folder holding ``mmdu_pics``);
+without ``image_root``, relative paths are relative to the data file and absolute
+ones are kept. In the ``messages`` format absolute paths and ``file://`` URLs are always
+used as they are (they point at the user's own files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from mmtune.data.cache import CacheWriter, cache_key, entry_paths, open_entry
+from mmtune.data.config import FORMATS, IMAGE_CHECKS, MODES, DataConfig, SourceConfig, default_cache_dir
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
+
+LLAVA_PLACEHOLDER = "<image>"
+MMDU_PLACEHOLDER = "<ImageHere>"
+
+# Known role spellings of all formats; anything else is kept verbatim and reported as
+# unknown_role by validation.
+ROLE_MAP = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "system": "system",
+}
+
+_WS = re.compile(r"[ \t\n\r]*")
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_MAX_RECORD_CHARS = 256 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------- raw records
+
+
+def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Yield ``(index, value, problem)`` for each element of a top-level JSON array.
+
+    The file is read in chunks and split with ``json.JSONDecoder.raw_decode``, keeping
+    only the unparsed tail in memory. Bytes that are not UTF-8 are decoded with
+    ``surrogateescape``; an element containing any is yielded with a ``non_utf8``
+    problem instead of its value.
+
+    Raises:
+        DataValidationError: the file is not a JSON array or its syntax is broken. A
+            broken array cannot be re-synchronised safely, so this is fatal in every mode.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        buf, pos, eof, lines_before = f.read(chunk_chars), 0, False, 0
+        # Searching every record for escaped bytes costs more than parsing it; searching
+        # each chunk once and records only in a "dirty" buffer costs almost nothing.
+        dirty = _SURROGATE.search(buf) is not None
+
+        def refill() -> bool:
+            nonlocal buf, pos, eof, lines_before, dirty
+            if eof:
+                return False
+            more = f.read(chunk_chars)
+            if not more:
+                eof = True
+                return False
+            lines_before += buf.count("\n", 0, pos)
+            dirty = _SURROGATE.search(buf, pos) is not None or _SURROGATE.search(more) is not None
+            buf, pos = buf[pos:] + more, 0
+            return True
+
+        def skip_ws() -> None:
+            nonlocal pos
+            while True:
+                pos = _WS.match(buf, pos).end()
+                if pos < len(buf) or not refill():
+                    return
+
+        def fail(at: int, what: str, index: int) -> DataValidationError:
+            line = lines_before + buf.count("\n", 0, at) + 1
+            col = at - (buf.rfind("\n", 0, at) + 1) + 1
+            return DataValidationError(
+                f"{path}: invalid JSON at line {line}, column {col} (array element #{index}): {what}. "
+                "How to fix: repair the file (e.g. `python -m json.tool FILE` shows the spot); records of "
+                "a broken JSON list cannot be skipped one by one, convert it to JSONL for per-line skipping."
+            )
+
+        if buf.startswith("\ufeff"):
+            pos = 1
+        skip_ws()
+        if pos >= len(buf) or buf[pos] != "[":
+            raise fail(pos, "expected '[' at the start of a JSON list", 0)
+        pos += 1
+        skip_ws()
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        index = 0
+        while True:
+            skip_ws()
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                    # A number ending exactly at the chunk end may continue in the next one.
+                    if end < len(buf) or not refill():
+                        break
+                    continue
+                except json.JSONDecodeError as e:
+                    # Usually the element continues in the next chunk; only at EOF (or
+                    # after an absurdly long element) is it a real syntax error.
+                    if len(buf) - pos > _MAX_RECORD_CHARS or not refill():
+                        raise fail(e.pos, e.msg, index) from None
+            problem = None
+            if dirty and _SURROGATE.search(buf, pos, end):
+                rid = str(value.get("id", f"#{index}")) if isinstance(value, dict) else f"#{index}"
+                # The id itself may hold the bad bytes; make it printable.
+                rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+                problem = Problem("non_utf8", rid, index, None, "bytes that are not UTF-8 inside the record")
+            yield index, value, problem
+            index += 1
+            pos = end
+            skip_ws()
+            if pos >= len(buf):
+                raise fail(pos, "file ends inside the list (missing ']')", index)
+            if buf[pos] == ",":
+                pos += 1
+            elif buf[pos] == "]":
+                return
+            else:
+                raise fail(pos, "expected ',' or ']' between elements", index)
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Yield ``(line_index, value, problem)`` for each non-blank line of a JSONL file."""
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield index, None, Problem("non_utf8", f"line {index + 1}", index, None, str(e))
+                continue
+            try:
+                yield index, json.loads(text), None
+            except json.JSONDecodeError as e:
+                yield index, None, Problem("invalid_json", f"line {index + 1}", index, None, e.msg)
+
+
+def iter_records(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Records of a JSON list or JSONL file, whichever it is."""
+    head = b""
+    with open(path, "rb") as f:
+        while not head:
+            chunk = f.read(4096)
+            if not chunk:
+                break
+            head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        yield from iter_json_array(path)
+    else:
+        yield from iter_jsonl(path)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+@dataclass(frozen=True)
+class _Context:
+    source: str
+    file_dir: str
+    image_root: str | None
+    strip_prefix: str | None
+    move_image_to_start: bool
+    join_absolute: bool = True
+
+    def resolve(self, path: str) -> str:
+        if self.strip_prefix and path.startswith(self.strip_prefix):
+            path = path[len(self.strip_prefix) :]
+        if path.startswith("file://"):
+            return path[len("file://") :]
+        if os.path.isabs(path) and (self.image_root is None or not self.join_absolute):
+            return path
+        return os.path.join(self.image_root or self.file_dir, path.lstrip("/"))
+
+
+def _split(text: str, placeholder: str, images: Iterator[str]) -> tuple:
+    parts = text.split(placeholder)
+    segments: list = []
+    for i, part in enumerate(parts):
+        if i:
+            segments.append(Image(next(images)))
+        if part:
+            segments.append(part)
+    return tuple(segments)
+
+
+def _record_id(obj: dict, source: str, index: int) -> str:
+    rid = obj.get("id")
+    return f"{source}-{index}" if rid is None or rid == "" else str(rid)
+
+
+def convert_conversations(
+    obj: Any, index: int, ctx: _Context, placeholder: str
+) -> tuple[Dialogue | None, list[Problem]]:
+    """``llava`` / ``mmdu`` / ``xcomposer2`` record -> dialogue, or the problems preventing it."""
+    if not isinstance(obj, dict):
+        return None, [Problem("malformed_record", f"#{index}", index, None, f"a {type(obj).__name__}, not an object")]
+    rid = _record_id(obj, ctx.source, index)
+
+    def bad(detail: str, turn: int | None = None, code: str = "malformed_record"):
+        return None, [Problem(code, rid, index, turn, detail)]
+
+    conv = obj.get("conversations")
+    if not isinstance(conv, list):
+        return bad("no 'conversations' list")
+    raw_images = obj.get("image")
+    if raw_images is None:
+        raw_images = []
+    elif isinstance(raw_images, str):
+        raw_images = [raw_images]
+    if not isinstance(raw_images, list) or not all(isinstance(p, str) and p for p in raw_images):
+        return bad("'image' must be a path or a list of non-empty paths")
+    count = 0
+    for t, msg in enumerate(conv):
+        if not isinstance(msg, dict) or not isinstance(msg.get("value"), str) or not isinstance(msg.get("from"), str):
+            return bad("turn must be an object with string 'from' and 'value'", t)
+        count += msg["value"].count(placeholder)
+    if count != len(raw_images):
+        return bad(f"{count} {placeholder} placeholder(s), {len(raw_images)} image path(s)", None, "placeholder_mismatch")
+    images = iter([ctx.resolve(p) for p in raw_images])
+    turns = []
+    for msg in conv:
+        value = msg["value"]
+        if ctx.move_image_to_start and value.count(placeholder) == 1:
+            value = placeholder + "\n" + value.replace(placeholder, "").strip()
+        turns.append(Turn(ROLE_MAP.get(msg["from"], msg["from"]), _split(value, placeholder, images)))
+    return Dialogue(rid, ctx.source, tuple(turns)), []
+
+
+def _image_part_path(part: dict) -> str | None:
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+    else:
+        url = part.get("image") or part.get("path") or part.get("url")
+    return url if isinstance(url, str) and url else None
+
+
+def convert_messages(obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | None, list[Problem]]:
+    """``messages`` record (OpenAI chat style, interleaved image parts) -> dialogue."""
+    if not isinstance(obj, dict):
+        return None, [Problem("malformed_record", f"#{index}", index, None, f"a {type(obj).__name__}, not an object")]
+    rid = _record_id(obj, ctx.source, index)
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list):
+        return None, [Problem("malformed_record", rid, index, None, "no 'messages' list")]
+    turns = []
+    for t, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return None, [Problem("malformed_record", rid, index, t, "message must be an object with a string 'role'")]
+        content = m.get("content")
+        if isinstance(content, str):
+            segments: tuple = (content,) if content else ()
+        elif isinstance(content, list):
+            segs = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    if part["text"]:
+                        segs.append(part["text"])
+                elif kind in ("image_url", "image"):
+                    url = _image_part_path(part)
+                    if url is None:
+                        return None, [Problem("malformed_record", rid, index, t, "image part without a path")]
+                    if url.startswith("data:") or re.match(r"^[a-z]+://", url) and not url.startswith("file://"):
+                        return None, [
+                            Problem(
+                                "malformed_record", rid, index, t,
+                                f"image {url[:40]!r} is inline or remote: save it as a local file and use its path",
+                            )
+                        ]
+                    segs.append(Image(ctx.resolve(url)))
+                else:
+                    return None, [Problem("malformed_record", rid, index, t, f"unknown content part {str(part)[:60]}")]
+            segments = tuple(segs)
+        else:
+            return None, [Problem("malformed_record", rid, index, t, "'content' must be a string or a list of parts")]
+        turns.append(Turn(ROLE_MAP.get(m["role"], m["role"]), segments))
+    return Dialogue(rid, ctx.source, tuple(turns)), []
+
+
+def convert_record(fmt: str, obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | None, list[Problem]]:
+    if fmt == "llava":
+        return convert_conversations(obj, index, ctx, LLAVA_PLACEHOLDER)
+    if fmt in ("mmdu", "xcomposer2"):
+        return convert_conversations(obj, index, ctx, MMDU_PLACEHOLDER)
+    if fmt == "messages":
+        return convert_messages(obj, index, ctx)
+    raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class DialogueSequence(Sequence):
+    """Random-access, lazily converted dialogues over a memory-mapped Arrow dataset."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return self.dataset.num_rows
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"dialogue index {i} out of range for {n} dialogues")
+        return Dialogue.from_record(self.dataset[int(i)])
+
+    def __iter__(self) -> Iterator[Dialogue]:
+        # Batched reads: one Arrow->Python conversion per 1000 rows instead of per row.
+        for start in range(0, len(self), 1000):
+            batch = self.dataset[start : start + 1000]
+            for j in range(len(batch["id"])):
+                yield Dialogue.from_record({k: batch[k][j] for k in ("id", "source", "roles", "segments")})
+
+
+@dataclass
+class SourceData:
+    """One loaded source: its dialogues (Arrow-backed), validation report and statistics."""
+
+    name: str
+    config: SourceConfig
+    dialogues: DialogueSequence
+    report: ValidationReport
+    cache_file: str
+
+    def __len__(self) -> int:
+        return len(self.dialogues)
+
+    @property
+    def num_images(self) -> np.ndarray:
+        """Images per record (int array), read from the cache without decoding records."""
+        return self.dialogues.dataset.data.column("num_images").to_numpy()
+
+    @property
+    def num_chars(self) -> np.ndarray:
+        """Text characters per record (int array)."""
+        return self.dialogues.dataset.data.column("num_chars").to_numpy()
+
+    def estimated_tokens(self, tokens_per_image: int) -> np.ndarray:
+        """Cheap token estimate per record: characters / 4 + ``tokens_per_image`` per image."""
+        return self.num_chars // 4 + self.num_images.astype(np.int64) * tokens_per_image
+
+
+def _row(d: Dialogue) -> dict[str, Any]:
+    row = d.to_record()
+    n_img = n_chars = 0
+    for t in d.turns:
+        for s in t.segments:
+            if isinstance(s, str):
+                n_chars += len(s)
+            else:
+                n_img += 1
+    row["num_images"], row["num_chars"] = n_img, n_chars
+    return row
+
+
+def load_source(
+    source_cfg: SourceConfig,
+    *,
+    mode: str = "skip",
+    cache_dir: str | None = None,
+    check_images: str = "verify",
+    max_examples: int = 5,
+    refresh: bool = False,
+) -> SourceData:
+    """Read, convert and validate one source, through the Arrow cache.
+
+    Args:
+        source_cfg: the source.
+        mode: ``skip`` (leave bad records out, count them in the report) or ``strict``
+            (raise at the first problem).
+        cache_dir: cache folder; ``None`` = :func:`~mmtune.data.config.default_cache_dir`.
+        check_images: ``verify`` | ``exists`` | ``none`` (see ``ValidationConfig``).
+        max_examples: example ids kept per problem class.
+        refresh: rebuild the cache entry even if one exists.
+
+    Raises:
+        FileNotFoundError: the data file does not exist.
+        DataValidationError: strict mode and a problem (also when the problem was found
+            by an earlier cached run), or a broken JSON list in any mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown: use skip or strict")
+    if check_images not in IMAGE_CHECKS:
+        raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
+    if source_cfg.format not in FORMATS:
+        raise ValueError(f"source {source_cfg.name!r}: format={source_cfg.format!r} is unknown: use one of {', '.join(FORMATS)}")
+    path = source_cfg.path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"source {source_cfg.name!r}: data file {path!r} does not exist "
+            "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
+        )
+    ctx = _Context(
+        source=source_cfg.name,
+        file_dir=os.path.dirname(os.path.abspath(path)),
+        image_root=os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None,
+        strip_prefix=source_cfg.strip_image_prefix,
+        move_image_to_start=source_cfg.move_image_to_start,
+        # User-made chat files carry real absolute paths; the datasets' absolute paths
+        # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
+        join_absolute=source_cfg.format != "messages",
+    )
+    options = {
+        "name": source_cfg.name,
+        "format": source_cfg.format,
+        "image_root": ctx.image_root,
+        "strip_image_prefix": ctx.strip_prefix,
+        "move_image_to_start": ctx.move_image_to_start,
+        "check_images": check_images,
+        "max_examples": max_examples,
+    }
+    arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
+    hit = None if refresh else open_entry(arrow_path, report_path)
+    if hit is not None:
+        dataset, report_dict = hit
+        report = ValidationReport.from_dict(report_dict)
+        if mode == "strict" and report.first_problem:
+            raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
+    else:
+        report = _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report_path)
+        dataset = open_entry(arrow_path, report_path)[0]
+    return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
+
+
+def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report_path) -> ValidationReport:
+    path = source_cfg.path
+    report = ValidationReport(source_cfg.name, path, source_cfg.format, check_images, max_examples)
+    checker = ImageChecker(check_images)
+    seen: set[str] = set()
+    writer = CacheWriter(arrow_path, report_path)
+    try:
+        for index, obj, problem in iter_records(path):
+            dialogue = None
+            if problem is not None:
+                problems = [problem]
+            else:
+                dialogue, problems = convert_record(source_cfg.format, obj, index, ctx)
+                if dialogue is not None:
+                    problems = check_dialogue(dialogue, index, checker)
+                    if dialogue.id in seen:
+                        problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
+                    seen.add(dialogue.id)
+            if problems:
+                if mode == "strict":
+                    raise DataValidationError(problems[0].message(path))
+                report.add_skipped(problems)
+            else:
+                report.add_kept(dialogue)
+                writer.add(_row(dialogue))
+        writer.commit(report.to_dict())
+    except BaseException:
+        writer.abort()
+        raise
+    return report
+
+
+def load_sources(data_cfg: DataConfig, *, refresh: bool = False) -> list[SourceData]:
+    """Every source of a data config, with its validation and cache settings."""
+    v = data_cfg.validation
+    return [
+        load_source(
+            s,
+            mode=v.mode,
+            cache_dir=data_cfg.cache_dir,
+            check_images=v.check_images,
+            max_examples=v.max_examples,
+            refresh=refresh,
+        )
+        for s in data_cfg.mixture.sources
+    ]
+
+
+def read_datatxt(path: str) -> list[tuple[str, float]]:
+    """InternLM-XComposer2 ``data.txt``: ``(json_path, sample_count_in_thousands)`` per line.
+
+    Relative JSON paths are taken relative to the ``data.txt`` folder. Blank lines and
+    ``#`` comments are ignored.
+
+    Raises:
+        DataValidationError: a line does not have a path and a number.
+    """
+    entries, problems = [], []
+    base = os.path.dirname(os.path.abspath(path))
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            try:
+                if len(parts) != 2:
+                    raise ValueError
+                count = float(parts[1])
+            except ValueError:
+                problems.append(f"{path}:{n}: expected 'path count_in_thousands', got {line!r}")
+                continue
+            entries.append((parts[0] if os.path.isabs(parts[0]) else os.path.join(base, parts[0]), count))
+    if problems:
+        raise DataValidationError("invalid data.txt:\n  " + "\n  ".join(problems))
+    return entries
+
+
+def sources_from_datatxt(path: str, *, image_root: str | None = None, prefix: str = "xc2") -> list[SourceConfig]:
+    """One ``xcomposer2`` source per ``data.txt`` line, drawing ``count * 1000`` samples.
+
+    The XComposer2 scripts use the count as the number of samples taken from each file
+    per epoch; here it becomes ``SourceConfig.num_samples`` (fewer = fixed subset, more =
+    repeats), which the mixture honours when ``weights`` is unset.
+    """
+    return [
+        SourceConfig(
+            name=f"{prefix}_{i}_{os.path.splitext(os.path.basename(p))[0]}",
+            format="xcomposer2",
+            path=p,
+            image_root=image_root,
+            num_samples=int(round(count * 1000)),
+        )
+        for i, (p, count) in enumerate(read_datatxt(path))
+    ]
+
+
+__all__ = [
+    "LLAVA_PLACEHOLDER",
+    "MMDU_PLACEHOLDER",
+    "ROLE_MAP",
+    "iter_json_array",
+    "iter_jsonl",
+    "iter_records",
+    "convert_record",
+    "DialogueSequence",
+    "SourceData",
+    "load_source",
+    "load_sources",
+    "read_datatxt",
+    "sources_from_datatxt",
+]

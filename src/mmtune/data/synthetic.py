@@ -1,0 +1,272 @@
+"""Synthetic multi-image, multi-turn dialogues whose answers are learnable from pixels.
+
+Each image is a solid light background with one coloured shape (4 colours x 3
+shapes). Dialogues follow the MMDU layout: images are introduced as
+``"Image1: <ImageHere>. Image2: <ImageHere>. "`` in the first user turn, later turns
+introduce more images or none, and questions refer back to earlier images by name.
+Questions use four fixed templates; answers are one word, so a tiny model can reach
+high exact match and a wrong image reference is visible in the score::
+
+    What color is the shape in Image2?          -> red | green | blue | yellow
+    What shape is in Image1?                    -> circle | square | triangle
+    Do Image1 and Image3 have the same color?   -> yes | no
+    Do Image2 and Image3 have the same shape?   -> yes | no
+
+An answer is correct when :func:`is_correct` holds: equal after :func:`normalize_answer`
+(lower case, surrounding whitespace and punctuation removed).
+
+Layout written by :func:`generate_synthetic` (all image paths resolve with
+``image_root = <out>/images``)::
+
+    <out>/train.json        MMDU-45k-shaped (image names such as syn-train-000001-1.png)
+    <out>/test.json         benchmark.json-shaped (paths such as /mmdu_pics/syn-test-000001-1.png)
+    <out>/llava.json        llava-665k-shaped single-image split (+ ~10% text-only), JPEG images
+    <out>/images/...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 200, 30),
+}
+SHAPES = ("circle", "square", "triangle")
+
+COLOR_Q = "What color is the shape in Image{k}?"
+SHAPE_Q = "What shape is in Image{k}?"
+SAME_COLOR_Q = "Do Image{j} and Image{k} have the same color?"
+SAME_SHAPE_Q = "Do Image{j} and Image{k} have the same shape?"
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, collapse whitespace, strip surrounding whitespace and punctuation."""
+    return re.sub(r"\s+", " ", text).strip().strip(".,;:!?\"'`()[] ").lower()
+
+
+def is_correct(prediction: str, reference: str) -> bool:
+    """The synthetic benchmark's exact-match rule."""
+    return normalize_answer(prediction) == normalize_answer(reference)
+
+
+@dataclass(frozen=True)
+class SyntheticPaths:
+    """Where :func:`generate_synthetic` wrote its files."""
+
+    train_json: str
+    test_json: str
+    llava_json: str
+    image_dir: str
+    """Image root for all three splits."""
+
+
+@dataclass(frozen=True)
+class _Picture:
+    color: str
+    shape: str
+
+
+def draw_image(picture: _Picture, size: int, background: tuple[int, int, int] = (240, 240, 240)):
+    """A PIL image: ``background`` with one centred shape covering ~60% of the side."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), background)
+    draw = ImageDraw.Draw(img)
+    lo, hi = round(size * 0.2), round(size * 0.8) - 1
+    fill = COLORS[picture.color]
+    if picture.shape == "circle":
+        draw.ellipse([lo, lo, hi, hi], fill=fill)
+    elif picture.shape == "square":
+        draw.rectangle([lo, lo, hi, hi], fill=fill)
+    else:
+        draw.polygon([(size / 2, lo), (hi, hi), (lo, hi)], fill=fill)
+    return img
+
+
+def _new_picture(rng: random.Random, earlier: list[_Picture]) -> _Picture:
+    # Copying an earlier attribute a third of the time makes "same ...?" answers about
+    # half yes, half no; independent draws would make "no" right 75% of the time.
+    color = rng.choice(earlier).color if earlier and rng.random() < 1 / 3 else rng.choice(list(COLORS))
+    shape = rng.choice(earlier).shape if earlier and rng.random() < 1 / 3 else rng.choice(SHAPES)
+    return _Picture(color, shape)
+
+
+def _question(rng: random.Random, pics: list[_Picture], fresh: list[int]) -> tuple[str, str]:
+    """A question about the shown images; about a just-introduced one when there is one."""
+    kinds = ["color", "shape"] + (["same_color", "same_shape"] if len(pics) >= 2 else [])
+    kind = rng.choice(kinds)
+    if kind in ("color", "shape"):
+        k = rng.choice(fresh) if fresh else rng.randrange(len(pics))
+        if kind == "color":
+            return COLOR_Q.format(k=k + 1), pics[k].color
+        return SHAPE_Q.format(k=k + 1), pics[k].shape
+    j, k = sorted(rng.sample(range(len(pics)), 2))
+    attr = "color" if kind == "same_color" else "shape"
+    same = getattr(pics[j], attr) == getattr(pics[k], attr)
+    template = SAME_COLOR_Q if attr == "color" else SAME_SHAPE_Q
+    return template.format(j=j + 1, k=k + 1), "yes" if same else "no"
+
+
+def _dialogue(rng: random.Random, min_images: int, max_images: int, max_turns: int):
+    """``(pictures, conversations)`` of one MMDU-style dialogue."""
+    n_images = rng.randint(min_images, max_images)
+    n_first = rng.randint(1, min(2, n_images))
+    lo = max(min(2, max_turns), 1 + n_images - n_first)
+    n_turns = rng.randint(lo, max(max_turns, lo))
+    # Which later turns introduce one new image each: a random subset of turns 1..n-1.
+    intro_turns = sorted(rng.sample(range(1, n_turns), n_images - n_first))
+    pics: list[_Picture] = []
+    conversations = []
+    for t in range(n_turns):
+        n_new = n_first if t == 0 else intro_turns.count(t)
+        fresh = []
+        intro = ""
+        for _ in range(n_new):
+            pics.append(_new_picture(rng, pics))
+            fresh.append(len(pics) - 1)
+            intro += f"Image{len(pics)}: <ImageHere>. "
+        question, answer = _question(rng, pics, fresh)
+        conversations.append({"from": "user", "value": intro + question})
+        conversations.append({"from": "assistant", "value": answer})
+    return pics, conversations
+
+
+def _write(path: Path, records: list) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f, ensure_ascii=False, indent=1)
+
+
+def generate_synthetic(
+    out_dir: str | os.PathLike,
+    *,
+    n_train: int = 200,
+    n_test: int = 40,
+    n_llava: int = 100,
+    seed: int = 0,
+    image_size: int = 32,
+    min_images: int = 2,
+    max_images: int = 4,
+    max_turns: int = 5,
+    text_only_fraction: float = 0.1,
+) -> SyntheticPaths:
+    """Write the synthetic train / test / llava-shaped splits and their images.
+
+    Args:
+        out_dir: output folder (created).
+        n_train, n_test: MMDU-format dialogues in the train and held-out test splits.
+        n_llava: records of the llava-665k-shaped split.
+        seed: everything is a pure function of the arguments.
+        image_size: side of the square images in pixels.
+        min_images, max_images: images per MMDU-format dialogue.
+        max_turns: user turns per MMDU-format dialogue (raised when more images must be
+            introduced, one per later turn).
+        text_only_fraction: share of text-only records in the llava split.
+
+    Returns:
+        The written paths.
+    """
+    if not 1 <= min_images <= max_images:
+        raise ValueError(f"need 1 <= min_images <= max_images, got {min_images}, {max_images}")
+    out = Path(out_dir)
+    images = out / "images"
+    (images / "mmdu_pics").mkdir(parents=True, exist_ok=True)
+    (images / "synthetic").mkdir(parents=True, exist_ok=True)
+
+    def save(pic: _Picture, rel: str) -> None:
+        draw_image(pic, image_size).save(images / rel.lstrip("/"))
+
+    def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
+        records = []
+        for i in range(n):
+            pics, conversations = _dialogue(rng, min_images, max_images, max_turns)
+            paths = []
+            for k, pic in enumerate(pics, 1):
+                rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
+                save(pic, rel)
+                paths.append(rel)
+            records.append({"id": f"syn-{split}-{i:06d}", "image": paths, "conversations": conversations})
+        return records
+
+    # Separate random streams per split: changing n_test does not change the train split.
+    train = mmdu_split(n_train, "train", random.Random(f"{seed}-train"), lambda name: name)
+    test = mmdu_split(n_test, "test", random.Random(f"{seed}-test"), lambda name: f"/mmdu_pics/{name}")
+
+    rng = random.Random(f"{seed}-llava")
+    llava = []
+    for i in range(n_llava):
+        rid = f"syn-llava-{i:06d}"
+        if rng.random() < text_only_fraction:
+            word = rng.choice(list(COLORS) + list(SHAPES))
+            llava.append(
+                {"id": rid, "conversations": [
+                    {"from": "human", "value": f"Repeat the word {word}."},
+                    {"from": "gpt", "value": word},
+                ]}
+            )
+            continue
+        pic = _new_picture(rng, [])
+        rel = f"synthetic/{rid}.jpg"
+        draw_image(pic, image_size).save(images / rel, quality=95)
+        conv = []
+        for t in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                q, a = "What color is the shape?", pic.color
+            else:
+                q, a = "What shape is in the image?", pic.shape
+            if t == 0:
+                # Both placements seen in llava-665k: at the start with a newline, or at the end.
+                q = f"<image>\n{q}" if rng.random() < 0.5 else f"{q}\n<image>"
+            conv += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        llava.append({"id": rid, "image": rel, "conversations": conv})
+
+    paths = SyntheticPaths(
+        train_json=str(out / "train.json"),
+        test_json=str(out / "test.json"),
+        llava_json=str(out / "llava.json"),
+        image_dir=str(images),
+    )
+    _write(Path(paths.train_json), train)
+    _write(Path(paths.test_json), test)
+    _write(Path(paths.llava_json), llava)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmtune.data.synthetic OUT_DIR [--n-train N] ...``"""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out_dir")
+    p.add_argument("--n-train", type=int, default=200)
+    p.add_argument("--n-test", type=int, default=40)
+    p.add_argument("--n-llava", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image-size", type=int, default=32)
+    a = p.parse_args(argv)
+    paths = generate_synthetic(
+        a.out_dir, n_train=a.n_train, n_test=a.n_test, n_llava=a.n_llava, seed=a.seed, image_size=a.image_size
+    )
+    print(json.dumps(paths.__dict__, indent=1))
+    return 0
+
+
+__all__ = [
+    "COLORS",
+    "SHAPES",
+    "SyntheticPaths",
+    "generate_synthetic",
+    "normalize_answer",
+    "is_correct",
+    "draw_image",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""Typed configs of the evaluator (the ``eval/`` Hydra group and ``configs/evaluate.yaml``).
+
+Every field has a docstring; Hydra validates YAML against these dataclasses, so an
+unknown key fails at start-up. Secrets are not config: the judge's base URL and key are
+read from the environment variables *named* here, never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mmtune.models.config import ModelConfig
+
+__all__ = [
+    "GenerationConfig",
+    "JudgeConfig",
+    "MMDUConfig",
+    "MMVetConfig",
+    "MDIConfig",
+    "SyntheticConfig",
+    "LmmsEvalConfig",
+    "EvalConfig",
+    "EvaluateConfig",
+    "BENCHMARKS",
+]
+
+BENCHMARKS = ("synthetic", "mmdu", "mmvet", "mdi", "lmms_eval")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 2048
+    """Upper bound of tokens generated per answer (MMDU's official setting is 2048)."""
+    do_sample: bool = False
+    """Greedy decoding (False, the MMDU protocol) or sampling with temperature/top_p."""
+    temperature: float = 1.0
+    """Sampling temperature; ignored when ``do_sample`` is False."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; ignored when ``do_sample`` is False."""
+    repetition_penalty: float = 1.0
+    """>1 discourages repeats (XComposer2's chat used 1.005)."""
+    seed: int = 0
+    """Seed of the sampling generator (only used when ``do_sample``)."""
+    kv_reuse: bool = True
+    """Keep the KV cache across turns and feed only the new tokens (the history is a
+    prefix of the next prompt). False re-encodes the whole history every turn; that path
+    batches several dialogues per forward pass."""
+    batch_size: int = 1
+    """Dialogues decoded together on the re-encode path (``kv_reuse: false``). The KV
+    path runs one dialogue at a time because dialogues' caches grow at different rates."""
+    context_length: Optional[int] = None
+    """Context window in tokens used for the overflow policy; ``None`` = the model's
+    ``max_position_embeddings``. Table 5 evaluates the same model at 2k/4k/8k."""
+    overflow: str = "drop_oldest"
+    """What to do when prompt + ``min_new_tokens`` exceeds the window: ``drop_oldest``
+    (drop the oldest exchanges, keep images later turns refer to by name) or ``stop``
+    (answer no more turns of that dialogue). Recorded per turn."""
+    min_new_tokens: int = 64
+    """Room kept free for the answer when deciding whether a prompt fits."""
+    system_prompt: Optional[str] = None
+    """Overrides the chat template's system prompt (``""`` = none; ``None`` = template default)."""
+    device: str = "auto"
+    """``auto`` (cuda if available), ``cpu`` or ``cuda:N``."""
+
+
+@dataclass
+class JudgeConfig:
+    model: Optional[str] = None
+    """Judge model name (e.g. ``gpt-4o-2024-05-13``); ``None`` reads the env var ``model_env``."""
+    model_env: str = "MMTUNE_JUDGE_MODEL"
+    """Environment variable holding the judge model name when ``model`` is unset."""
+    base_url_env: str = "MMTUNE_JUDGE_BASE_URL"
+    """Environment variable with the OpenAI-compatible base URL (unset = api.openai.com)."""
+    api_key_env: str = "MMTUNE_JUDGE_API_KEY"
+    """Environment variable with the API key. The key is never logged or written anywhere."""
+    concurrency: int = 8
+    """Judge calls in flight at once. Raise it for a local vLLM server; lower it on 429s."""
+    timeout_s: float = 120.0
+    """Per-request timeout; a timeout is retried."""
+    max_retries: int = 6
+    """Retries on 429 / 5xx / timeouts / malformed replies before the item counts as failed."""
+    backoff_base_s: float = 1.0
+    """First backoff; attempt n waits uniform(0, min(backoff_max_s, base * 2**n)) (full jitter)."""
+    backoff_max_s: float = 60.0
+    """Cap of one backoff wait."""
+    max_tokens: int = 2048
+    """Max tokens of a judge reply."""
+    send_images: bool = False
+    """Attach the item's images to judge calls (MMDU's official judge does; VLMEvalKit's
+    port does not). Off = text-only judging, which needs no image files."""
+    cache_path: Optional[str] = None
+    """SQLite cache of judge replies; ``None`` = ``<output_dir>/judge_cache.sqlite``."""
+    prices: dict[str, Any] = field(
+        default_factory=lambda: {
+            "gpt-4o": {"input": 2.5, "output": 10.0},
+            "gpt-4o-mini": {"input": 0.15, "output": 0.6},
+            "gpt-4-0613": {"input": 30.0, "output": 60.0},
+        }
+    )
+    """USD per million input / output tokens, by model name (longest matching prefix wins)."""
+
+
+@dataclass
+class MMDUConfig:
+    data_path: Optional[str] = None
+    """MMDU ``benchmark.json`` (references and questions)."""
+    image_root: Optional[str] = None
+    """Directory the ``image`` paths are relative to (leading ``/`` is stripped)."""
+    predictions: Optional[str] = None
+    """Score this file instead of generating: MMDU-schema dialogues whose assistant turns
+    hold the model's answers, or a generation JSONL written by mmtune."""
+    prompt_file: Optional[str] = None
+    """Replacement judge prompt with ``{question}``, ``{reference}``, ``{answer}`` fields."""
+    limit: Optional[int] = None
+    """Evaluate only the first N dialogues (smoke runs)."""
+
+
+@dataclass
+class MMVetConfig:
+    data_path: Optional[str] = None
+    """``mm-vet.json``."""
+    image_root: Optional[str] = None
+    """Directory of MM-Vet's images."""
+    predictions: Optional[str] = None
+    """Official results JSON ``{"v1_0": "answer", ...}`` to score instead of generating."""
+    runs: int = 5
+    """Judge runs; totals are reported as mean and std over runs (the paper uses 5)."""
+    max_tries: int = 5
+    """Tries per item and run; each unparsable reply raises the temperature by 0.5."""
+    prompt_file: Optional[str] = None
+    """Replacement few-shot prompt with ``{question}``, ``{answer}``, ``{prediction}``."""
+    limit: Optional[int] = None
+    """Evaluate only the first N items."""
+
+
+@dataclass
+class MDIConfig:
+    data_path: Optional[str] = None
+    """MDI-Benchmark items (JSON list or JSONL)."""
+    image_root: Optional[str] = None
+    """Directory of the png images (``image_path`` has no extension)."""
+    predictions: Optional[str] = None
+    """Items with a ``response`` field to score instead of generating."""
+    alpha: float = 0.5
+    """Score_final = alpha * level-1 accuracy + (1 - alpha) * level-2 accuracy."""
+    limit: Optional[int] = None
+    """Evaluate only the first N items."""
+
+
+@dataclass
+class SyntheticConfig:
+    data_path: Optional[str] = None
+    """Held-out split in MMDU benchmark schema (written by the data generator)."""
+    image_root: Optional[str] = None
+    """Directory the image paths are relative to (``None``: paths are absolute or relative to the file)."""
+    predictions: Optional[str] = None
+    """Score this file instead of generating (same forms as MMDU)."""
+    limit: Optional[int] = None
+    """Evaluate only the first N dialogues."""
+
+
+@dataclass
+class LmmsEvalConfig:
+    tasks: list[str] = field(default_factory=lambda: ["mmbench_en_dev", "mmmu_val", "mmstar", "mathvista_testmini", "ai2d", "hallusion_bench_image", "chartqa"])
+    """lmms-eval task names (Table 3 by default; add blink, qbench2, mantis for Table 4)."""
+    model_type: Optional[str] = None
+    """lmms-eval ``--model``; ``None`` picks it from the model family (llava -> llava_hf)."""
+    batch_size: int = 1
+    """lmms-eval ``--batch_size``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed through verbatim."""
+    results_path: Optional[str] = None
+    """Parse this recorded lmms-eval results JSON instead of running lmms-eval."""
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval/`` group: which benchmarks, how to generate, how to judge."""
+
+    benchmarks: list[str] = field(default_factory=lambda: ["synthetic"])
+    """Benchmarks to run, from: synthetic, mmdu, mmvet, mdi, lmms_eval."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    mmdu: MMDUConfig = field(default_factory=MMDUConfig)
+    mmvet: MMVetConfig = field(default_factory=MMVetConfig)
+    mdi: MDIConfig = field(default_factory=MDIConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    lmms_eval: LmmsEvalConfig = field(default_factory=LmmsEvalConfig)
+    report: bool = True
+    """Write ``report.md`` with tables and PNG plots next to the result JSONs."""
+    progress: bool = True
+    """Show progress bars for generation and judging."""
+
+
+@dataclass
+class EvaluateConfig:
+    """Top-level schema of ``recipes/evaluate.py``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model to evaluate when ``checkpoint`` is unset (``path`` = local HF model)."""
+    checkpoint: Optional[str] = None
+    """A directory mmtune saved (full, LoRA adapter or merged); its ``mmtune_run.json``
+    supplies the model family. Overrides ``model.path``."""
+    run_name: str = "eval"
+    """Label written into every result file."""
+    output_dir: str = "outputs/eval"
+    """Where generations, judge cache, result JSONs and the report go."""
+    wandb: bool = False
+    """Log metrics and the report's plots to Weights & Biases."""
+    wandb_project: str = "mmtune"
+    """W&B project when ``wandb`` is on."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Collect every problem of ``cfg`` and raise once with all of them."""
+    problems = []
+    for name in cfg.benchmarks:
+        if name not in BENCHMARKS:
+            problems.append(f"eval.benchmarks: unknown benchmark {name!r}; choose from {list(BENCHMARKS)}")
+    gen = cfg.generation
+    if gen.overflow not in ("drop_oldest", "stop"):
+        problems.append(f"eval.generation.overflow={gen.overflow!r}: use 'drop_oldest' or 'stop'")
+    if gen.max_new_tokens < 1:
+        problems.append(f"eval.generation.max_new_tokens={gen.max_new_tokens}: must be >= 1")
+    if gen.batch_size < 1:
+        problems.append(f"eval.generation.batch_size={gen.batch_size}: must be >= 1")
+    if cfg.judge.concurrency < 1:
+        problems.append(f"eval.judge.concurrency={cfg.judge.concurrency}: must be >= 1")
+    if cfg.mmvet.runs < 1:
+        problems.append(f"eval.mmvet.runs={cfg.mmvet.runs}: must be >= 1")
+    if not 0.0 <= cfg.mdi.alpha <= 1.0:
+        problems.append(f"eval.mdi.alpha={cfg.mdi.alpha}: must be within [0, 1]")
+    for name in ("mmdu", "mmvet", "mdi", "synthetic"):
+        sub = getattr(cfg, name)
+        if name in cfg.benchmarks and not sub.data_path and not sub.predictions:
+            problems.append(f"eval.{name}: set data_path (to generate) or predictions (to score a file)")
+    if problems:
+        raise ValueError("invalid evaluation config:\n  - " + "\n  - ".join(problems))
+
+
+def register_configs() -> None:
+    """Register :class:`EvaluateConfig` as ``evaluate_schema`` for Hydra (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="evaluate_schema", node=EvaluateConfig)
+
+
+def to_evaluate_config(cfg: Any) -> EvaluateConfig:
+    """A composed Hydra/OmegaConf config as a validated :class:`EvaluateConfig`."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), cfg)
+    config = OmegaConf.to_object(merged)
+    validate_eval_config(config.eval)
+    return config

@@ -1,0 +1,137 @@
+"""A loopback OpenAI-compatible chat server with scripted replies, for tests and benchmarks.
+
+It implements ``POST /v1/chat/completions`` only. A ``responder`` callable maps each
+request body to a :class:`Scripted` reply (content, HTTP status, raw garbage body,
+delay), so tests can inject 429s, 500s, timeouts and malformed bodies and count calls.
+It never checks the key; it records the Authorization header only so tests can assert
+where the key did (and did not) travel.
+
+Example::
+
+    with FakeJudgeServer(lambda body: Scripted("{'Overall Score': 7}")) as server:
+        os.environ["MMTUNE_JUDGE_BASE_URL"] = server.base_url
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional
+
+__all__ = ["Scripted", "FakeJudgeServer"]
+
+
+@dataclass
+class Scripted:
+    content: str = ""
+    status: int = 200
+    raw: Optional[bytes] = None
+    """Body sent verbatim instead of a chat completion (malformed-reply tests)."""
+    delay_s: float = 0.0
+    headers: Optional[dict[str, str]] = None
+
+
+class FakeJudgeServer:
+    def __init__(self, responder: Callable[[dict[str, Any]], Scripted], *, port: int = 0):
+        self.responder = responder
+        self.requests: list[dict[str, Any]] = []
+        self.auth_headers: list[str] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            # headers and body go out in two writes; with Nagle on, the delayed ACK on
+            # loopback adds ~40 ms to every reply and the server would measure itself
+            disable_nagle_algorithm = True
+
+            def log_message(self, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with server._lock:
+                    server.requests.append(body)
+                    server.auth_headers.append(self.headers.get("Authorization", ""))
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    reply = server.responder(body)
+                    if reply.delay_s:
+                        time.sleep(reply.delay_s)
+                    if reply.raw is not None:
+                        payload = reply.raw
+                    elif reply.status == 200:
+                        prompt_text = json.dumps(body.get("messages", []))
+                        payload = json.dumps(
+                            {
+                                "id": "chatcmpl-fake",
+                                "object": "chat.completion",
+                                "created": int(time.time()),
+                                "model": body.get("model", "fake"),
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "finish_reason": "stop",
+                                        "message": {"role": "assistant", "content": reply.content},
+                                    }
+                                ],
+                                "usage": {
+                                    "prompt_tokens": len(prompt_text) // 4,
+                                    "completion_tokens": max(1, len(reply.content) // 4),
+                                    "total_tokens": len(prompt_text) // 4 + max(1, len(reply.content) // 4),
+                                },
+                            }
+                        ).encode()
+                    else:
+                        payload = json.dumps({"error": {"message": reply.content or "scripted error"}}).encode()
+                    self.send_response(reply.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    for name, value in (reply.headers or {}).items():
+                        self.send_header(name, value)
+                    self.end_headers()
+                    try:
+                        self.wfile.write(payload)
+                    except (BrokenPipeError, ConnectionResetError):  # client timed out first
+                        pass
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def prompts(self) -> list[str]:
+        """The last user message text of every request received, in arrival order."""
+        out = []
+        for body in self.requests:
+            content = body["messages"][-1]["content"]
+            out.append(content if isinstance(content, str) else content[0]["text"])
+        return out
+
+    def start(self) -> "FakeJudgeServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> "FakeJudgeServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

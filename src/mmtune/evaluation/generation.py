@@ -1,0 +1,477 @@
+"""Multi-turn, multi-image generation for evaluation, with the KV cache kept across turns.
+
+A dialogue is answered turn by turn: the prompt of turn ``t`` holds every earlier user
+turn, the model's OWN earlier answers (not the references) and every image introduced
+so far, then the generation prompt. That prompt is a prefix-extension of what the model
+has already processed, so the KV path (``kv_reuse``, default) keeps a transformers
+``DynamicCache`` per dialogue and feeds only the tokens after the longest common prefix
+(with ``pixel_values`` of the images that start in them). The prefix is recomputed by
+comparing ids, not assumed: when re-tokenizing an answer gives other ids than the ones
+generated, or the overflow policy dropped turns, the cache is cropped back to the
+common prefix (never into the middle of an image) and the rest is fed again. So both
+paths see exactly the same prompt ids; a test checks that their answers are identical.
+
+The re-encode path (``kv_reuse: false``) encodes the whole history every turn and
+batches ``batch_size`` dialogues per forward pass (left padding); the KV path runs one
+dialogue at a time, since the dialogues' caches would diverge in length every turn.
+
+Context overflow: when ``prompt + min_new_tokens`` exceeds the window, ``drop_oldest``
+drops the oldest exchanges (their images are carried into the first kept user turn when
+a kept turn names them, e.g. "Image1"), ``stop`` answers no more turns of the dialogue.
+Each turn's record says what happened.
+
+Every turn's record is appended to a JSONL file and flushed as soon as it exists; a
+restart skips finished turns and rebuilds the history of a half-done dialogue from the
+recorded answers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.common import question_text
+from mmtune.evaluation.config import GenerationConfig
+from mmtune.models.base import ImageChunk, ModelAdapter
+
+__all__ = ["TurnRecord", "DialogueGenerator", "flatten", "read_generations"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnRecord:
+    """One answered (or skipped) turn, as written to the generation JSONL."""
+
+    dialogue_id: str
+    turn: int
+    """Exchange index within the dialogue (0 = first question)."""
+    question: str
+    answer: Optional[str]
+    """``None`` when the turn was skipped because the dialogue no longer fits."""
+    reference: Optional[str]
+    prompt_tokens: int
+    """Length of the full prompt of this turn (history + question + generation prompt)."""
+    forward_tokens: int
+    """Tokens run through the model for this turn (fed prompt tokens + decoding steps)."""
+    new_tokens: int
+    finish_reason: str
+    """``stop`` (a stop token), ``length`` (max_new_tokens or window end) or ``context`` (skipped)."""
+    context: Optional[dict[str, Any]] = None
+    """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
+
+
+def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
+    """An encoded dialogue as one id list, its images in order and each image's token span."""
+    ids: list[int] = []
+    images: list[Image] = []
+    spans: list[tuple[int, int]] = []
+    chunks = list(encoded.prefix) + [c for t in encoded.turns for c in t.chunks] + list(encoded.suffix)
+    for chunk in chunks:
+        if isinstance(chunk, ImageChunk):
+            spans.append((len(ids), len(ids) + chunk.num_tokens))
+            images.append(chunk.image)
+            ids.extend([image_token_id] * chunk.num_tokens)
+        else:
+            ids.extend(chunk.ids)
+    return ids, images, spans
+
+
+def read_generations(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a generation JSONL; a torn last line (crash mid-write) is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+@dataclass
+class _State:
+    dialogue: Dialogue
+    answers: list[Optional[str]] = field(default_factory=list)
+    dropped: int = 0
+    stopped: bool = False
+    cache: Any = None
+    cached_ids: list[int] = field(default_factory=list)
+
+
+_IMAGE_NAME = re.compile(r"\bimage\s*(\d+)\b", re.IGNORECASE)
+
+
+class DialogueGenerator:
+    """Answers dialogues turn by turn with an adapter's chat template.
+
+    Args:
+        adapter: the model family's adapter (template, image preprocessing, stop ids).
+        model: the loaded model (``adapter.load_model()``), in eval mode.
+        config: decoding, batching and overflow settings.
+    """
+
+    def __init__(self, adapter: ModelAdapter, model: Any, config: GenerationConfig):
+        import torch
+
+        self.adapter = adapter
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # peft wrappers forward **kwargs; the wrapped model's signature names the cache argument
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(inner.forward).parameters
+        # transformers 5.x names the cache argument ``cache``; older and remote-code models ``past_key_values``.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        window = config.context_length
+        if window is None:
+            text_cfg = adapter.text_config(model.config)
+            window = int(getattr(text_cfg, "max_position_embeddings", 0) or 0) or None
+        self.context_length = window
+        self.pad_id = adapter.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = adapter.stop_token_ids[0]
+        self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0}
+
+    # ------------------------------------------------------------------ prompts
+    def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
+        """The dialogue as the model sees it before answering exchange ``t``, oldest ``drop`` exchanges removed."""
+        dialogue = state.dialogue
+        exchanges = list(dialogue.exchanges())
+        system = [dialogue.turns[0]] if dialogue.turns and dialogue.turns[0].role == "system" else []
+        kept = []
+        for j in range(drop, t + 1):
+            u, _ = exchanges[j]
+            kept.append(dialogue.turns[u])
+            if j < t:
+                kept.append(Turn("assistant", (state.answers[j] or "",)))
+        carried = 0
+        if drop:
+            # images introduced in dropped turns, numbered in order of appearance
+            order = {img.path: i + 1 for i, img in enumerate(dialogue.images)}
+            named = {int(n) for turn in kept for n in _IMAGE_NAME.findall(turn.text)}
+            lost = [img for j in range(drop) for img in dialogue.turns[exchanges[j][0]].images]
+            keep_segments: list[Any] = []
+            for img in lost:
+                if order.get(img.path) in named:
+                    keep_segments += [f"Image{order[img.path]}: ", img, "\n"]
+                    carried += 1
+            if keep_segments:
+                kept[0] = Turn("user", tuple(keep_segments) + kept[0].segments)
+        return Dialogue(dialogue.id, dialogue.source, tuple(system + kept), dialogue.meta), carried
+
+    def _encode(self, dialogue: Dialogue) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
+        encoded = self.adapter.encode_dialogue(dialogue, system_prompt=self.config.system_prompt, add_generation_prompt=True)
+        return flatten(encoded, self.adapter.image_token_id)
+
+    def _prompt(self, state: _State, t: int) -> Optional[tuple[list[int], list[Image], list[tuple[int, int]], Optional[dict]]]:
+        """Prompt ids for exchange ``t`` after the overflow policy; None = skip (dialogue stopped)."""
+        if state.stopped:
+            return None
+        window = self.context_length
+        drop = state.dropped
+        while True:
+            history, carried = self._history(state, t, drop)
+            ids, images, spans = self._encode(history)
+            if window is None or len(ids) + self.config.min_new_tokens <= window:
+                break
+            if self.config.overflow == "stop" or drop >= t:
+                state.stopped = True
+                return None
+            drop += 1
+        state.dropped = drop
+        info = None
+        if drop:
+            info = {"policy": "drop_oldest", "dropped_exchanges": drop, "carried_images": carried}
+        return ids, images, spans, info
+
+    # ------------------------------------------------------------------ decoding
+    def _logits_processors(self):
+        from transformers import (
+            LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
+            SuppressTokensLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        processors = LogitsProcessorList()
+        # Special tokens other than the stop tokens are never generated: decoding drops them
+        # from the answer text, and an image placeholder would reach the next prompt
+        # without pixels.
+        tok = self.adapter.tokenizer
+        special = set(getattr(tok, "all_special_ids", [])) | {self.adapter.image_token_id}
+        banned = special - {None} - set(self.adapter.stop_token_ids)
+        processors.append(SuppressTokensLogitsProcessor(sorted(banned), device=self.device))
+        if self.config.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.config.repetition_penalty))
+        if self.config.do_sample:
+            processors.append(TemperatureLogitsWarper(self.config.temperature))
+            if self.config.top_p < 1.0:
+                processors.append(TopPLogitsWarper(self.config.top_p))
+        return processors
+
+    def _forward(self, ids, pixel_values, mask, positions, cache):
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        out = self.model(
+            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kwargs
+        )
+        return out.logits[:, -1, :].float()
+
+    def _decode(
+        self,
+        rows: list[list[int]],
+        image_paths: list[str],
+        cache: Any,
+        past: int,
+        max_new: list[int],
+        contexts: list[list[int]],
+    ) -> list[tuple[list[int], str, int]]:
+        """Prefill ``rows`` (left-padded; ``past`` cached tokens before them) and decode greedily
+        or by sampling. Returns per row: generated ids (stop token excluded), finish reason and
+        the tokens this row ran through the model."""
+        import torch
+
+        B, L = len(rows), max(len(r) for r in rows)
+        pads = [L - len(r) for r in rows]
+        ids = torch.tensor([[self.pad_id] * p + r for p, r in zip(pads, rows)], dtype=torch.long, device=self.device)
+        mask = torch.ones(B, past + L, dtype=torch.long, device=self.device)
+        for b, p in enumerate(pads):
+            mask[b, past : past + p] = 0
+        positions = (torch.arange(L, device=self.device).unsqueeze(0) - torch.tensor(pads, device=self.device).unsqueeze(1)).clamp(min=0) + past
+        pixel_values = None
+        if image_paths:
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        processors = self._logits_processors()
+        stops = set(self.adapter.stop_token_ids)
+        generated: list[list[int]] = [[] for _ in range(B)]
+        finish = [""] * B
+        fed = [len(r) for r in rows]
+        history = torch.tensor([[self.pad_id] * p + c for p, c in zip([max(len(c) for c in contexts) - len(c) for c in contexts], contexts)], device=self.device)
+        logits = self._forward(ids, pixel_values, mask, positions, cache)
+        last_pos = positions[:, -1]
+        step = 0
+        while True:
+            scores = processors(history, logits)
+            if self.config.do_sample:
+                probs = torch.softmax(scores, dim=-1).cpu()
+                next_ids = torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+            else:
+                next_ids = scores.argmax(dim=-1)
+            step += 1
+            for b in range(B):
+                if finish[b]:
+                    continue
+                token = int(next_ids[b])
+                if token in stops:
+                    finish[b] = "stop"
+                else:
+                    generated[b].append(token)
+                    if len(generated[b]) >= max_new[b]:
+                        finish[b] = "length"
+            if all(finish):
+                break
+            # finished rows keep decoding a pad token (masked out) so the batch stays rectangular
+            feed = torch.where(torch.tensor([bool(f) for f in finish], device=self.device), torch.full_like(next_ids, self.pad_id), next_ids)
+            for b in range(B):
+                if not finish[b]:
+                    fed[b] += 1
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            last_pos = last_pos + 1
+            history = torch.cat([history, feed.unsqueeze(1)], dim=1)
+            logits = self._forward(feed.unsqueeze(1), None, mask, last_pos.unsqueeze(1), cache)
+        return [(generated[b], finish[b], fed[b]) for b in range(B)]
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _answer_text(self, ids: list[int]) -> str:
+        return self.adapter.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def _max_new(self, prompt_len: int) -> int:
+        if self.context_length is None:
+            return self.config.max_new_tokens
+        return max(1, min(self.config.max_new_tokens, self.context_length - prompt_len))
+
+    # ------------------------------------------------------------------ one turn, KV path
+    def _turn_kv(self, state: _State, ids: list[int], images: list[Image], spans: list[tuple[int, int]]):
+        import torch
+
+        with torch.inference_mode():
+            common = 0
+            limit = min(len(ids), len(state.cached_ids))
+            while common < limit and ids[common] == state.cached_ids[common]:
+                common += 1
+            # at least one token must be fed to get logits for the next position
+            common = min(common, len(ids) - 1)
+            for start, end in spans:  # never keep half an image: its features come in one piece
+                if start < common < end:
+                    common = start
+            if state.cache is None or common == 0:
+                state.cache, common = self._new_cache(), 0
+            else:
+                extra = state.cache.get_seq_length() - common
+                if extra > 0:
+                    state.cache.crop(-extra)
+            new_images = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+            [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))], [ids])
+        # the cache now holds the prompt and every generated token except the last one sampled
+        state.cached_ids = ids + gen[: max(0, fed - (len(ids) - common))]
+        return gen, finish, fed
+
+    # ------------------------------------------------------------------ driver
+    def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
+        dialogue = state.dialogue
+        u, a = list(dialogue.exchanges())[t]
+        reference = dialogue.turns[a].text if a < len(dialogue.turns) else None
+        if prompt is None:
+            return TurnRecord(dialogue.id, t, question_text(dialogue.turns[u]), None, reference, 0, 0, 0, "context",
+                              {"policy": self.config.overflow, "stopped": True})
+        ids, _, _, info = prompt
+        answer = self._answer_text(gen)
+        self.stats["forward_tokens"] += fed
+        self.stats["prompt_tokens"] += len(ids)
+        self.stats["turns"] += 1
+        return TurnRecord(dialogue.id, t, question_text(dialogue.turns[u]), answer, reference, len(ids), fed, len(gen), finish, info)
+
+    def generate(
+        self,
+        dialogues: Sequence[Dialogue],
+        *,
+        out_path: Optional[str | os.PathLike] = None,
+        progress: bool = False,
+    ) -> list[TurnRecord]:
+        """Answer every user turn of ``dialogues``; append each record to ``out_path`` at once.
+
+        Turns already in ``out_path`` are not generated again (resume); their answers are
+        used as the history of the dialogue's remaining turns.
+
+        Returns:
+            All records of ``dialogues`` (old and new), in dialogue and turn order.
+        """
+        import torch
+        from tqdm.auto import tqdm
+
+        done: dict[tuple[str, int], dict[str, Any]] = {}
+        handle = None
+        if out_path is not None:
+            out_path = Path(out_path)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            self._check_settings(out_path)
+            _drop_torn_line(out_path)
+            done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
+            handle = out_path.open("a", encoding="utf-8")
+        records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
+
+        def emit(record: TurnRecord) -> None:
+            records[(record.dialogue_id, record.turn)] = record
+            if handle is not None:
+                handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+                handle.flush()  # a crash loses at most the turn in flight
+
+        states = []
+        for dialogue in dialogues:
+            n = len(list(dialogue.exchanges()))
+            state = _State(dialogue, answers=[None] * n)
+            for t in range(n):
+                old = done.get((dialogue.id, t))
+                if old is not None:
+                    state.answers[t] = old["answer"]
+                    if old["finish_reason"] == "context":
+                        state.stopped = True
+                    if old.get("context") and old["context"].get("dropped_exchanges"):
+                        state.dropped = max(state.dropped, int(old["context"]["dropped_exchanges"]))
+            states.append(state)
+        todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
+        bar = tqdm(total=todo, desc="generating", disable=not progress)
+        try:
+            if self.config.kv_reuse:
+                for state in states:
+                    for t in range(len(state.answers)):
+                        if (state.dialogue.id, t) in done:
+                            continue
+                        prompt = self._prompt(state, t)
+                        gen, finish, fed = ([], "", 0)
+                        if prompt is not None:
+                            gen, finish, fed = self._turn_kv(state, *prompt[:3])
+                            state.answers[t] = self._answer_text(gen)
+                        emit(self._records_for(state, t, prompt, gen, finish, fed))
+                        bar.update(1)
+                    state.cache, state.cached_ids = None, []  # free the dialogue's KV memory
+            else:
+                size = self.config.batch_size
+                for start in range(0, len(states), size):
+                    group = states[start : start + size]
+                    for t in range(max((len(s.answers) for s in group), default=0)):
+                        active = [s for s in group if t < len(s.answers) and (s.dialogue.id, t) not in done]
+                        prompts = [(s, self._prompt(s, t)) for s in active]
+                        for s, p in prompts:
+                            if p is None:
+                                emit(self._records_for(s, t, None, [], "", 0))
+                                bar.update(1)
+                        ready = [(s, p) for s, p in prompts if p is not None]
+                        if not ready:
+                            continue
+                        with torch.inference_mode():
+                            outs = self._decode(
+                                [p[0] for _, p in ready],
+                                [img.path for _, p in ready for img in p[1]],
+                                self._new_cache(),
+                                0,
+                                [self._max_new(len(p[0])) for _, p in ready],
+                                [p[0] for _, p in ready],
+                            )
+                        for (s, p), (gen, finish, fed) in zip(ready, outs):
+                            s.answers[t] = self._answer_text(gen)
+                            emit(self._records_for(s, t, p, gen, finish, fed))
+                            bar.update(1)
+        finally:
+            bar.close()
+            if handle is not None:
+                handle.close()
+        order = [(s.dialogue.id, t) for s in states for t in range(len(s.answers))]
+        return [records[k] for k in order if k in records]
+
+    def _settings(self) -> dict[str, Any]:
+        keys = ("max_new_tokens", "do_sample", "temperature", "top_p", "repetition_penalty", "seed", "overflow", "min_new_tokens", "system_prompt")
+        settings = {k: getattr(self.config, k) for k in keys}
+        settings["context_length"] = self.context_length
+        return settings
+
+    def _check_settings(self, out_path: Path) -> None:
+        # Resuming with other decoding settings would mix two evaluations in one file.
+        meta = out_path.with_suffix(".settings.json")
+        settings = self._settings()
+        if meta.exists() and out_path.exists():
+            old = json.loads(meta.read_text())
+            if old != settings:
+                diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+                raise ValueError(
+                    f"{out_path} was generated with other settings {diff} (old, new); use a new output "
+                    "directory or delete the file to start over"
+                )
+        meta.write_text(json.dumps(settings, indent=2))
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a half-written last line so appended records start on a line of their own."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with path.open("r+b") as handle:
+            handle.truncate(cut)

@@ -1,0 +1,644 @@
+"""LLaVA-1.5 (Vicuna v1 template, CLIP ViT-L/14-336, 2-layer MLP projector) on transformers'
+``LlavaForConditionalGeneration``.
+
+Rendering follows the original LLaVA-1.5 ``conv_vicuna_v1`` template::
+
+    <s>{system} USER: {user turn} ASSISTANT: {answer}</s>USER: {user turn} ASSISTANT: {answer}</s>
+
+Images stand where their placeholders were, each as ``num_image_tokens`` copies of the
+``<image>`` token (576 for 336 px CLIP-L/14 with the CLS feature dropped). Labels cover
+each assistant answer *with the separator space in front of it* and its ``</s>``: a
+piece boundary always sits just before a space, which is where byte-level BPE and
+SentencePiece both start a new token, so tokenizing the pieces one by one gives the same
+ids as tokenizing the rendered string (the labelled span decodes to ``" " + answer +
+"</s>"``).
+
+With ``ModelConfig.path = None`` the adapter builds a random-weight tiny LLaVA (Llama text
+model + CLIP vision tower, 2 layers each) with a built-in byte-level tokenizer; its
+sizes come from ``ModelConfig.architecture`` (``text_config`` / ``vision_config`` /
+top-level LlavaConfig keys override :data:`TINY_ARCHITECTURE`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from mmtune.data.dialogue import Image
+from mmtune.models.base import (
+    EncodedDialogue,
+    EncodedTurn,
+    ImageChunk,
+    ModelAdapter,
+    ModuleGroups,
+    TokenChunk,
+)
+from mmtune.models.config import ModelConfig
+from mmtune.models.registry import register_adapter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from mmtune.data.dialogue import Dialogue
+
+__all__ = [
+    "VICUNA_V1_SYSTEM",
+    "VICUNA_V1_CHAT_TEMPLATE",
+    "TINY_ARCHITECTURE",
+    "TINY_SPECIAL_TOKENS",
+    "LlavaAdapter",
+    "unwrap_model",
+]
+
+VICUNA_V1_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
+
+# The same rendering as LlavaAdapter.encode_dialogue, as a Jinja chat template, so the
+# processor saved with a checkpoint renders prompts identically for plain-HF users (and
+# the generic ``auto`` adapter reproduces this adapter's ids; a test checks it).
+VICUNA_V1_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] if messages[0]['content'] is string "
+    "else messages[0]['content'] | map(attribute='text') | join('') -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set system = '" + VICUNA_V1_SYSTEM.replace("'", "\\'") + "' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{{- bos_token + system -}}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- (' ' if (system and loop.first) else '') + 'USER:' -}}"
+    "{%- else -%}"
+    "{{- ' ASSISTANT:' -}}"
+    "{%- endif -%}"
+    "{%- if message['content'] is string -%}"
+    "{{- ' ' + message['content'] -}}"
+    "{%- else -%}"
+    "{{- ' ' -}}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{- '<image>' -}}{%- else -%}{{- item['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
+)
+
+TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<image>", "<pad>")
+
+# A LLaVA-shaped model small enough to build on a CPU in well under a second. The vision
+# tower sees 56 px images in 14 px patches: 16 image tokens per image.
+TINY_ARCHITECTURE: dict[str, Any] = {
+    "text_config": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "projection_dim": 32,
+    },
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+}
+
+
+def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_update(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _tiny_tokenizer(vocab_size: int):
+    # Training the BPE takes ~0.5 s; adapters for the same vocabulary share it.
+    from mmtune.models.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(
+        TINY_SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    tokenizer.chat_template = VICUNA_V1_CHAT_TEMPLATE
+    return tokenizer
+
+
+def unwrap_model(model: "nn.Module") -> "nn.Module":
+    """Return the ``LlavaForConditionalGeneration`` inside DeepSpeed / DDP / peft wrappers."""
+    from transformers import LlavaForConditionalGeneration
+
+    seen = 0
+    while not isinstance(model, LlavaForConditionalGeneration):
+        if hasattr(model, "get_base_model"):  # peft
+            model = model.get_base_model()
+        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
+            model = model.module
+        else:
+            raise TypeError(
+                f"expected a LlavaForConditionalGeneration (possibly wrapped by peft/DDP/DeepSpeed), "
+                f"got {type(model).__name__}; check `model.family` in the config"
+            )
+        seen += 1
+        if seen > 8:
+            raise TypeError(f"could not unwrap {type(model).__name__} to a LlavaForConditionalGeneration")
+    return model
+
+
+@dataclass
+class _Piece:
+    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image."""
+
+    kind: str  # "text" | "ids" | "image"
+    value: Any
+    trainable: bool = False
+
+
+@register_adapter
+class LlavaAdapter(ModelAdapter):
+    """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images."""
+
+    family = "llava"
+    # The language model's linear layers, as the original LLaVA LoRA scripts targeted
+    # (find_all_linear_names skipped the vision tower and projector). These names also
+    # occur in CLIP's attention, so pair them with ``lora_exclude_modules``.
+    default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and projector
+    lora_exclude_modules = r".*(vision_tower|multi_modal_projector).*"
+
+    def __init__(self, config: ModelConfig):
+        from transformers import AutoConfig, AutoProcessor, LlavaConfig
+
+        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+        if config.image_aspect_ratio not in ("pad", "resize"):
+            raise ValueError(
+                f"model.image_aspect_ratio={config.image_aspect_ratio!r} is not supported by the llava "
+                "adapter; use 'pad' (LLaVA-1.5 training) or 'resize'"
+            )
+        self.config = config
+        if config.path is None:
+            arch = _deep_update(TINY_ARCHITECTURE, config.architecture)
+            vocab_size = int(arch["text_config"].pop("vocab_size", 512))
+            if config.image_size is not None:
+                arch["vision_config"]["image_size"] = int(config.image_size)
+            self.tokenizer = _tiny_tokenizer(vocab_size)
+            arch["text_config"]["vocab_size"] = len(self.tokenizer)
+            arch["text_config"].setdefault("pad_token_id", self.tokenizer.pad_token_id)
+            arch["text_config"].setdefault("bos_token_id", self.tokenizer.bos_token_id)
+            arch["text_config"].setdefault("eos_token_id", self.tokenizer.eos_token_id)
+            arch.setdefault("image_token_id", self.tokenizer.convert_tokens_to_ids("<image>"))
+            self.model_config = LlavaConfig(**arch)
+            size = self.model_config.vision_config.image_size
+            base_processor = None
+        else:
+            processor = AutoProcessor.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+            self.tokenizer = processor.tokenizer
+            self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+            if not hasattr(self.model_config, "vision_config") or not hasattr(self.model_config, "text_config"):
+                raise ValueError(
+                    f"{config.path} is not a LLaVA checkpoint (config type {type(self.model_config).__name__}); "
+                    "use model.family=auto for other image-text models"
+                )
+            base_processor = processor.image_processor
+            size = self.model_config.vision_config.image_size
+            if config.image_size is not None and config.image_size != size:
+                raise ValueError(
+                    f"model.image_size={config.image_size} but the checkpoint {config.path} was trained at "
+                    f"{size} px; leave model.image_size null for LLaVA checkpoints"
+                )
+
+        # LLaVA-1.5's "pad": expand to a square with the mean colour, then the CLIP
+        # resize/crop (a no-op crop on a square). Built from the checkpoint's settings.
+        mean = list(getattr(base_processor, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
+        std = list(getattr(base_processor, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
+        self.image_processor = LlavaImageProcessorPil(
+            size={"shortest_edge": size},
+            crop_size={"height": size, "width": size},
+            image_mean=mean,
+            image_std=std,
+            do_pad=config.image_aspect_ratio == "pad",
+        )
+        if config.image_aspect_ratio == "resize":
+            # square resize without crop, so the whole image stays visible
+            self.image_processor.size = {"height": size, "width": size}
+            self.image_processor.do_center_crop = False
+
+        image_token = "<image>"
+        self.image_token_id = int(self.model_config.image_token_id)
+        if self.tokenizer.convert_ids_to_tokens(self.image_token_id) != image_token:
+            raise ValueError(
+                f"the config's image_token_id {self.image_token_id} is "
+                f"{self.tokenizer.convert_ids_to_tokens(self.image_token_id)!r} in the tokenizer, expected "
+                f"{image_token!r}; the tokenizer and model config of {config.path or 'model.architecture'} do not "
+                "belong together"
+            )
+        vc = self.model_config.vision_config
+        strategy = self.model_config.vision_feature_select_strategy
+        self.num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (0 if strategy == "default" else 1)
+        if self.tokenizer.eos_token_id is None or self.tokenizer.bos_token_id is None:
+            raise ValueError(f"the tokenizer of {config.path} needs bos and eos tokens for the Vicuna v1 template")
+        self._bos_id = int(self.tokenizer.bos_token_id)
+        self._eos_id = int(self.tokenizer.eos_token_id)
+        self.stop_token_ids = [self._eos_id]
+        # SentencePiece tokenizers put a word-start marker ("▁") before every encoded
+        # piece, which already plays the role of the separator space.
+        first = self.tokenizer.convert_ids_to_tokens(self.tokenizer("a", add_special_tokens=False)["input_ids"][:1])
+        self._dummy_prefix = bool(first) and first[0].startswith("\u2581")
+        self._template_ids: dict[str, tuple[int, ...]] = {}
+
+    # -- processor for saving ---------------------------------------------------------------
+    @functools.cached_property
+    def processor(self):
+        """A ``LlavaProcessor`` (tokenizer + image processor + Vicuna v1 chat template).
+
+        ``adapter.save_pretrained(dir)`` writes it next to a saved model so that
+        ``ModelConfig(family="llava", path=dir)`` loads the checkpoint back.
+        """
+        from transformers import LlavaProcessor
+
+        vc = self.model_config.vision_config
+        return LlavaProcessor(
+            image_processor=self.image_processor,
+            tokenizer=self.tokenizer,
+            patch_size=vc.patch_size,
+            vision_feature_select_strategy=self.model_config.vision_feature_select_strategy,
+            # what this adapter trains with, whatever template the source checkpoint had
+            chat_template=VICUNA_V1_CHAT_TEMPLATE,
+            num_additional_image_tokens=1,
+        )
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the processor (tokenizer, image processor, chat template) to ``directory``."""
+        self.processor.save_pretrained(directory)
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that changes encoded ids or lengths (for length caches)."""
+        state = {
+            "family": self.family,
+            "path": self.config.path,
+            "architecture": self.config.architecture,
+            "image_size": self.model_config.vision_config.image_size,
+            "num_image_tokens": self.num_image_tokens,
+            "vocab": len(self.tokenizer),
+            "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
+            "dummy_prefix": self._dummy_prefix,
+            "template": hashlib.sha1(VICUNA_V1_CHAT_TEMPLATE.encode()).hexdigest(),
+        }
+        return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    # -- rendering ----------------------------------------------------------------------------
+    def _text(self, text: str, *, trainable: bool = False, template: bool = False) -> _Piece:
+        # A piece that starts with the separator space: SentencePiece supplies it with its
+        # word-start marker, so drop it there (otherwise it would become an extra token).
+        if self._dummy_prefix and text.startswith(" "):
+            text = text[1:]
+        if template:  # headers and the system prompt repeat: tokenized once, then memoized
+            ids = self._template_ids.get(text)
+            if ids is None:
+                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if len(self._template_ids) < 4096:  # bounded: data may carry many system prompts
+                    self._template_ids[text] = ids
+            return _Piece("ids", ids, trainable)
+        return _Piece("text", text, trainable)
+
+    def _pieces(
+        self,
+        dialogue: "Dialogue",
+        system_prompt: str | None,
+        train_on: str,
+        add_generation_prompt: bool,
+    ) -> tuple[list[_Piece], list[tuple[str, list[_Piece]]], list[_Piece]]:
+        if train_on not in ("all_assistant", "last_assistant"):
+            raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
+        turns = list(dialogue.turns)
+        system = VICUNA_V1_SYSTEM if system_prompt is None else system_prompt
+        if turns and turns[0].role == "system":
+            system = turns[0].text
+            turns = turns[1:]
+        prefix = [_Piece("ids", (self._bos_id,))]
+        if system:
+            prefix.append(self._text(system, template=True))
+        last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
+        rendered: list[tuple[str, list[_Piece]]] = []
+        for index, turn in enumerate(turns):
+            pieces: list[_Piece] = []
+            if turn.role == "user":
+                header = (" " if (system and index == 0) else "") + "USER:"
+                pieces.append(self._text(header, template=True))
+                first = True
+                for segment in turn.segments:
+                    if isinstance(segment, Image):
+                        if first:
+                            pieces.append(self._text(" ", template=True))
+                        pieces.append(_Piece("image", segment))
+                    elif segment:
+                        pieces.append(self._text((" " if first else "") + segment))
+                    else:
+                        continue
+                    first = False
+                if first:  # an empty user turn still gets its separator
+                    pieces.append(self._text(" ", template=True))
+            elif turn.role == "assistant":
+                if turn.images:
+                    raise ValueError(
+                        f"dialogue {dialogue.id!r}, turn {index}: assistant turns cannot hold images in the "
+                        "Vicuna v1 template; move the image into the user turn"
+                    )
+                trainable = train_on == "all_assistant" or index == last_assistant
+                pieces.append(self._text(" ASSISTANT:", template=True))
+                pieces.append(self._text(" " + turn.text, trainable=trainable))
+                pieces.append(_Piece("ids", (self._eos_id,), trainable))
+            else:
+                raise ValueError(
+                    f"dialogue {dialogue.id!r}, turn {index}: role {turn.role!r} is not allowed after the first "
+                    "turn; only 'user' and 'assistant' alternate (a 'system' turn must come first)"
+                )
+            rendered.append((turn.role, pieces))
+        suffix: list[_Piece] = []
+        if add_generation_prompt:
+            if not turns or turns[-1].role != "user":
+                raise ValueError(
+                    f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
+                )
+            suffix.append(self._text(" ASSISTANT:", template=True))
+        return prefix, rendered, suffix
+
+    def _tokenize_many(self, texts: list[str]) -> list[tuple[int, ...]]:
+        if not texts:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # the Rust tokenizer directly: same ids, without building a BatchEncoding
+            return [tuple(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return [tuple(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def encode_many(
+        self,
+        dialogues: Sequence["Dialogue"],
+        *,
+        system_prompt: str | None = None,
+        train_on: str = "all_assistant",
+        add_generation_prompt: bool = False,
+    ) -> list[EncodedDialogue]:
+        """:meth:`encode_dialogue` for many dialogues with one batched tokenizer call
+        (the per-call overhead of the tokenizer dominates for short text pieces)."""
+        plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
+        texts: list[str] = []
+        for prefix, rendered, suffix in plans:
+            for piece in _iter_pieces(prefix, rendered, suffix):
+                if piece.kind == "text":
+                    texts.append(piece.value)
+        ids_list = iter(self._tokenize_many(texts))
+        out = []
+        for dialogue, (prefix, rendered, suffix) in zip(dialogues, plans):
+            count = self.num_image_tokens
+
+            def chunks(pieces: Iterable[_Piece]) -> list:
+                result = []
+                for piece in pieces:
+                    if piece.kind == "text":
+                        ids = tuple(next(ids_list))
+                        if ids:
+                            result.append(TokenChunk(ids, piece.trainable))
+                    elif piece.kind == "ids":
+                        if piece.value:
+                            result.append(TokenChunk(piece.value, piece.trainable))
+                    else:
+                        result.append(ImageChunk(piece.value, count))
+                return result
+
+            prefix_chunks = chunks(prefix)
+            turns = [EncodedTurn(role, chunks(pieces)) for role, pieces in rendered]
+            out.append(EncodedDialogue(dialogue.id, prefix_chunks, turns, chunks(suffix)))
+        return out
+
+    def measure_many(
+        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
+    ) -> list[tuple[int, list[int], list[int], list[str]]]:
+        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length,
+        turn lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives,
+        without building id tuples and chunk objects."""
+        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
+        texts = [p.value for plan in plans for p in _iter_pieces(*plan) if p.kind == "text"]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and texts:
+            counts = iter([len(e) for e in backend.encode_batch(texts, add_special_tokens=False)])
+        else:
+            counts = iter([len(ids) for ids in self._tokenize_many(texts)])
+        per_image = self.num_image_tokens
+
+        def size(pieces) -> tuple[int, int]:
+            length = images = 0
+            for piece in pieces:
+                if piece.kind == "text":
+                    length += next(counts)
+                elif piece.kind == "ids":
+                    length += len(piece.value)
+                else:
+                    length += per_image
+                    images += 1
+            return length, images
+
+        out = []
+        for prefix, rendered, suffix in plans:
+            fixed = size(prefix)[0] + size(suffix)[0]  # no images outside turns in this template
+            sizes = [size(pieces) for _, pieces in rendered]
+            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
+        return out
+
+    def encode_dialogue(
+        self,
+        dialogue: "Dialogue",
+        *,
+        system_prompt: str | None = None,
+        train_on: str = "all_assistant",
+        add_generation_prompt: bool = False,
+    ) -> EncodedDialogue:
+        """Render ``dialogue`` with the Vicuna v1 template.
+
+        A leading system turn of the dialogue wins over ``system_prompt``; ``system_prompt``
+        (``""`` = none) replaces the Vicuna default.
+        """
+        return self.encode_many(
+            [dialogue], system_prompt=system_prompt, train_on=train_on, add_generation_prompt=add_generation_prompt
+        )[0]
+
+    # -- images -------------------------------------------------------------------------------
+    def image_token_count(self, image: Image) -> int:
+        # fixed for CLIP at one resolution: never opens the file
+        return self.num_image_tokens
+
+    def preprocess_pil(self, images: list) -> "torch.Tensor":
+        """Preprocess already decoded PIL images with the image processor ([N, 3, S, S])."""
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def load_uint8(self, path: str) -> "np.ndarray":
+        """Decode, pad/resize one image: uint8 [3, S, S] (what the pixel cache stores).
+
+        The same operations as the image processor, done on the PIL image (the original
+        LLaVA ``expand2square`` + a square bicubic resize): equal pixels, less copying.
+        """
+        import numpy as np
+        from PIL import Image as PILImage
+
+        p = self.image_processor
+        size = self.model_config.vision_config.image_size
+        with PILImage.open(path) as handle:
+            handle.load()
+            image = handle if handle.mode == "RGB" else handle.convert("RGB")  # no copy for RGB files
+        width, height = image.size
+        colour = tuple(int(x * 255) for x in p.image_mean)
+        if p.do_pad and width > height:
+            # Landscape: PIL resamples horizontally, then vertically (uint8 in between), so
+            # the horizontal pass can skip the constant pad rows: the same pixels as
+            # resizing the padded square (a test checks equality), with 1/4 less work.
+            image = image.resize((size, height), PILImage.BICUBIC)
+            canvas = PILImage.new("RGB", (size, width), colour)
+            canvas.paste(image, (0, (width - height) // 2))
+            image = canvas
+        elif p.do_pad and width != height:
+            side = max(width, height)
+            canvas = PILImage.new("RGB", (side, side), colour)
+            canvas.paste(image, ((side - width) // 2, (side - height) // 2))
+            image = canvas
+        if image.size == (size, size) or p.do_pad or not p.do_center_crop:
+            image = image.resize((size, size), PILImage.BICUBIC) if image.size != (size, size) else image
+            array = np.asarray(image)
+        else:  # shortest-edge resize + centre crop, as CLIP's own preprocessing
+            array = self.image_processor(images=[image], do_rescale=False, do_normalize=False)["pixel_values"][0]
+            return np.asarray(array, dtype=np.uint8)
+        return np.ascontiguousarray(array.transpose(2, 0, 1))
+
+    def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
+        """uint8 [..., 3, S, S] -> normalised float32 pixel values (CLIP mean / std).
+
+        One conversion and two in-place passes (x * (1/255/std) - mean/std): the collator
+        normalises a whole batch at once, which is most of the cost of a cached image.
+        """
+        import torch
+
+        p = self.image_processor
+        std = torch.tensor(p.image_std, dtype=torch.float64)
+        scale = (float(p.rescale_factor) / std).to(torch.float32).view(3, 1, 1)
+        shift = (-torch.tensor(p.image_mean, dtype=torch.float64) / std).to(torch.float32).view(3, 1, 1)
+        out = pixels.to(torch.float32)
+        return out.mul_(scale).add_(shift)
+
+    def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
+        import numpy as np
+        import torch
+
+        if not paths:
+            vc = self.model_config.vision_config
+            return torch.zeros(0, 3, vc.image_size, vc.image_size)
+        return self.normalize_uint8(torch.from_numpy(np.stack([self.load_uint8(path) for path in paths])))
+
+    def processor_settings(self) -> dict[str, Any]:
+        """What determines the pixels an image becomes (part of the pixel cache key)."""
+        p = self.image_processor
+        return {
+            "class": type(p).__name__,
+            "size": dict(p.size) if p.size else None,
+            "crop": dict(p.crop_size) if p.crop_size else None,
+            "center_crop": bool(p.do_center_crop),
+            "pad": bool(p.do_pad),
+            "mean": list(p.image_mean),
+            "std": list(p.image_std),
+            "resample": int(p.resample),
+        }
+
+    # -- model --------------------------------------------------------------------------------
+    def load_model(self, **kwargs: Any) -> "nn.Module":
+        """Load the checkpoint (or build the random-weight model when ``path`` is None).
+
+        Keyword arguments: ``torch_dtype`` / ``attn_implementation`` (default from the
+        ModelConfig), ``seed`` (random-weight model only), anything else goes to
+        ``from_pretrained``.
+        """
+        import torch
+        from transformers import LlavaForConditionalGeneration
+
+        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or self.config.torch_dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        attn = kwargs.pop("attn_implementation", None) or self.config.attn_implementation
+        seed = kwargs.pop("seed", 0)
+        if self.config.path is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = LlavaForConditionalGeneration._from_config(
+                    copy.deepcopy(self.model_config), attn_implementation=attn, dtype=dtype
+                )
+            return model
+        return LlavaForConditionalGeneration.from_pretrained(
+            self.config.path,
+            dtype=dtype,
+            attn_implementation=attn,
+            trust_remote_code=self.config.trust_remote_code,
+            **kwargs,
+        )
+
+    def module_groups(self, model: "nn.Module") -> ModuleGroups:
+        inner = unwrap_model(model)
+        return ModuleGroups(
+            vision=[inner.model.vision_tower],
+            projector=[inner.model.multi_modal_projector],
+            language_model=[inner.model.language_model, inner.lm_head],
+        )
+
+    def text_config(self, config: Any) -> Any:
+        return config.text_config
+
+    def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
+        """Run the vision tower and projector on one blank image and return 0 * their output.
+
+        The value is exactly zero, but autograd reaches every vision/projector parameter
+        the real image path uses, so they get zero (not None) gradients, and every rank
+        calls the same modules (ZeRO-3 gathers parameters per forward call).
+        """
+        import torch
+
+        inner = unwrap_model(model)
+        vc = inner.config.vision_config
+        projector = inner.model.multi_modal_projector
+        param = next(projector.parameters())
+        pixel_values = torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size, dtype=param.dtype, device=param.device)
+        features = inner.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+        features = torch.cat(list(features), dim=0) if isinstance(features, (list, tuple)) else features
+        return features.sum() * 0.0
+
+
+def _iter_pieces(prefix, rendered, suffix):
+    yield from prefix
+    for _, pieces in rendered:
+        yield from pieces
+    yield from suffix

@@ -1,0 +1,389 @@
+"""The SFT recipe: ``setup → train → save → cleanup`` over accelerate, readable top to bottom.
+
+Why accelerate directly and not transformers' ``Trainer``: two things this project
+must get exactly right are awkward to reach inside ``Trainer``.
+
+1. *Exact resume of an index-level batch plan.* Our batches (token budgets, packing)
+   are planned from sample lengths before training; resuming means recomputing the
+   plan and skipping the consumed micro-batches without loading them. ``Trainer``
+   owns its DataLoader/sampler and resumes by replaying batches.
+2. *Token-weighted loss across micro-batches and ranks.* A multi-turn dialogue has
+   very different numbers of loss tokens per sample; averaging per micro-batch (what
+   a plain ``loss.mean()`` + gradient accumulation does) gives short samples in a
+   batch the weight of long ones. Here the optimizer step minimises
+
+       sum of per-token losses over every micro-batch of the step on every rank
+       ---------------------------------------------------------------------
+                   total loss tokens of the step on every rank
+
+   The global token count is all-reduced before the step's first backward; each
+   micro-batch's *summed* loss is scaled by ``world_size * accum / global_tokens``.
+   accelerate (or DeepSpeed) divides by ``accum`` and DDP/ZeRO average gradients over
+   ``world_size`` ranks, so the gradient is exactly that of the token-weighted mean.
+
+accelerate still does what it does well: device placement, mixed precision, DDP and
+DeepSpeed wrapping, ``no_sync`` during accumulation, ZeRO-3 gathering on save, and
+save/load of model, optimizer, scheduler and RNG state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmtune.models.base import IGNORE_INDEX
+from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, save_final
+from mmtune.training.config import SFTConfig
+from mmtune.training.logging import RunLogger, mfu
+
+__all__ = ["SFTRecipe", "token_weighted_loss_sum", "seed_everything", "generate_synthetic_data"]
+
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def token_weighted_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the positions whose label is not ignored.
+
+    ``labels`` are aligned with ``input_ids`` (the collator's convention); position t
+    predicts label t+1. Computed in fp32 for a stable sum under bf16 autocast.
+    """
+    shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def generate_synthetic_data(syn: Any) -> None:
+    """Write the synthetic dataset into ``syn.out_dir`` unless it is already there."""
+    from mmtune.data.synthetic import generate_synthetic
+
+    if all((Path(syn.out_dir) / name).is_file() for name in ("train.json", "test.json", "llava.json")):
+        return
+    generate_synthetic(syn.out_dir, n_train=syn.n_train, n_test=syn.n_test, n_llava=syn.n_llava, seed=syn.seed,
+                       image_size=syn.image_size, **dict(syn.options))
+
+
+def _launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+class SFTRecipe:
+    """One supervised fine-tuning run built from an :class:`SFTConfig`.
+
+    Example::
+
+        recipe = SFTRecipe(cfg)
+        recipe.setup()
+        recipe.train()
+        recipe.save()
+        recipe.cleanup()
+    """
+
+    def __init__(self, cfg: SFTConfig, *, resolved_config: Optional[dict[str, Any]] = None):
+        self.cfg = cfg
+        self.resolved_config = resolved_config if resolved_config is not None else _to_dict(cfg)
+        self.output_dir = Path(cfg.training.output_dir)
+        self.step = 0
+        self.epoch = 0
+        self.micro_batches_done = 0  # within the current epoch, on this rank
+        self.context_extension = None
+        self.eval_results: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Build accelerator, model (+ context extension, LoRA, freezing), optimizer,
+        scheduler and data; restore a checkpoint when resuming."""
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs
+        from transformers import get_scheduler
+
+        from mmtune.data.datamodule import SFTDataModule
+        from mmtune.models.registry import build_adapter
+        from mmtune.models.rope import apply_context_extension
+        from mmtune.training.optim import apply_freezing, build_optimizer, param_groups
+        from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
+
+        cfg, t = self.cfg, self.cfg.training
+        plugin = None
+        if t.deepspeed_config and not _launched_with_deepspeed():
+            plugin = DeepSpeedPlugin(hf_ds_config=os.path.abspath(t.deepspeed_config))
+        find_unused = t.ddp_find_unused_parameters
+        if find_unused is None:
+            find_unused = t.vision.train
+        self.accelerator = Accelerator(
+            mixed_precision=t.mixed_precision,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            # We step the scheduler once per optimizer step ourselves; accelerate's default
+            # would step it once per process per step.
+            step_scheduler_with_optimizer=False,
+            deepspeed_plugin=plugin,
+            # Without a GPU, accelerate runs several torchrun processes as MULTI_CPU (gloo)
+            # only when told it is on CPU.
+            cpu=not torch.accelerator.is_available() and plugin is None and not _launched_with_deepspeed(),
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
+        )
+        acc = self.accelerator
+        self.is_deepspeed = acc.state.deepspeed_plugin is not None
+        if self.is_deepspeed:
+            self._fill_deepspeed_auto_values()
+        seed_everything(t.seed)
+        self._check_output_dir()
+
+        # Model. Random-weight models are seeded identically on every rank.
+        self.adapter = build_adapter(cfg.model)
+        load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
+        if cfg.peft.method == "qlora":
+            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16))
+        model = self.adapter.load_model(**load_kwargs)
+        text_config = self.adapter.text_config(model.config)
+        self.context_extension = apply_context_extension(
+            model, text_config, cfg.context,
+            model_max_position_embeddings=cfg.model.max_position_embeddings, tokenizer=self.adapter.tokenizer)
+        self.max_length = cfg.context.max_length or int(text_config.max_position_embeddings)
+        if t.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        lora = cfg.peft.method in ("lora", "qlora")
+        if lora:
+            model = apply_lora(model, self.adapter.module_groups(model), cfg.peft, self.adapter.default_lora_targets,
+                               gradient_checkpointing=t.gradient_checkpointing)
+        groups = self.adapter.module_groups(model)
+        apply_freezing(model, groups, t, lora=lora)
+        # ZeRO-3 partitions parameters at construction; ds_numel is the full size.
+        self.num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        self.num_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        self.optim_groups = param_groups(model, groups, t)
+        optimizer = build_optimizer(self.optim_groups, t)
+
+        # Data: the plan is per rank; steps per epoch follow from it.
+        if cfg.synthetic.enabled:
+            if acc.is_main_process:
+                generate_synthetic_data(cfg.synthetic)
+            acc.wait_for_everyone()
+        self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
+        self.data.connect(self.adapter, max_length=self.max_length,
+                          rank=acc.process_index, world_size=acc.num_processes)
+        self.data.setup()
+        self.steps_per_epoch = self.data.num_micro_batches(0) // t.gradient_accumulation_steps
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"each rank gets {self.data.num_micro_batches(0)} micro-batches per epoch, fewer than "
+                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: add data or lower it"
+            )
+        self.total_steps = self.steps_per_epoch * t.epochs
+        if t.max_steps is not None:
+            self.total_steps = min(self.total_steps, t.max_steps)
+        warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
+        scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=self.total_steps)
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        if t.compile:
+            self.model = torch.compile(self.model)
+
+        self.checkpoints = CheckpointManager(self.output_dir, keep_last=t.keep_last)
+        resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else t.resume
+        if resume_from is not None:
+            state = self.checkpoints.load(acc, resume_from)
+            self.step, self.epoch = int(state["step"]), int(state["epoch"])
+            self.micro_batches_done = int(state["micro_batches_done"])
+            self.data.check_state(state["data"])
+            acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
+                      f"micro-batch {self.micro_batches_done} of the epoch")
+        self.logger = RunLogger(cfg.logging, output_dir=str(self.output_dir), resolved_config=self.resolved_config,
+                                is_main=acc.is_main_process, total_steps=self.total_steps, initial_step=self.step,
+                                run_name=cfg.logging.run_name or cfg.run_name)
+        acc.print(
+            f"model: {self.num_params / 1e6:.2f}M parameters, {self.num_trainable / 1e6:.2f}M trainable; "
+            f"{self.total_steps} optimizer steps ({self.steps_per_epoch}/epoch) on {acc.num_processes} process(es); "
+            f"window {self.max_length} tokens"
+            + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
+               if self.context_extension else "")
+        )
+
+    def _fill_deepspeed_auto_values(self) -> None:
+        # Our batches vary in size (token budgets, packing), so the micro-batch size DeepSpeed
+        # wants is nominal: 1 "batch" per forward. Clipping comes from our config.
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds["train_micro_batch_size_per_gpu"] = 1
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
+
+    def _check_output_dir(self) -> None:
+        t = self.cfg.training
+        if t.resume is None and latest_checkpoint(self.output_dir) is not None:
+            raise FileExistsError(
+                f"{self.output_dir} already has checkpoints: set training.resume=auto to continue that run, "
+                "or choose another training.output_dir"
+            )
+
+    # ------------------------------------------------------------------ train
+    def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Micro-batches from the resume position onwards, epoch after epoch."""
+        epoch, start = self.epoch, self.micro_batches_done
+        usable = self.steps_per_epoch * self.cfg.training.gradient_accumulation_steps
+        while True:
+            for index, item in enumerate(self.data.dataloader(epoch, start=start, stop=usable), start=start):
+                self.epoch, self.micro_batches_done = epoch, index + 1
+                yield item
+            epoch, start = epoch + 1, 0
+            self.epoch, self.micro_batches_done = epoch, 0
+
+    def train(self) -> None:
+        """Run optimizer steps until ``total_steps``, checkpointing every ``save_every_steps``."""
+        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
+        if t.eval_before and self.step == 0:
+            self.eval_results["before"] = self.evaluate(tag="before")
+        accum = t.gradient_accumulation_steps
+        batches = self._micro_batches()
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.model.train()
+        while self.step < self.total_steps:
+            started = time.perf_counter()
+            micro = [next(batches) for _ in range(accum)]
+            # Global loss-token count of this step, before any backward (see module docstring).
+            local_tokens = sum(int(b["num_loss_tokens"].sum()) for b, _ in micro)
+            global_tokens = int(acc.reduce(torch.tensor(local_tokens, device=acc.device), reduction="sum").item())
+            scale = acc.num_processes * accum / max(global_tokens, 1)
+            loss_sum = torch.zeros((), device=acc.device)
+            seq_tokens = images = 0
+            for batch, meta in micro:
+                with acc.accumulate(self.model):
+                    inputs = {k: batch[k].to(acc.device) if batch.get(k) is not None else None for k in _MODEL_INPUTS}
+                    with acc.autocast():
+                        logits = self.model(**inputs, use_cache=False).logits
+                        summed = token_weighted_loss_sum(logits, batch["labels"])
+                        if inputs["pixel_values"] is None:
+                            # Text-only batch: still run the vision tower (ZeRO-3 must see the
+                            # same modules called on every rank); its value is exactly 0.
+                            summed = summed + self.adapter.vision_dummy_loss(self.model)
+                    acc.backward(summed * scale)
+                    if acc.sync_gradients and t.max_grad_norm and not self.is_deepspeed:
+                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    self.optimizer.step()
+                    if acc.sync_gradients:
+                        # Also under DeepSpeed: a torch scheduler is not handed to the engine
+                        # (accelerate wraps it and a DeepSpeed-owned one ignores this call).
+                        self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                loss_sum += summed.detach()
+                seq_tokens += meta["tokens"]
+                images += meta["images"]
+            self.step += 1
+            stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens, images], device=acc.device), reduction="sum")
+            elapsed = time.perf_counter() - started
+            if t.log_sample_ids:
+                self._log_sample_ids([meta["ids"] for _, meta in micro])
+            if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
+                tokens_per_s = float(stats[1]) / elapsed
+                metrics = {
+                    "train/loss": float(stats[0]) / max(global_tokens, 1),
+                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/loss_tokens": global_tokens,
+                    "train/epoch": self.epoch + self.micro_batches_done / max(1, self.steps_per_epoch * accum),
+                    "perf/tokens_per_s": tokens_per_s,
+                    "perf/images_per_s": float(stats[2]) / elapsed,
+                    "perf/step_time_s": elapsed,
+                }
+                for group, lr in zip(self.optim_groups, self.scheduler.get_last_lr()):
+                    metrics[f"train/lr/{group['name']}"] = lr
+                util = mfu(self.num_params, tokens_per_s, device_name, acc.num_processes)
+                if util is not None:
+                    metrics["perf/mfu"] = util
+                self.logger.log(self.step, metrics)
+            self.logger.advance()
+            if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+
+    def _log_sample_ids(self, ids_per_micro_batch: list[list[str]]) -> None:
+        from accelerate.utils import gather_object
+
+        gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / "sample_ids.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.step, "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self) -> Path:
+        """A resumable checkpoint of the current step (atomic; keeps the last N)."""
+        return self.checkpoints.save(self.accelerator, self.step, {
+            "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
+            "data": self.data.state_dict(self.epoch, self.micro_batches_done),
+        })
+
+    def save(self) -> Optional[Path]:
+        """Write ``final/`` (HF checkpoint + processor + mmtune_run.json); evaluate it if asked."""
+        if not self.cfg.training.save_final:
+            return None
+        metadata = {
+            "family": self.cfg.model.family,
+            "run": self.run_name,
+            "step": self.step,
+            "context_extension": asdict(self.context_extension) if self.context_extension else None,
+            "max_length": self.max_length,
+            "config": self.logger_config(),
+        }
+        extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
+        self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
+                                    save_pretrained_extras=extras, metadata=metadata,
+                                    merge_lora=self.cfg.peft.merge_on_save)
+        if self.cfg.training.eval_after:
+            self.eval_results["after"] = self.evaluate(tag="after", checkpoint=str(self.final_dir))
+        return self.final_dir
+
+    @property
+    def run_name(self) -> str:
+        return self.cfg.run_name or self.output_dir.name
+
+    def logger_config(self) -> dict[str, Any]:
+        from mmtune.training.logging import redact
+
+        return redact(self.resolved_config)
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:
+        """Run the ``eval`` benchmarks on the current model (main process) and log them."""
+        from mmtune.training.evaluation import evaluate_in_training
+
+        acc = self.accelerator
+        results: dict[str, Any] = {}
+        if acc.is_main_process:
+            model = acc.unwrap_model(self.model)
+            results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
+                                           output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
+                                           wandb_run=self.logger.wandb_run)
+            flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
+                    for name, value in metrics.items()}
+            self.logger.summary(flat)
+            acc.print(f"eval ({tag}): " + ", ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in flat.items()
+                                                    if isinstance(v, (int, float))))
+        acc.wait_for_everyone()
+        return results
+
+    # ------------------------------------------------------------------ cleanup
+    def cleanup(self) -> None:
+        self.logger.close()
+        self.accelerator.end_training()
+
+
+def _to_dict(cfg: SFTConfig) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

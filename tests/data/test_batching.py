@@ -1,0 +1,122 @@
+"""Batch plans: determinism, coverage, caps, rank sharding and exact resume."""
+
+import numpy as np
+import pytest
+
+from mmtune.data.batching import (
+    PlannedBatchSampler,
+    build_plan,
+    plan_length_grouped,
+    plan_packing,
+    plan_padding,
+    plan_stats,
+    plan_token_budget,
+    shard_plan,
+)
+from mmtune.data.collator import CollatorConfig
+
+RNG = np.random.default_rng(0)
+LENGTHS = [int(x) for x in RNG.integers(50, 4000, size=600)]
+LENGTHS[7] = 0  # skipped by truncation
+IMAGES = [int(x) for x in RNG.integers(0, 6, size=600)]
+ORDER = [int(x) for x in RNG.permutation(600)]
+
+
+def _indices(plan):
+    return [i for batch in plan for row in batch for i in row]
+
+
+@pytest.mark.parametrize("mode", ["padding", "length_grouped", "token_budget", "packing"])
+def test_every_sample_exactly_once_and_deterministic(mode):
+    cfg = CollatorConfig(max_length=4096, batching=mode, batch_size=4, max_tokens_per_batch=8192, megabatch_mult=8)
+    plan = build_plan(ORDER, LENGTHS, cfg, num_images=IMAGES)
+    assert sorted(_indices(plan)) == sorted(i for i in range(600) if i != 7)
+    assert plan == build_plan(ORDER, LENGTHS, cfg, num_images=IMAGES)
+
+
+def test_padding_keeps_sampler_order():
+    plan = plan_padding(ORDER, LENGTHS, 3)
+    assert _indices(plan) == [i for i in ORDER if i != 7]
+    assert all(len(b) == 3 for b in plan[:-1])
+
+
+def test_length_grouping_reduces_padding_and_puts_the_longest_first():
+    plain = plan_stats(plan_padding(ORDER, LENGTHS, 8), LENGTHS)["utilization"]
+    grouped_plan = plan_length_grouped(ORDER, LENGTHS, 8, megabatch_mult=16)
+    grouped = plan_stats(grouped_plan, LENGTHS)["utilization"]
+    assert grouped > plain + 0.1
+    assert max(LENGTHS[r[0]] for r in grouped_plan[0]) == max(LENGTHS)
+
+
+def test_token_budget_and_image_caps():
+    plan = plan_token_budget(ORDER, LENGTHS, 8192, num_images=IMAGES, max_images=8, megabatch=200)
+    for batch in plan:
+        rows = [r[0] for r in batch]
+        assert len(rows) * max(LENGTHS[i] for i in rows) <= 8192
+        assert sum(IMAGES[i] for i in rows) <= 8
+    with pytest.raises(ValueError, match="over the row length"):
+        plan_token_budget([0], [9000], 8192)
+
+
+def test_packing_fills_rows_and_respects_caps():
+    plan = plan_packing(ORDER, LENGTHS, 8192, rows_per_batch=2, window=200, num_images=IMAGES, max_images=40)
+    for batch in plan:
+        assert len(batch) <= 2
+        for row in batch:
+            assert sum(LENGTHS[i] for i in row) <= 8192
+            assert sum(IMAGES[i] for i in row) <= 20
+    stats = plan_stats(plan, LENGTHS, row_length=8192)
+    assert stats["utilization"] > 0.9
+
+
+def test_shards_are_disjoint_and_equal_sized():
+    plan = plan_padding(ORDER, LENGTHS, 4)  # 150 batches
+    shards = [shard_plan(plan, r, 4) for r in range(4)]
+    assert len({len(s) for s in shards}) == 1
+    assert sum(len(s) for s in shards) - len(plan) < 4  # only the last round is topped up
+    firsts = [set(map(tuple, s[: len(plan) // 4])) for s in shards]
+    assert all(not (firsts[a] & firsts[b]) for a in range(4) for b in range(a + 1, 4))
+    covered = {b for s in shards for b in s}
+    assert covered == set(plan)
+
+
+@pytest.mark.parametrize("mode", ["length_grouped", "packing"])
+def test_resume_continues_exactly(mode):
+    cfg = CollatorConfig(max_length=4096, batching=mode, batch_size=2, megabatch_mult=4, packing_window=64)
+
+    def order(epoch):
+        return list(np.random.default_rng(epoch).permutation(600))
+
+    full = PlannedBatchSampler(order, LENGTHS, cfg, rank=1, world_size=2)
+    full.set_epoch(3)
+    reference = list(full)
+    interrupted = PlannedBatchSampler(order, LENGTHS, cfg, rank=1, world_size=2)
+    interrupted.set_epoch(3)
+    iterator = iter(interrupted)
+    consumed = [next(iterator) for _ in range(5)]
+    state = interrupted.state_dict(consumed=5)
+    resumed = PlannedBatchSampler(order, LENGTHS, cfg, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert consumed + list(resumed) == reference
+    if mode == "packing":
+        assert all(isinstance(k, tuple) for k in reference[0])
+
+
+def test_resume_refuses_a_changed_plan():
+    cfg = CollatorConfig(batching="padding", batch_size=2)
+    sampler = PlannedBatchSampler(lambda e: ORDER, LENGTHS, cfg)
+    state = sampler.state_dict(consumed=3)
+    changed = PlannedBatchSampler(lambda e: ORDER[::-1], LENGTHS, cfg)
+    changed.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="differs from the checkpoint"):
+        next(iter(changed))
+    with pytest.raises(ValueError, match="world_size 1"):
+        PlannedBatchSampler(lambda e: ORDER, LENGTHS, cfg, rank=0, world_size=2).load_state_dict(state)
+
+
+def test_drop_last_drops_only_a_short_final_batch():
+    keep = build_plan(ORDER, LENGTHS, CollatorConfig(batching="packing", batch_size=4, max_length=4096))
+    drop = build_plan(ORDER, LENGTHS, CollatorConfig(batching="packing", batch_size=4, max_length=4096, drop_last=True))
+    assert drop == (keep[:-1] if len(keep[-1]) < 4 else keep)
+    padded = build_plan(ORDER, LENGTHS, CollatorConfig(batching="padding", batch_size=7, drop_last=True))
+    assert all(len(b) == 7 for b in padded)

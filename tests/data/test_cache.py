@@ -1,0 +1,78 @@
+import os
+
+import pytest
+
+from mmtune.data import readers
+from mmtune.data.cache import FEATURES, CacheWriter, cache_key, entry_paths, open_entry
+from mmtune.data.config import SourceConfig
+from mmtune.data.readers import load_source
+
+
+def _records(n):
+    return [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+            for i in range(n)]
+
+
+def _forbid_parsing(monkeypatch):
+    def boom(path):
+        raise AssertionError("the data file was parsed although a cache entry exists")
+
+    monkeypatch.setattr(readers, "iter_records", boom)
+
+
+def test_second_load_reads_the_cache_not_the_file(tmp_path, cache_dir, write_json, monkeypatch):
+    path = write_json(tmp_path / "d.json", _records(20))
+    cfg = SourceConfig(name="s", format="llava", path=str(path))
+    first = load_source(cfg, cache_dir=cache_dir)
+    _forbid_parsing(monkeypatch)
+    second = load_source(cfg, cache_dir=cache_dir)
+    assert second.cache_file == first.cache_file
+    assert [d.id for d in second.dialogues] == [d.id for d in first.dialogues]
+    assert second.report == first.report
+    with pytest.raises(AssertionError, match="parsed"):
+        load_source(cfg, cache_dir=cache_dir, refresh=True)
+
+
+def test_key_changes_with_file_and_reader_options(tmp_path, cache_dir, write_json):
+    path = write_json(tmp_path / "d.json", _records(3))
+    cfg = SourceConfig(name="s", format="llava", path=str(path))
+    a = load_source(cfg, cache_dir=cache_dir)
+    assert load_source(cfg, cache_dir=cache_dir, check_images="exists").cache_file != a.cache_file
+    assert load_source(SourceConfig(name="s", format="llava", path=str(path), image_root=str(tmp_path)),
+                       cache_dir=cache_dir).cache_file != a.cache_file
+    write_json(path, _records(5))
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse-clock file systems
+    b = load_source(cfg, cache_dir=cache_dir)
+    assert b.cache_file != a.cache_file and len(b.dialogues) == 5
+    assert cache_key(str(path), {"x": 1}) == cache_key(str(path), {"x": 1}) != cache_key(str(path), {"x": 2})
+
+
+def test_interrupted_build_leaves_no_entry(tmp_path, cache_dir, write_json, monkeypatch):
+    path = write_json(tmp_path / "d.json", _records(3))
+    cfg = SourceConfig(name="s", format="llava", path=str(path))
+
+    def interrupted(path):
+        yield 0, _records(1)[0], None
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(readers, "iter_records", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_source(cfg, cache_dir=cache_dir)
+    assert os.listdir(cache_dir) == []
+    monkeypatch.undo()
+    assert len(load_source(cfg, cache_dir=cache_dir).dialogues) == 3
+
+
+def test_writer_roundtrip(tmp_path):
+    arrow, report = entry_paths(str(tmp_path), "my source/x", "k")
+    assert os.path.basename(arrow) == "my_source_x-k.arrow"
+    assert open_entry(arrow, report) is None
+    w = CacheWriter(arrow, report, batch_size=2)
+    rows = [{"id": str(i), "source": "s", "roles": ["user"], "segments": [[{"text": "t", "image": None}]],
+             "num_images": 0, "num_chars": 1} for i in range(5)]
+    for r in rows:
+        w.add(r)
+    w.commit({"hello": 1})
+    ds, rep = open_entry(arrow, report)
+    assert rep == {"hello": 1} and ds.num_rows == 5 and ds[4] == rows[4]
+    assert set(ds.features) == set(FEATURES)

@@ -1,0 +1,85 @@
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf.errors import ConfigKeyError
+
+from mmtune import cli
+from mmtune.data.check import main
+from mmtune.data.config import configs_dir, load_data_config
+from mmtune.data.synthetic import generate_synthetic
+
+DATA_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml"))
+
+
+def test_data_configs_exist():
+    names = {p.stem for p in DATA_CONFIGS}
+    assert {"synthetic", "llava_665k", "mmdu_45k", "add_to_pool", "continue_training"} <= names
+
+
+@pytest.mark.parametrize("path", DATA_CONFIGS, ids=lambda p: p.stem)
+def test_every_data_config_matches_the_schema(path, monkeypatch):
+    monkeypatch.setenv("MMTUNE_DATA_ROOT", "/datasets")
+    cfg = load_data_config(str(path))
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# mmtune data check"), "each config starts with the command that runs it"
+    assert all(s.path.startswith("/datasets/") for s in cfg.mixture.sources)
+    assert load_data_config(path.stem).mixture.sources[0].name == cfg.mixture.sources[0].name
+
+
+def test_presets_encode_the_paper_strategies():
+    pool = load_data_config("add_to_pool")
+    assert pool.mixture.strategy == "add_to_pool"
+    assert {s.name: s.num_samples for s in pool.mixture.sources} == {"llava_665k": None, "mmdu_45k": None}
+    cont = load_data_config("continue_training", ["mixture.sources.1.num_samples=166000"])
+    assert cont.mixture.strategy == "continue_training"
+    assert {s.name: s.num_samples for s in cont.mixture.sources} == {"mmdu_45k": None, "llava_665k": 166000}
+
+
+def test_unknown_key_fails(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mixture:\n  sources: []\n  weigths: {a: 1}\n")
+    with pytest.raises(ConfigKeyError, match="weigths"):
+        load_data_config(str(bad))
+    assert main(["check", str(bad)]) == 2
+
+
+@pytest.fixture
+def synthetic_root(tmp_path, monkeypatch):
+    generate_synthetic(tmp_path / "synthetic", n_train=12, n_test=2, n_llava=10)
+    monkeypatch.setenv("MMTUNE_DATA_ROOT", str(tmp_path))
+    monkeypatch.setenv("MMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_check_prints_the_report(synthetic_root, capsys):
+    assert cli.main(["data", "check", "synthetic", "--mixture"]) == 0
+    out = capsys.readouterr().out
+    assert "source synthetic_mmdu" in out and "records  read 12, kept 12, skipped 0" in out
+    assert "source synthetic_llava" in out and "problems none" in out
+    assert "samples per epoch" in out
+    assert (synthetic_root / "cache" / "data").is_dir()
+
+
+def test_check_reports_skips_and_strict_failure(synthetic_root, capsys):
+    train = synthetic_root / "synthetic" / "train.json"
+    records = json.loads(train.read_text())
+    records[3]["image"].append("gone.png")
+    train.write_text(json.dumps(records))
+    assert main(["check", "synthetic"]) == 0
+    out = capsys.readouterr().out
+    assert "kept 11, skipped 1" in out and "placeholder_mismatch" in out and "e.g. syn-train-000003" in out
+    assert main(["check", "synthetic", "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "train.json: record 'syn-train-000003'" in err and "How to fix" in err
+    assert main(["check", "synthetic", "validation.mode=strict", "--refresh"]) == 1
+
+
+def test_missing_files_and_usage(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MMTUNE_DATA_ROOT", str(tmp_path))
+    assert main(["check", "mmdu_45k", "--cache-dir", str(tmp_path / "c")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["check", "no_such_config"]) == 2
+    assert "available:" in capsys.readouterr().err
+    assert main(["frobnicate"]) == 2
+    assert configs_dir().name == "configs"

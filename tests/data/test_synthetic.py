@@ -1,0 +1,104 @@
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+from PIL import Image as PILImage
+
+from mmtune.data.config import SourceConfig
+from mmtune.data.readers import load_source
+from mmtune.data.synthetic import COLORS, SHAPES, generate_synthetic, is_correct, normalize_answer
+
+
+@pytest.fixture(scope="module")
+def syn(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syn")
+    start = time.perf_counter()
+    paths = generate_synthetic(out, n_train=60, n_test=10, n_llava=40, seed=0, image_size=32)
+    return paths, time.perf_counter() - start
+
+
+def _answer_from_pixels(path):
+    """Colour and shape read back from the image alone (what a model has to learn)."""
+    a = np.asarray(PILImage.open(path).convert("RGB")).astype(int)
+    colour = min(COLORS, key=lambda c: np.abs(a[16, 16] - np.array(COLORS[c])).sum())
+    mask = np.abs(a - np.array(COLORS[colour])).sum(-1) < 90
+    fill = mask.mean()
+    shape = "square" if fill > 0.32 else "circle" if fill > 0.22 else "triangle"
+    return colour, shape
+
+
+def test_splits_are_written_fast_in_their_formats(syn):
+    p, seconds = syn
+    assert seconds < 10
+    train, test, llava = (json.load(open(f)) for f in (p.train_json, p.test_json, p.llava_json))
+    assert (len(train), len(test), len(llava)) == (60, 10, 40)
+    assert all(path.startswith("/mmdu_pics/") for r in test for path in r["image"])
+    assert {t["from"] for r in train for t in r["conversations"]} == {"user", "assistant"}
+    assert {t["from"] for r in llava for t in r["conversations"]} == {"human", "gpt"}
+    starts = sum(r["conversations"][0]["value"].startswith("<image>\n") for r in llava if "image" in r)
+    ends = sum(r["conversations"][0]["value"].endswith("\n<image>") for r in llava if "image" in r)
+    assert starts and ends and starts + ends == sum("image" in r for r in llava) < 40  # some text-only
+    later = [r for r in train if any("<ImageHere>" in t["value"] for t in r["conversations"][2::2])]
+    assert later, "some dialogues introduce images in later turns"
+    assert any(len(r["image"]) >= 3 for r in train)
+
+
+def test_every_split_loads_without_problems(syn, tmp_path):
+    p, _ = syn
+    for name, fmt, path in (("t", "mmdu", p.train_json), ("e", "mmdu", p.test_json), ("l", "llava", p.llava_json)):
+        src = load_source(SourceConfig(name=name, format=fmt, path=path, image_root=p.image_dir),
+                          mode="strict", cache_dir=str(tmp_path))
+        assert src.report.ok and src.report.records_kept == len(json.load(open(path)))
+
+
+def test_answers_are_determined_by_the_pixels(syn, tmp_path):
+    p, _ = syn
+    src = load_source(SourceConfig(name="t", format="mmdu", path=p.train_json, image_root=p.image_dir), cache_dir=str(tmp_path))
+    kinds = set()
+    for d in src.dialogues:
+        seen = [_answer_from_pixels(i.path) for i in d.images]
+        for u, a in d.exchanges():
+            q, ans = d.turns[u].text, d.turns[a].text
+            assert len(ans.split()) == 1
+            if m := re.search(r"What color is the shape in Image(\d+)\?", q):
+                assert ans == seen[int(m[1]) - 1][0]; kinds.add("color")
+            elif m := re.search(r"What shape is in Image(\d+)\?", q):
+                assert ans == seen[int(m[1]) - 1][1]; kinds.add("shape")
+            elif m := re.search(r"Do Image(\d+) and Image(\d+) have the same (color|shape)\?", q):
+                k = 0 if m[3] == "color" else 1
+                same = seen[int(m[1]) - 1][k] == seen[int(m[2]) - 1][k]
+                assert ans == ("yes" if same else "no"); kinds.add(m[3])
+            else:
+                raise AssertionError(f"unexpected question {q!r}")
+            # Questions only name images already shown.
+            shown = sum(len(t.images) for t in d.turns[: u + 1])
+            assert all(int(n) <= shown for n in re.findall(r"Image(\d+)", q))
+    assert kinds == {"color", "shape"}
+
+
+def test_vocabulary_is_small_and_yes_no_balanced(syn):
+    p, _ = syn
+    answers = [t["value"] for r in json.load(open(p.train_json)) for t in r["conversations"] if t["from"] == "assistant"]
+    assert set(answers) <= set(COLORS) | set(SHAPES) | {"yes", "no"}
+    yes, no = answers.count("yes"), answers.count("no")
+    assert yes and no and 0.25 < yes / (yes + no) < 0.75
+
+
+def test_deterministic_and_held_out(tmp_path):
+    a = generate_synthetic(tmp_path / "a", n_train=5, n_test=5, n_llava=5, seed=1)
+    b = generate_synthetic(tmp_path / "b", n_train=5, n_test=5, n_llava=5, seed=1)
+    c = generate_synthetic(tmp_path / "c", n_train=5, n_test=9, n_llava=5, seed=1)
+    for f in ("train_json", "test_json", "llava_json"):
+        assert open(getattr(a, f)).read() == open(getattr(b, f)).read()
+    assert open(a.train_json).read() == open(c.train_json).read()  # test size does not move train
+    assert json.load(open(a.train_json))[0]["id"].startswith("syn-train")
+    img = PILImage.open(f"{a.image_dir}/synthetic/syn-llava-000000.jpg")
+    assert img.format == "JPEG" and img.size == (32, 32)
+
+
+def test_answer_rule():
+    assert normalize_answer("  Red.\n") == "red"
+    assert is_correct("Yes!", "yes") and is_correct("circle", "Circle")
+    assert not is_correct("red circle", "red") and not is_correct("", "no")

@@ -1,0 +1,145 @@
+"""Every problem class, in skip mode (counted, record left out) and strict mode (raised)."""
+
+import pytest
+
+from mmtune.data.config import SourceConfig
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.readers import load_source
+from mmtune.data.validation import PROBLEMS, DataValidationError, ImageChecker, ValidationReport, check_dialogue
+
+
+def _user(v):
+    return {"from": "user", "value": v}
+
+
+def _asst(v):
+    return {"from": "assistant", "value": v}
+
+
+GOOD = {"id": "good", "image": ["a.png"], "conversations": [_user("Image1: <ImageHere>. Colour?"), _asst("Red.")]}
+
+# code -> (bad record, turn index the strict error must name or None)
+MMDU_CASES = {
+    "placeholder_mismatch": ({"id": "bad", "image": ["a.png", "c.png"], "conversations": [_user("<ImageHere> ?"), _asst("x")]}, None),
+    "missing_image": ({"id": "bad", "image": ["nope.png"], "conversations": [_user("<ImageHere> ?"), _asst("x")]}, 0),
+    "corrupt_image": ({"id": "bad", "image": ["a.png", "broken.png"], "conversations": [
+        _user("<ImageHere> ?"), _asst("x"), _user("<ImageHere> ?"), _asst("y")]}, 2),
+    "empty_conversation": ({"id": "bad", "conversations": []}, None),
+    "empty_turn": ({"id": "bad", "conversations": [_user("Hi"), _asst("  ")]}, 1),
+    "unknown_role": ({"id": "bad", "conversations": [_user("Hi"), {"from": "narrator", "value": "x"}]}, 1),
+    "placeholder_in_assistant": ({"id": "bad", "image": ["a.png"], "conversations": [_user("Hi"), _asst("<ImageHere>")]}, 1),
+    "malformed_record": ({"id": "bad", "conversations": [_user("Hi"), {"from": "assistant"}]}, 1),
+    "duplicate_id": ({"id": "good", "conversations": [_user("Hi"), _asst("Hello")]}, None),
+}
+ROLE_ORDER_CASES = {
+    "two user turns in a row": ([_user("a"), _user("b"), _asst("c")], 1),
+    "starts with assistant": ([_asst("a"), _user("b")], 0),
+    "ends with a user turn": ([_user("a"), _asst("b"), _user("c")], 2),
+}
+
+
+def _check_both_modes(path, fmt, image_root, cache_dir, code, turn, n_good=1, record_id="bad"):
+    cfg = SourceConfig(name="s", format=fmt, path=str(path), image_root=str(image_root))
+    src = load_source(cfg, mode="skip", cache_dir=cache_dir)
+    r = src.report
+    assert r.problems == {code: 1}
+    assert r.skipped == {code: 1}
+    assert (r.records_read, r.records_kept, r.records_skipped) == (n_good + 1, n_good, 1)
+    assert len(src.dialogues) == n_good
+    assert r.examples[code] and r.examples[code][0].startswith(record_id)
+    rendered = r.render()
+    assert code in rendered and PROBLEMS[code][1] in rendered and f"e.g. {record_id}" in rendered
+
+    with pytest.raises(DataValidationError) as e:
+        load_source(cfg, mode="strict", cache_dir=cache_dir + "-strict")
+    msg = str(e.value)
+    assert str(path) in msg and f"record {record_id!r}" in msg and f"[{code}]" in msg and "How to fix:" in msg
+    if turn is not None:
+        assert f"turn {turn}:" in msg
+    # The cached skip-mode entry also refuses strict mode, naming the same problem.
+    with pytest.raises(DataValidationError, match=rf"\[{code}\]"):
+        load_source(cfg, mode="strict", cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("code", sorted(MMDU_CASES))
+def test_problem_class_in_skip_and_strict_mode(code, tmp_path, pics, cache_dir, write_json):
+    bad, turn = MMDU_CASES[code]
+    path = write_json(tmp_path / "d.json", [GOOD, bad])
+    _check_both_modes(path, "mmdu", pics, cache_dir, code, turn, record_id=bad["id"])
+
+
+@pytest.mark.parametrize("case", sorted(ROLE_ORDER_CASES))
+def test_role_order_variants(case, tmp_path, pics, cache_dir, write_json):
+    turns, turn = ROLE_ORDER_CASES[case]
+    path = write_json(tmp_path / "d.json", [GOOD, {"id": "bad", "conversations": turns}])
+    _check_both_modes(path, "mmdu", pics, cache_dir, "role_order", turn)
+    src = load_source(SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics)), cache_dir=cache_dir)
+    assert case in src.report.examples["role_order"][0]
+
+
+def test_invalid_json_and_non_utf8_lines_in_jsonl(tmp_path, pics, cache_dir):
+    good = b'{"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(good + b'{"id": "x", "messages": [\n')
+    _check_both_modes(path, "messages", pics, cache_dir, "invalid_json", None, record_id="line 2")
+    path2 = tmp_path / "chat2.jsonl"
+    path2.write_bytes(good + good.replace(b'"ok"', b'"caf\xe9"'))
+    _check_both_modes(path2, "messages", pics, cache_dir + "2", "non_utf8", None, record_id="line 2")
+
+
+def test_non_utf8_inside_a_json_list_skips_only_that_record(tmp_path, pics, cache_dir):
+    path = tmp_path / "latin.json"
+    path.write_bytes(b'[{"id": "good", "conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "yo"}]},\n'
+                     b' {"id": "bad", "conversations": [{"from": "user", "value": "caf\xe9"}, {"from": "assistant", "value": "yo"}]}]')
+    _check_both_modes(path, "mmdu", pics, cache_dir, "non_utf8", None)
+
+
+def test_several_problems_counted_per_class_and_skips_add_up(tmp_path, pics, cache_dir, write_json):
+    records = [GOOD]
+    records.append({"id": "two", "image": ["nope.png"], "conversations": [_asst("<ImageHere>"), _user("b")]})
+    for i in range(7):
+        records.append({"id": f"m{i}", "image": [f"missing{i}.png"], "conversations": [_user("<ImageHere>"), _asst("x")]})
+    path = write_json(tmp_path / "d.json", records)
+    src = load_source(SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics)),
+                      cache_dir=cache_dir, max_examples=3)
+    r = src.report
+    # "two" shows three classes; it is skipped once, under its first problem.
+    assert r.problems == {"missing_image": 8, "placeholder_in_assistant": 1, "role_order": 1}
+    assert sum(r.skipped.values()) == r.records_skipped == 8
+    assert r.records_kept == 1 and len(r.examples["missing_image"]) == 3
+    assert ValidationReport.from_dict(r.to_dict()) == r
+
+
+def test_image_checks_are_configurable(tmp_path, pics, cache_dir, write_json):
+    bad, _ = MMDU_CASES["corrupt_image"]
+    path = write_json(tmp_path / "d.json", [GOOD, bad])
+    cfg = SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics))
+    assert load_source(cfg, mode="strict", cache_dir=cache_dir, check_images="exists").report.ok
+    missing, _ = MMDU_CASES["missing_image"]
+    path = write_json(tmp_path / "d.json", [GOOD, missing])
+    assert load_source(cfg, mode="strict", cache_dir=cache_dir, check_images="none").report.records_kept == 2
+
+
+def test_check_dialogue_directly_and_image_checker_caches(pics):
+    d = Dialogue("d", "s", (Turn("system", ("Be brief.",)), Turn("user", (Image(str(pics / "a.png")), "?")), Turn("assistant", ("red",))))
+    assert check_dialogue(d, 0, ImageChecker("verify")) == []
+    only_system = Dialogue("e", "s", (Turn("system", ("x",)),))
+    assert [p.code for p in check_dialogue(only_system, 0)] == ["empty_conversation"]
+    checker = ImageChecker("verify")
+    assert checker.check(str(pics / "broken.png"))[0] == "corrupt_image"
+    (pics / "broken.png").unlink()
+    assert checker.check(str(pics / "broken.png"))[0] == "corrupt_image"  # answered from the per-path memo
+
+
+def test_every_problem_class_is_covered_by_a_test():
+    covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8"}
+    assert covered == set(PROBLEMS)
+
+
+def test_non_utf8_id_is_reported_printably(tmp_path, pics, cache_dir):
+    path = tmp_path / "latin.json"
+    path.write_bytes(b'[{"id": "caf\xe9", "conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "yo"}]}]')
+    report = load_source(SourceConfig(name="s", format="mmdu", path=str(path)), cache_dir=cache_dir).report
+    assert report.skipped == {"non_utf8": 1} and report.records_kept == 0
+    report.render().encode("utf-8")  # printable: no lone surrogates left
+    assert "caf\\udce9" in report.examples["non_utf8"][0]

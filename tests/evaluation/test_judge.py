@@ -1,0 +1,190 @@
+import io
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mmtune.evaluation.config import JudgeConfig
+from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from mmtune.evaluation.judge import JudgeCache, JudgeClient, JudgeRequest
+
+KEY = "sk-test-SECRET-4f7a9c"
+
+
+def make_client(server, tmp_path, **overrides):
+    settings = dict(model="gpt-4o-2024-05-13", backoff_base_s=0.001, backoff_max_s=0.01, timeout_s=2.0)
+    cfg = JudgeConfig(**{**settings, **overrides})
+    env = {"MMTUNE_JUDGE_BASE_URL": server.base_url, "MMTUNE_JUDGE_API_KEY": KEY}
+    return JudgeClient(cfg, cache_path=tmp_path / "cache.sqlite", env=env)
+
+
+def test_retries_on_429_500_timeout_and_garbage_then_succeeds(tmp_path):
+    script = [
+        Scripted(status=429, headers={"retry-after": "0"}),
+        Scripted(status=500),
+        Scripted(status=503),
+        Scripted(raw=b"<html>not json</html>"),
+        Scripted(raw=b'{"id": "x", "object": "chat.completion", "choices": []}'),
+        Scripted(content="slow", delay_s=1.0),
+        Scripted(content="final answer"),
+    ]
+    calls = iter(script)
+    with FakeJudgeServer(lambda body: next(calls)) as server:
+        client = make_client(server, tmp_path, timeout_s=0.3, max_retries=7)
+        sleeps = []
+        client._sleep = sleeps.append
+        response = client.judge(JudgeRequest("q"))
+    assert response.content == "final answer" and not response.cached
+    assert len(server.requests) == 7
+    assert client.stats.retries == 6 and client.stats.completed == 1 and client.stats.calls == 7
+    # backoff: full jitter under an exponentially growing cap (base 0.001, max 0.01)
+    caps = [min(0.01, 0.001 * 2**i) for i in range(6)]
+    assert all(0 <= s <= c for s, c in zip(sleeps, caps)) and len(sleeps) == 6
+
+
+def test_gives_up_after_max_retries_and_does_not_retry_400(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(status=500)) as server:
+        client = make_client(server, tmp_path, max_retries=2)
+        response = client.judge(JudgeRequest("q"))
+        assert response.content is None and "after 3 attempts" in response.error and "500" in response.error
+        assert len(server.requests) == 3 and client.stats.failed == 1
+    with FakeJudgeServer(lambda body: Scripted(status=400, content="bad model")) as server:
+        client = make_client(server, tmp_path, max_retries=5)
+        response = client.judge(JudgeRequest("q2"))
+        assert response.content is None and "HTTP 400" in response.error
+        assert len(server.requests) == 1
+
+
+def test_backoff_grows_exponentially_with_jitter():
+    cfg = JudgeConfig(model="m", backoff_base_s=1.0, backoff_max_s=8.0, max_retries=5)
+
+    with FakeJudgeServer(lambda body: Scripted(status=429)) as server:
+        sleeps = []
+        client = JudgeClient(cfg, env={"MMTUNE_JUDGE_BASE_URL": server.base_url}, sleep=sleeps.append, rng=random.Random(0))
+        client.judge(JudgeRequest("q"))
+    rng = random.Random(0)
+    expected = [rng.uniform(0, min(8.0, 2.0**i)) for i in range(5)]
+    assert sleeps == pytest.approx(expected)
+
+
+def test_cache_hits_and_run_index_and_settings_in_key(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(content=f"t={body['temperature']}")) as server:
+        client = make_client(server, tmp_path)
+        first = client.judge(JudgeRequest("same"))
+        again = client.judge(JudgeRequest("same"))
+        run1 = client.judge(JudgeRequest("same", run_index=1))
+        hot = client.judge(JudgeRequest("same", temperature=0.5))
+        assert (first.cached, again.cached, run1.cached, hot.cached) == (False, True, False, False)
+        assert again.content == first.content and hot.content == "t=0.5"
+        assert len(server.requests) == 3 and client.stats.cache_hits == 1
+        client.close()
+        # a new client on the same cache file pays nothing
+        client2 = make_client(server, tmp_path)
+        assert client2.judge(JudgeRequest("same", run_index=1)).cached
+        assert len(server.requests) == 3
+
+
+def test_concurrency_is_bounded_and_order_kept(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(content=body["messages"][-1]["content"].upper(), delay_s=0.1)) as server:
+        client = make_client(server, tmp_path, concurrency=3)
+        requests = [JudgeRequest(f"p{i}") for i in range(12)]
+        responses = client.judge_many(requests)
+    assert [r.content for r in responses] == [f"P{i}" for i in range(12)]
+    # never more than the limit, and calls really overlap (a loaded CI machine may not hit exactly 3)
+    assert 2 <= server.max_in_flight <= 3
+
+
+def test_token_counts_and_cost(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(content="x" * 40)) as server:
+        client = make_client(server, tmp_path, prices={"gpt-4o": {"input": 2.5, "output": 10.0}, "gpt-4": {"input": 99, "output": 99}})
+        client.judge(JudgeRequest("a"))
+        body_tokens = len(json.dumps(server.requests[0]["messages"])) // 4
+    assert client.stats.prompt_tokens == body_tokens and client.stats.completion_tokens == 10
+    # longest matching price prefix ("gpt-4o") is used
+    assert client.stats.cost_usd == pytest.approx((body_tokens * 2.5 + 10 * 10.0) / 1e6)
+
+
+def test_images_sent_only_when_enabled_and_hashed_into_key(tmp_path):
+    img = tmp_path / "a.png"
+    img.write_bytes(b"\x89PNG fake bytes")
+    with FakeJudgeServer(lambda body: Scripted(content="ok")) as server:
+        text_only = make_client(server, tmp_path)
+        text_only.judge(JudgeRequest("q", images=(str(img),)))
+        with_images = make_client(server, tmp_path / "b", send_images=True)
+        with_images.judge(JudgeRequest("q", images=(str(img),)))
+        key_before = with_images.cache_key(JudgeRequest("q", images=(str(img),)))
+    assert isinstance(server.requests[0]["messages"][-1]["content"], str)
+    parts = server.requests[1]["messages"][-1]["content"]
+    assert parts[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    img.write_bytes(b"other bytes")
+    fresh = make_client(server, tmp_path / "c", send_images=True)
+    assert fresh.cache_key(JudgeRequest("q", images=(str(img),))) != key_before
+
+
+def test_key_never_logged_or_stored(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger().addHandler(handler)
+    try:
+        script = iter([Scripted(status=500), Scripted(status=401, content=f"invalid key {KEY}"), Scripted(content="fine")])
+        with FakeJudgeServer(lambda body: next(script)) as server:
+            client = make_client(server, tmp_path, max_retries=1)
+            bad = client.judge(JudgeRequest("q"))
+            good = client.judge(JudgeRequest("q2"))
+            client.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert good.ok and not bad.ok
+    assert server.auth_headers[0] == f"Bearer {KEY}"  # it did reach the endpoint
+    everything = stream.getvalue() + caplog.text + bad.error + repr(client.stats.to_dict())
+    everything += (tmp_path / "cache.sqlite").read_bytes().decode("latin-1")
+    assert KEY not in everything
+
+
+CHILD = r"""
+import sys
+from mmtune.evaluation.config import JudgeConfig
+from mmtune.evaluation.judge import JudgeClient, JudgeRequest
+cfg = JudgeConfig(model="m", concurrency=2)
+client = JudgeClient(cfg, cache_path=sys.argv[2], env={"MMTUNE_JUDGE_BASE_URL": sys.argv[1]})
+client.judge_many([JudgeRequest(f"item {i}") for i in range(int(sys.argv[3]))])
+print("done", flush=True)
+"""
+
+
+def test_no_duplicate_paid_calls_after_sigkill_and_resume(tmp_path):
+    n = 30
+    with FakeJudgeServer(lambda body: Scripted(content="ok", delay_s=0.05)) as server:
+        cache = tmp_path / "cache.sqlite"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        child = subprocess.Popen([sys.executable, "-c", CHILD, server.base_url, str(cache), str(n)], env=env)
+        deadline = time.time() + 60
+        while len(server.requests) < 10 and time.time() < deadline:
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        stored_before = JudgeCache(cache)
+        done_keys = len(stored_before)
+        assert 0 < done_keys < n, "the child must be killed mid-run"
+        first_run_prompts = server.prompts()
+        stored_before.close()
+        out = subprocess.run([sys.executable, "-c", CHILD, server.base_url, str(cache), str(n)], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "done", out.stderr
+    second_run_prompts = server.prompts()[len(first_run_prompts):]
+    # every item is answered, and only the items not cached before the kill were asked again
+    assert sorted(set(first_run_prompts) | set(second_run_prompts)) == sorted(f"item {i}" for i in range(n))
+    assert len(second_run_prompts) == n - done_keys
+    # at most the calls in flight at kill time (<= concurrency) were paid twice
+    assert len(set(first_run_prompts) & set(second_run_prompts)) <= 2
+
+
+def test_missing_model_name_says_how_to_fix():
+    with pytest.raises(Exception, match="MMTUNE_JUDGE_MODEL"):
+        JudgeClient(JudgeConfig(), env={})

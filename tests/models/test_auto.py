@@ -1,0 +1,166 @@
+"""Generic auto adapter: chat-template-driven turn segments, prefix-stability check, exact labels."""
+
+import pytest
+from PIL import Image as PILImage
+
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.encoding import encode_example
+from mmtune.models.auto import AutoAdapter, TemplateNotPrefixStableError
+from mmtune.models.base import IGNORE_INDEX
+from mmtune.models.config import ModelConfig
+from mmtune.models.registry import build_adapter
+
+CHATML = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+    "{%- for c in m['content'] -%}"
+    "{%- if c['type'] == 'image' -%}{{- '<image>' -}}{%- else -%}{{- c['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# counts the messages in a header: earlier tokens change as turns are added
+UNSTABLE = "{{- messages | length | string + ' turns: ' -}}" + CHATML
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return build_adapter(ModelConfig(family="llava"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, llava):
+    """A tiny random LLaVA saved as a normal HF checkpoint (model + processor + template)."""
+    root = tmp_path_factory.mktemp("tiny_llava")
+    llava.load_model().save_pretrained(root)
+    llava.save_pretrained(root)
+    return root
+
+
+def _with_template(llava, tmp_path, template):
+    processor = llava.processor
+    old = processor.chat_template
+    processor.chat_template = template
+    try:
+        processor.save_pretrained(tmp_path)
+    finally:
+        processor.chat_template = old
+    llava.model_config.save_pretrained(tmp_path)
+    return build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "a.png"
+    PILImage.new("RGB", (80, 60), (255, 0, 0)).save(path)
+    return str(path)
+
+
+def _dialogue(image):
+    return Dialogue(
+        "d",
+        "t",
+        (
+            Turn("user", ("Image1: ", Image(image), ". What colour is the shape?")),
+            Turn("assistant", ("red",)),
+            Turn("user", ("And the shape?",)),
+            Turn("assistant", ("A square.\nYes",)),
+        ),
+    )
+
+
+def _spans(example):
+    spans, current = [], []
+    for label in example.labels:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
+
+
+def test_reproduces_the_llava_adapter_on_its_own_template(llava, checkpoint, image):
+    auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
+    assert isinstance(auto, AutoAdapter)
+    dialogue = _dialogue(image)
+    a = encode_example(llava, dialogue, max_length=None)
+    b = encode_example(auto, dialogue, max_length=None)
+    assert a.input_ids == b.input_ids and a.labels == b.labels
+    assert [r.num_tokens for r in b.images] == [16]
+    gen = Dialogue("g", "t", dialogue.turns[:3])
+    ea = llava.encode_dialogue(gen, add_generation_prompt=True)
+    eb = auto.encode_dialogue(gen, add_generation_prompt=True)
+    assert [i for c in ea.suffix for i in c.ids] == [i for c in eb.suffix for i in c.ids]
+
+
+def test_chatml_labels_are_content_plus_end_of_turn(llava, tmp_path, image):
+    auto = _with_template(llava, tmp_path, CHATML)
+    dialogue = _dialogue(image)
+    example = encode_example(auto, dialogue, max_length=None)
+    decoded = [auto.tokenizer.decode(s) for s in _spans(example)]
+    assert decoded == ["red<|im_end|>\n", "A square.\nYes<|im_end|>\n"]
+    rendered = auto.processor.apply_chat_template(
+        [auto._message(t.role, t.segments) for t in dialogue.turns], tokenize=False
+    )
+    ids = auto.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    collapsed = [t for k, t in enumerate(example.input_ids) if not (t == auto.image_token_id and example.input_ids[k - 1] == t)]
+    assert collapsed == ids
+    last = encode_example(auto, dialogue, max_length=None, train_on="last_assistant")
+    assert [auto.tokenizer.decode(s) for s in _spans(last)] == ["A square.\nYes<|im_end|>\n"]
+
+
+def test_unstable_template_raises_a_clear_error(llava, tmp_path, image):
+    auto = _with_template(llava, tmp_path, UNSTABLE)
+    with pytest.raises(TemplateNotPrefixStableError, match=r"dialogue 'd', turn 1: .*not prefix-stable"):
+        auto.encode_dialogue(_dialogue(image))
+
+
+def test_image_count_reads_only_the_header(checkpoint, tmp_path):
+    auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
+    full = tmp_path / "big.jpg"
+    PILImage.effect_noise((800, 600), 64).convert("RGB").save(full, quality=90)
+    header_only = tmp_path / "cut.jpg"
+    header_only.write_bytes(full.read_bytes()[:2000])
+    with pytest.raises(OSError):  # the pixels cannot be decoded from this file...
+        PILImage.open(header_only).load()
+    assert auto.image_token_count(Image(str(header_only))) == 16  # ...but its size can be read
+
+
+def test_needs_a_checkpoint_path():
+    with pytest.raises(ValueError, match="model.family=auto needs model.path"):
+        AutoAdapter(ModelConfig(family="auto"))
+
+
+def test_model_groups_and_dummy_loss(checkpoint):
+    auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
+    model = auto.load_model()
+    groups = auto.module_groups(model)
+    ids = [id(p) for g in (groups.vision, groups.projector, groups.language_model) for m in g for p in m.parameters()]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    loss = auto.vision_dummy_loss(model)
+    loss.backward()
+    projector = groups.projector[0]
+    assert loss.item() == 0.0
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in projector.parameters())
+
+
+def test_processors_with_more_image_inputs_are_rejected(checkpoint):
+    import torch
+    from transformers import BatchFeature
+
+    from mmtune.models.auto import UnsupportedProcessorError
+
+    auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
+
+    class TiledProcessor:  # what LLaVA-NeXT-style processors return: tiles + image sizes
+        def __call__(self, images, return_tensors=None):
+            return BatchFeature({"pixel_values": torch.zeros(1, 5, 3, 8, 8), "image_sizes": torch.tensor([[48, 64]])})
+
+    auto.processor.image_processor, original = TiledProcessor(), auto.processor.image_processor
+    try:
+        with pytest.raises(UnsupportedProcessorError, match=r"\['image_sizes', 'pixel_values'\].*family adapter"):
+            auto._check_expansion()
+    finally:
+        auto.processor.image_processor = original

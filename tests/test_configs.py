@@ -1,0 +1,93 @@
+"""Every YAML under configs/ composes through Hydra and validates against its typed schema.
+
+- ``configs/<group>/<name>.yaml`` for a group of the SFT run (``model``, ``data``, ...,
+  ``experiment``): composed into ``sft.yaml`` as ``<group>=<name>`` and turned into a
+  validated :class:`~mmtune.training.config.SFTConfig`.
+- a top-level ``configs/<name>.yaml``: composed as a primary config, after registering
+  every schema the project ships (a primary config names its schema in ``defaults``).
+"""
+
+import importlib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mmtune.training.config import SFTConfig, register_configs, to_sft_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SFT_GROUPS = {f.name for f in fields(SFTConfig)} | {"experiment"}
+# Modules that register structured-config schemas for primary configs other than sft.yaml.
+SCHEMA_MODULES = ("mmtune.training.config", "mmtune.evaluation.config", "mmtune.training.plan")
+
+
+def _register_all() -> None:
+    register_configs()
+    for name in SCHEMA_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        for attr in ("register_configs", "register_schemas"):
+            if hasattr(module, attr):
+                getattr(module, attr)()
+
+
+def _all_yaml() -> list[Path]:
+    return sorted(p.relative_to(CONFIGS) for p in CONFIGS.rglob("*.yaml"))
+
+
+def _in_sft_defaults(group: str) -> bool:
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIGS / "sft.yaml")).get("defaults", [])
+    return any(isinstance(d, dict) and any(k.split(" ")[-1] == group for k in d) for d in defaults)
+
+
+@pytest.fixture(scope="module")
+def hydra_context():
+    _register_all()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        yield
+
+
+@pytest.mark.parametrize("relpath", _all_yaml(), ids=str)
+def test_config_composes_and_validates(relpath: Path, hydra_context):
+    if len(relpath.parts) == 1:
+        cfg = compose(config_name=relpath.stem)
+        if relpath.stem == "sft":
+            to_sft_config(cfg)
+        assert len(cfg) > 0
+        return
+    group = relpath.parts[0]
+    name = str(relpath.with_suffix("").relative_to(group))
+    if group not in SFT_GROUPS:
+        pytest.fail(f"configs/{relpath}: group {group!r} is not part of any known schema; "
+                    f"SFT groups are {sorted(SFT_GROUPS)}")
+    override = f"{group}={name}" if _in_sft_defaults(group) else f"+{group}={name}"
+    cfg = compose(config_name="sft", overrides=[override])
+    config = to_sft_config(cfg)
+    assert isinstance(config, SFTConfig)
+
+
+def test_unknown_key_and_wrong_type_fail_at_start_up(hydra_context):
+    from hydra.errors import ConfigCompositionException as HydraCompositionError
+
+    with pytest.raises(HydraCompositionError, match="learning_rate"):
+        compose(config_name="sft", overrides=["training.learning_rate=1e-4"])
+    with pytest.raises(HydraCompositionError, match="training.epochs"):
+        compose(config_name="sft", overrides=["training.epochs=many"])
+
+
+def test_semantic_problems_are_collected_into_one_error(hydra_context):
+    from mmtune.training.config import ConfigError
+
+    cfg = compose(config_name="sft", overrides=["training.mixed_precision=fp8", "peft.method=dora",
+                                                "training.gradient_accumulation_steps=0"])
+    with pytest.raises(ConfigError) as info:
+        to_sft_config(cfg)
+    message = str(info.value)
+    for key in ("training.mixed_precision", "peft.method", "training.gradient_accumulation_steps"):
+        assert key in message

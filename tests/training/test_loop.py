@@ -1,0 +1,77 @@
+"""The training loop: token-weighted loss across micro-batches, freezing, group learning rates."""
+
+import copy
+
+import pytest
+import torch
+
+from mmtune.training.config import to_sft_config
+from mmtune.training.demo import compose_sft_config
+from mmtune.training.loop import SFTRecipe, token_weighted_loss_sum
+
+
+@pytest.fixture
+def make_recipe(tmp_path, synthetic_dir, tiny_overrides):
+    def make(*extra):
+        cfg = to_sft_config(compose_sft_config(tiny_overrides(tmp_path / "run", synthetic_dir, *extra)))
+        recipe = SFTRecipe(cfg)
+        recipe.setup()
+        return recipe
+    return make
+
+
+
+
+def test_accumulated_gradient_is_the_token_weighted_mean(make_recipe):
+    recipe = make_recipe("training.gradient_accumulation_steps=3", "training.max_steps=1",
+                     "training.max_grad_norm=null", "collator.batch_size=2")
+    reference = copy.deepcopy(recipe.accelerator.unwrap_model(recipe.model))
+    captured = {}
+    inner_step = recipe.optimizer.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        captured.update({n: p.grad.clone() for n, p in recipe.model.named_parameters() if p.grad is not None})
+        return inner_step(*args, **kwargs)
+
+    recipe.optimizer.optimizer.step = capture_then_step
+    micro = [item for item, _ in zip(recipe.data.dataloader(0), range(3))]
+    recipe.train()
+
+    # Reference: one backward of (sum of token losses of all 3 micro-batches) / (their loss tokens).
+    total_tokens = sum(int(batch["num_loss_tokens"]) for batch, _ in micro)
+    assert len({int(b["num_loss_tokens"]) for b, _ in micro}) > 1, "micro-batches should differ in loss tokens"
+    loss = 0
+    for batch, _ in micro:
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"], pixel_values=batch["pixel_values"]).logits
+        loss = loss + token_weighted_loss_sum(logits, batch["labels"])
+    (loss / total_tokens).backward()
+    assert captured
+    for name, param in reference.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(captured[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    recipe.cleanup()
+
+
+def test_frozen_groups_stay_fixed_and_group_lrs_apply(make_recipe):
+    recipe = make_recipe("training.max_steps=2", "training.vision.train=false",
+                     "training.projector.lr=1e-2", "training.lr=1e-3", "training.warmup_ratio=0.0",
+                     "training.lr_scheduler=constant")
+    model = recipe.accelerator.unwrap_model(recipe.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    recipe.train()
+    vision = [n for n in before if ".vision_tower." in n]
+    projector = [n for n in before if ".multi_modal_projector." in n]
+    assert vision and projector
+    params = dict(model.named_parameters())
+    assert all(torch.equal(before[n], params[n]) for n in vision)
+    assert all(not params[n].requires_grad for n in vision)
+    assert any(not torch.equal(before[n], params[n]) for n in projector)
+    lrs = {g["name"]: g["lr"] for g in recipe.optimizer.param_groups}
+    assert lrs["projector/decay"] == pytest.approx(1e-2) and lrs["language_model/decay"] == pytest.approx(1e-3)
+    assert not any(name.startswith("vision/") for name in lrs)
+    # no weight decay on norms and biases
+    for group in recipe.optimizer.param_groups:
+        if group["name"].endswith("no_decay"):
+            assert group["weight_decay"] == 0.0 and all(p.ndim < 2 for p in group["params"])
+    recipe.cleanup()
