@@ -3,11 +3,18 @@ import json
 import pytest
 
 from mmtune.evaluation.common import TurnPrediction, load_mmdu_dialogues
-from mmtune.evaluation.synthetic import normalize, score_synthetic
+from mmtune.data.dialogue import Dialogue, Turn
+from mmtune.evaluation.synthetic import score_synthetic
 
 
-def test_normalize():
-    assert normalize("  The shape is a Red Square! ") == normalize("the shape is a red square.") == "theshapeisaredsquare"
+def test_correct_answers_follow_the_data_rule():
+    """Case, whitespace runs and surrounding punctuation do not count; inner text does."""
+    reference = "the shape is a red square."
+    dialogue = Dialogue("d", "synthetic", (Turn("user", ("Shape?",)), Turn("assistant", (reference,))) * 3, {})
+    answers = ["  The shape is a Red Square! ", "the shape is a redsquare", "the shape, is a red square"]
+    preds = {("d", t): TurnPrediction(a, {}) for t, a in enumerate(answers)}
+    _, records = score_synthetic([dialogue], preds, run="r", model="m")
+    assert [r["correct"] for r in records] == [True, False, False]
 
 
 def test_exact_match_and_per_turn(tmp_path):

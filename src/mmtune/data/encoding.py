@@ -27,7 +27,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.dialogue import Dialogue
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["TRAIN_ON", "ImageRef", "Example", "flatten", "select_trainable", "encode_example", "encode_examples"]
+__all__ = [
+    "TRAIN_ON",
+    "ImageRef",
+    "Example",
+    "flatten",
+    "select_trainable",
+    "encode_dialogues",
+    "encode_example",
+    "encode_examples",
+]
 
 TRAIN_ON = ("all_assistant", "last_assistant")
 
@@ -171,6 +180,21 @@ def encode_example(
     )
 
 
+def encode_dialogues(
+    adapter: "ModelAdapter",
+    dialogues: Sequence["Dialogue"],
+    *,
+    system_prompt: str | None = None,
+    train_on: str = "all_assistant",
+) -> list[EncodedDialogue]:
+    """Render many dialogues: the adapter's batched ``encode_many`` when it has one (one
+    tokenizer call for all text pieces), else ``encode_dialogue`` one by one."""
+    encode_many = getattr(adapter, "encode_many", None)
+    if encode_many is not None:
+        return encode_many(dialogues, system_prompt=system_prompt, train_on=train_on)
+    return [adapter.encode_dialogue(d, system_prompt=system_prompt, train_on=train_on) for d in dialogues]
+
+
 def encode_examples(
     adapter: "ModelAdapter",
     dialogues: Sequence["Dialogue"],
@@ -181,15 +205,8 @@ def encode_examples(
     system_prompt: str | None = None,
     stats: TruncationStats | None = None,
 ) -> list[Example | None]:
-    """:func:`encode_example` for many dialogues; uses the adapter's batched ``encode_many``
-    when it has one (one tokenizer call for all text pieces)."""
-    encode_many = getattr(adapter, "encode_many", None)
-    if encode_many is not None:
-        encoded_list = encode_many(dialogues, system_prompt=system_prompt, train_on="all_assistant")
-    else:
-        encoded_list = [
-            adapter.encode_dialogue(d, system_prompt=system_prompt, train_on="all_assistant") for d in dialogues
-        ]
+    """:func:`encode_example` for many dialogues, rendered with :func:`encode_dialogues`."""
+    encoded_list = encode_dialogues(adapter, dialogues, system_prompt=system_prompt, train_on="all_assistant")
     return [
         _finish(adapter, d, e, max_length=max_length, truncation=truncation, train_on=train_on, stats=stats)
         for d, e in zip(dialogues, encoded_list)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from mmtune.data.encoding import encode_dialogues
 from mmtune.data.truncation import TruncationStats, fit_turns, truncate
 from mmtune.models.base import ImageChunk
 
@@ -121,12 +122,7 @@ def _lengths_of_range(
         if max_length is None:
             stats.samples += len(batch)
         return lengths, full, images, stats
-    encode_many = getattr(adapter, "encode_many", None)
-    if encode_many is not None:
-        encoded_list = encode_many(batch, system_prompt=system_prompt, train_on=train_on)
-    else:
-        encoded_list = [adapter.encode_dialogue(d, system_prompt=system_prompt, train_on=train_on) for d in batch]
-    for i, encoded in enumerate(encoded_list):
+    for i, encoded in enumerate(encode_dialogues(adapter, batch, system_prompt=system_prompt, train_on=train_on)):
         full[i] = encoded.length
         kept = truncate(encoded, max_length, truncation, stats=stats) if max_length is not None else encoded
         if kept is None:

@@ -1,28 +1,24 @@
 """The synthetic held-out split: exact match after normalisation, no judge.
 
-Answers of the synthetic data are short and determined by the pixels ("The shape in
-Image1 is a red square."), so comparing the model's answer with the reference after
-lower-casing and removing punctuation and whitespace is a sound score, and CI and the
-demo evaluate without any server. Metric ``exact_match`` in percent, plus one value per
+Answers of the synthetic data are short and determined by the pixels (one word: a
+colour, a shape, yes or no), so exact match is a sound score, and CI and the demo
+evaluate without any server. What counts as correct is the data layer's rule,
+:func:`mmtune.data.synthetic.is_correct` (equal after lower-casing, collapsing
+whitespace and stripping surrounding punctuation), so the generator and the benchmark
+cannot disagree. Metric ``exact_match`` in percent, plus one value per
 turn index (``turn/<i>``) to show whether later turns degrade.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
+from mmtune.data.synthetic import is_correct
 from mmtune.evaluation.common import TurnPrediction
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["normalize", "score_synthetic"]
-
-
-def normalize(text: str) -> str:
-    """Lower-case; drop punctuation, symbols and all whitespace (NFKC first)."""
-    text = unicodedata.normalize("NFKC", text).lower()
-    return "".join(ch for ch in text if not (ch.isspace() or unicodedata.category(ch)[0] in "PS"))
+__all__ = ["score_synthetic"]
 
 
 def score_synthetic(
@@ -42,7 +38,7 @@ def score_synthetic(
             answer = prediction.answer if prediction is not None else None
             records.append(
                 {"dialogue_id": dialogue.id, "turn": t, "reference": reference, "answer": answer,
-                 "correct": answer is not None and normalize(answer) == normalize(reference)}
+                 "correct": answer is not None and is_correct(answer, reference)}
             )
     metrics = {"exact_match": 100.0 * sum(r["correct"] for r in records) / len(records) if records else float("nan")}
     by_turn: dict[int, list[bool]] = {}

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mmtune.data.dialogue import Image
+from mmtune.models._utils import load_dtype_and_attention, state_fingerprint
 from mmtune.models.base import (
     EncodedDialogue,
     EncodedTurn,
@@ -167,7 +167,7 @@ class AutoAdapter(ModelAdapter):
             "vocab": len(self.tokenizer),
             "image_processor": self.processor.image_processor.to_dict(),
         }
-        return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return state_fingerprint(state)
 
     @staticmethod
     def _message(role: str, segments: Sequence[Any]) -> dict:
@@ -286,12 +286,9 @@ class AutoAdapter(ModelAdapter):
         return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
 
     def load_model(self, **kwargs: Any) -> "nn.Module":
-        import torch
         from transformers import AutoModelForImageTextToText
 
-        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or self.config.torch_dtype
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        attn = kwargs.pop("attn_implementation", None) or self.config.attn_implementation
+        dtype, attn = load_dtype_and_attention(kwargs, self.config)
         kwargs.pop("seed", None)
         return AutoModelForImageTextToText.from_pretrained(
             self.config.path,

@@ -28,15 +28,12 @@ it in the tokenizer as the added special token ``<ImageHere>`` so ids still deco
 # No `from __future__ import annotations`: transformers reads `config: <ConfigClass>` annotations at run time.
 
 import copy
-import functools
 import glob
-import hashlib
 import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,16 +53,19 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from mmtune.data.dialogue import Image
-from mmtune.models.base import (
-    EncodedDialogue,
-    EncodedTurn,
-    ImageChunk,
-    ModelAdapter,
-    ModuleGroups,
-    TokenChunk,
+from mmtune.models._utils import (
+    Piece,
+    PieceAdapter,
+    Plan,
+    build_random_model,
+    deep_update,
+    load_dtype_and_attention,
+    state_fingerprint,
 )
+from mmtune.models.base import ModuleGroups
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
+from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -905,31 +905,6 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
-def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_update(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _tiny_tokenizer(vocab_size: int):
-    # Training the BPE takes ~0.5 s; adapters for the same vocabulary share it.
-    from mmtune.models.tiny_tokenizer import build_tiny_tokenizer
-
-    return build_tiny_tokenizer(
-        _TINY_SPECIAL_TOKENS,
-        vocab_size=vocab_size,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="</s>",  # InternLM2 pads with eos
-    )
-
-
 def _load_tokenizer(path: str, trust_remote_code: bool):
     """The checkpoint's tokenizer without running its code where possible.
 
@@ -972,17 +947,8 @@ def unwrap_model(model: nn.Module) -> InternLMXComposer2ForCausalLM:
     )
 
 
-@dataclass
-class _Piece:
-    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image."""
-
-    kind: str  # "text" | "ids" | "image"
-    value: Any
-    trainable: bool = False
-
-
 @register_adapter
-class InternLMXComposer2Adapter(ModelAdapter):
+class InternLMXComposer2Adapter(PieceAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
 
     Rendering (no system prompt in the official fine-tuning data)::
@@ -997,6 +963,9 @@ class InternLMXComposer2Adapter(ModelAdapter):
     label boundaries; special-token strings inside dialogue text are not parsed as
     control tokens. Images are always resized to a square, as the official model does
     (``ModelConfig.image_aspect_ratio`` is not read).
+
+    In ``encode_dialogue`` / ``encode_many`` a leading system turn wins over
+    ``system_prompt``; the default is no system prompt, as in the official fine-tuning data.
     """
 
     family = "internlm_xcomposer2"
@@ -1009,9 +978,19 @@ class InternLMXComposer2Adapter(ModelAdapter):
     def __init__(self, config: ModelConfig):
         self.config = config
         if config.path is None:
-            arch = _deep_update(TINY_ARCHITECTURE, config.architecture)
+            arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
-            tokenizer = copy.deepcopy(_tiny_tokenizer(vocab_size))
+            # a copy: the image token is added below, and the cached tokenizer is shared
+            tokenizer = copy.deepcopy(
+                cached_tiny_tokenizer(
+                    _TINY_SPECIAL_TOKENS,
+                    vocab_size=vocab_size,
+                    unk_token="<unk>",
+                    bos_token="<s>",
+                    eos_token="</s>",
+                    pad_token="</s>",  # InternLM2 pads with eos
+                )
+            )
             arch["text_config"]["vocab_size"] = len(tokenizer)
             if config.image_size is not None:
                 arch["vision_config"]["image_size"] = int(config.image_size)
@@ -1075,12 +1054,12 @@ class InternLMXComposer2Adapter(ModelAdapter):
             "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
             "template": "xc2-v1",
         }
-        return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return state_fingerprint(state)
 
     # -- rendering ----------------------------------------------------------------------------
     def _pieces(
         self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool
-    ) -> tuple[list[_Piece], list[tuple[str, list[_Piece]]], list[_Piece]]:
+    ) -> Plan:
         if train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
         turns = list(dialogue.turns)
@@ -1090,24 +1069,24 @@ class InternLMXComposer2Adapter(ModelAdapter):
                 raise ValueError(f"dialogue {dialogue.id!r}, turn 0: a system turn cannot hold images")
             system = turns[0].text
             turns = turns[1:]
-        prefix = [_Piece("ids", (self.tokenizer.bos_token_id,))]
+        prefix = [Piece("ids", (int(self.tokenizer.bos_token_id),))]
         if system:
-            prefix += [_Piece("ids", (self.start_id,)), _Piece("text", "system\n" + system),
-                       _Piece("ids", (self.end_id,)), _Piece("text", "\n")]  # fmt: skip
+            prefix += [Piece("ids", (self.start_id,)), Piece("text", "system\n" + system),
+                       Piece("ids", (self.end_id,)), Piece("text", "\n")]  # fmt: skip
         last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
-        rendered: list[tuple[str, list[_Piece]]] = []
+        rendered: list[tuple[str, list[Piece]]] = []
         for index, turn in enumerate(turns):
             if turn.role == "user":
                 # Official: one string per image-separated piece, headers included.
-                pieces = [_Piece("ids", (self.start_id,))]
+                pieces = [Piece("ids", (self.start_id,))]
                 text = "user\n"
                 for segment in turn.segments:
                     if isinstance(segment, Image):
-                        pieces += [_Piece("text", text), _Piece("image", segment)]
+                        pieces += [Piece("text", text), Piece("image", segment)]
                         text = ""
                     else:
                         text += segment
-                pieces += [_Piece("text", text), _Piece("ids", (self.end_id,)), _Piece("text", "\n")]
+                pieces += [Piece("text", text), Piece("ids", (self.end_id,)), Piece("text", "\n")]
             elif turn.role == "assistant":
                 if turn.images:
                     raise ValueError(
@@ -1116,11 +1095,11 @@ class InternLMXComposer2Adapter(ModelAdapter):
                     )
                 trainable = train_on == "all_assistant" or index == last_assistant
                 pieces = [
-                    _Piece("ids", (self.start_id,)),
-                    _Piece("text", "assistant\n"),
-                    _Piece("text", turn.text, trainable),
-                    _Piece("ids", (self.end_id,), trainable),
-                    _Piece("text", "\n"),
+                    Piece("ids", (self.start_id,)),
+                    Piece("text", "assistant\n"),
+                    Piece("text", turn.text, trainable),
+                    Piece("ids", (self.end_id,), trainable),
+                    Piece("text", "\n"),
                 ]
             else:
                 raise ValueError(
@@ -1131,63 +1110,14 @@ class InternLMXComposer2Adapter(ModelAdapter):
         if add_generation_prompt:
             if not turns or turns[-1].role != "user":
                 raise ValueError(f"dialogue {dialogue.id!r}: add_generation_prompt needs a final user turn")
-            suffix = [_Piece("ids", (self.start_id,)), _Piece("text", "assistant\n")]
+            suffix = [Piece("ids", (self.start_id,)), Piece("text", "assistant\n")]
         else:
-            suffix = [_Piece("ids", (self.tokenizer.eos_token_id,))]
+            suffix = [Piece("ids", (int(self.tokenizer.eos_token_id),))]
         return prefix, rendered, suffix
 
-    def encode_many(
-        self,
-        dialogues: Sequence["Dialogue"],
-        *,
-        system_prompt: str | None = None,
-        train_on: str = "all_assistant",
-        add_generation_prompt: bool = False,
-    ) -> list[EncodedDialogue]:
-        """:meth:`encode_dialogue` for many dialogues with one batched tokenizer call."""
-        plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
-        texts = [p.value for plan in plans for p in _iter_pieces(*plan) if p.kind == "text"]
-        encoded = (
-            self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
-        )
-        ids_iter = iter(encoded)
-        out = []
-        for dialogue, (prefix, rendered, suffix) in zip(dialogues, plans):
-
-            def chunks(pieces: Iterable[_Piece]) -> list:
-                result = []
-                for piece in pieces:
-                    if piece.kind == "text":
-                        ids = tuple(next(ids_iter))
-                        if ids:
-                            result.append(TokenChunk(ids, piece.trainable))
-                    elif piece.kind == "ids":
-                        result.append(TokenChunk(tuple(int(i) for i in piece.value), piece.trainable))
-                    else:
-                        result.append(ImageChunk(piece.value, self.num_image_tokens))
-                return result
-
-            prefix_chunks = chunks(prefix)
-            turns = [EncodedTurn(role, chunks(pieces)) for role, pieces in rendered]
-            out.append(EncodedDialogue(dialogue.id, prefix_chunks, turns, chunks(suffix)))
-        return out
-
-    def encode_dialogue(
-        self,
-        dialogue: "Dialogue",
-        *,
-        system_prompt: str | None = None,
-        train_on: str = "all_assistant",
-        add_generation_prompt: bool = False,
-    ) -> EncodedDialogue:
-        """Render ``dialogue`` in the XC2 chat format.
-
-        A leading system turn wins over ``system_prompt``; the default is no system
-        prompt, as in the official fine-tuning data.
-        """
-        return self.encode_many(
-            [dialogue], system_prompt=system_prompt, train_on=train_on, add_generation_prompt=add_generation_prompt
-        )[0]
+    def _tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        # split_special_tokens: control-token strings inside dialogue text stay plain text
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
 
     # -- images -------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:
@@ -1243,9 +1173,7 @@ class InternLMXComposer2Adapter(ModelAdapter):
         ModelConfig), ``seed`` (random-weight model only); others go to ``from_pretrained``
         of a native checkpoint.
         """
-        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or self.config.torch_dtype
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        attn = kwargs.pop("attn_implementation", None) or self.config.attn_implementation
+        dtype, attn = load_dtype_and_attention(kwargs, self.config)
         seed = kwargs.pop("seed", 0)
         if kwargs.get("quantization_config") is not None:
             raise NotImplementedError(
@@ -1254,11 +1182,9 @@ class InternLMXComposer2Adapter(ModelAdapter):
                 "image-token branch. Use peft.method=lora."
             )
         if self.config.path is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                return InternLMXComposer2ForCausalLM._from_config(
-                    copy.deepcopy(self.model_config), attn_implementation=attn, dtype=dtype
-                )
+            return build_random_model(
+                InternLMXComposer2ForCausalLM, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
+            )
         if self._official:
             model = load_official_checkpoint(
                 self._local_path, image_size=self.image_size, dtype=dtype, attn_implementation=attn
@@ -1304,13 +1230,6 @@ def _resolve_path(path: str) -> str:
             f"model.path={path!r} is not a local directory and could not be fetched from the hub ({err}); "
             "download the checkpoint and point model.path at the directory"
         ) from err
-
-
-def _iter_pieces(prefix, rendered, suffix):
-    yield from prefix
-    for _, pieces in rendered:
-        yield from pieces
-    yield from suffix
 
 
 def _register_auto_classes() -> None:

@@ -21,24 +21,25 @@ top-level LlavaConfig keys override :data:`TINY_ARCHITECTURE`).
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
-import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from mmtune.data.dialogue import Image
-from mmtune.models.base import (
-    EncodedDialogue,
-    EncodedTurn,
-    ImageChunk,
-    ModelAdapter,
-    ModuleGroups,
-    TokenChunk,
+from mmtune.models._utils import (
+    Piece,
+    PieceAdapter,
+    Plan,
+    build_random_model,
+    deep_update,
+    iter_pieces,
+    load_dtype_and_attention,
+    state_fingerprint,
 )
+from mmtune.models.base import ModuleGroups
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
+from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -126,33 +127,6 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
-def _deep_update(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_update(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _tiny_tokenizer(vocab_size: int):
-    # Training the BPE takes ~0.5 s; adapters for the same vocabulary share it.
-    from mmtune.models.tiny_tokenizer import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer(
-        TINY_SPECIAL_TOKENS,
-        vocab_size=vocab_size,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    )
-    tokenizer.chat_template = VICUNA_V1_CHAT_TEMPLATE
-    return tokenizer
-
-
 def unwrap_model(model: "nn.Module") -> "nn.Module":
     """Return the ``LlavaForConditionalGeneration`` inside DeepSpeed / DDP / peft wrappers."""
     from transformers import LlavaForConditionalGeneration
@@ -174,18 +148,14 @@ def unwrap_model(model: "nn.Module") -> "nn.Module":
     return model
 
 
-@dataclass
-class _Piece:
-    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image."""
-
-    kind: str  # "text" | "ids" | "image"
-    value: Any
-    trainable: bool = False
-
-
 @register_adapter
-class LlavaAdapter(ModelAdapter):
-    """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images."""
+class LlavaAdapter(PieceAdapter):
+    """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
+
+    ``encode_dialogue`` / ``encode_many`` render with the Vicuna v1 template: a leading
+    system turn of the dialogue wins over ``system_prompt``; ``system_prompt`` (``""`` =
+    none) replaces the Vicuna default.
+    """
 
     family = "llava"
     # The language model's linear layers, as the original LLaVA LoRA scripts targeted
@@ -207,11 +177,19 @@ class LlavaAdapter(ModelAdapter):
             )
         self.config = config
         if config.path is None:
-            arch = _deep_update(TINY_ARCHITECTURE, config.architecture)
+            arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
             if config.image_size is not None:
                 arch["vision_config"]["image_size"] = int(config.image_size)
-            self.tokenizer = _tiny_tokenizer(vocab_size)
+            self.tokenizer = cached_tiny_tokenizer(
+                TINY_SPECIAL_TOKENS,
+                vocab_size=vocab_size,
+                unk_token="<unk>",
+                bos_token="<s>",
+                eos_token="</s>",
+                pad_token="<pad>",
+                chat_template=VICUNA_V1_CHAT_TEMPLATE,
+            )
             arch["text_config"]["vocab_size"] = len(self.tokenizer)
             arch["text_config"].setdefault("pad_token_id", self.tokenizer.pad_token_id)
             arch["text_config"].setdefault("bos_token_id", self.tokenizer.bos_token_id)
@@ -314,10 +292,10 @@ class LlavaAdapter(ModelAdapter):
             "dummy_prefix": self._dummy_prefix,
             "template": hashlib.sha1(VICUNA_V1_CHAT_TEMPLATE.encode()).hexdigest(),
         }
-        return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return state_fingerprint(state)
 
     # -- rendering ----------------------------------------------------------------------------
-    def _text(self, text: str, *, trainable: bool = False, template: bool = False) -> _Piece:
+    def _text(self, text: str, *, trainable: bool = False, template: bool = False) -> Piece:
         # A piece that starts with the separator space: SentencePiece supplies it with its
         # word-start marker, so drop it there (otherwise it would become an extra token).
         if self._dummy_prefix and text.startswith(" "):
@@ -328,8 +306,8 @@ class LlavaAdapter(ModelAdapter):
                 ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
                 if len(self._template_ids) < 4096:  # bounded: data may carry many system prompts
                     self._template_ids[text] = ids
-            return _Piece("ids", ids, trainable)
-        return _Piece("text", text, trainable)
+            return Piece("ids", ids, trainable)
+        return Piece("text", text, trainable)
 
     def _pieces(
         self,
@@ -337,7 +315,7 @@ class LlavaAdapter(ModelAdapter):
         system_prompt: str | None,
         train_on: str,
         add_generation_prompt: bool,
-    ) -> tuple[list[_Piece], list[tuple[str, list[_Piece]]], list[_Piece]]:
+    ) -> Plan:
         if train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
         turns = list(dialogue.turns)
@@ -345,13 +323,13 @@ class LlavaAdapter(ModelAdapter):
         if turns and turns[0].role == "system":
             system = turns[0].text
             turns = turns[1:]
-        prefix = [_Piece("ids", (self._bos_id,))]
+        prefix = [Piece("ids", (self._bos_id,))]
         if system:
             prefix.append(self._text(system, template=True))
         last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
-        rendered: list[tuple[str, list[_Piece]]] = []
+        rendered: list[tuple[str, list[Piece]]] = []
         for index, turn in enumerate(turns):
-            pieces: list[_Piece] = []
+            pieces: list[Piece] = []
             if turn.role == "user":
                 header = (" " if (system and index == 0) else "") + "USER:"
                 pieces.append(self._text(header, template=True))
@@ -360,7 +338,7 @@ class LlavaAdapter(ModelAdapter):
                     if isinstance(segment, Image):
                         if first:
                             pieces.append(self._text(" ", template=True))
-                        pieces.append(_Piece("image", segment))
+                        pieces.append(Piece("image", segment))
                     elif segment:
                         pieces.append(self._text((" " if first else "") + segment))
                     else:
@@ -377,14 +355,14 @@ class LlavaAdapter(ModelAdapter):
                 trainable = train_on == "all_assistant" or index == last_assistant
                 pieces.append(self._text(" ASSISTANT:", template=True))
                 pieces.append(self._text(" " + turn.text, trainable=trainable))
-                pieces.append(_Piece("ids", (self._eos_id,), trainable))
+                pieces.append(Piece("ids", (self._eos_id,), trainable))
             else:
                 raise ValueError(
                     f"dialogue {dialogue.id!r}, turn {index}: role {turn.role!r} is not allowed after the first "
                     "turn; only 'user' and 'assistant' alternate (a 'system' turn must come first)"
                 )
             rendered.append((turn.role, pieces))
-        suffix: list[_Piece] = []
+        suffix: list[Piece] = []
         if add_generation_prompt:
             if not turns or turns[-1].role != "user":
                 raise ValueError(
@@ -402,46 +380,6 @@ class LlavaAdapter(ModelAdapter):
             return [tuple(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
         return [tuple(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    def encode_many(
-        self,
-        dialogues: Sequence["Dialogue"],
-        *,
-        system_prompt: str | None = None,
-        train_on: str = "all_assistant",
-        add_generation_prompt: bool = False,
-    ) -> list[EncodedDialogue]:
-        """:meth:`encode_dialogue` for many dialogues with one batched tokenizer call
-        (the per-call overhead of the tokenizer dominates for short text pieces)."""
-        plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
-        texts: list[str] = []
-        for prefix, rendered, suffix in plans:
-            for piece in _iter_pieces(prefix, rendered, suffix):
-                if piece.kind == "text":
-                    texts.append(piece.value)
-        ids_list = iter(self._tokenize_many(texts))
-        out = []
-        for dialogue, (prefix, rendered, suffix) in zip(dialogues, plans):
-            count = self.num_image_tokens
-
-            def chunks(pieces: Iterable[_Piece]) -> list:
-                result = []
-                for piece in pieces:
-                    if piece.kind == "text":
-                        ids = tuple(next(ids_list))
-                        if ids:
-                            result.append(TokenChunk(ids, piece.trainable))
-                    elif piece.kind == "ids":
-                        if piece.value:
-                            result.append(TokenChunk(piece.value, piece.trainable))
-                    else:
-                        result.append(ImageChunk(piece.value, count))
-                return result
-
-            prefix_chunks = chunks(prefix)
-            turns = [EncodedTurn(role, chunks(pieces)) for role, pieces in rendered]
-            out.append(EncodedDialogue(dialogue.id, prefix_chunks, turns, chunks(suffix)))
-        return out
-
     def measure_many(
         self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
     ) -> list[tuple[int, list[int], list[int], list[str]]]:
@@ -449,7 +387,7 @@ class LlavaAdapter(ModelAdapter):
         turn lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives,
         without building id tuples and chunk objects."""
         plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
-        texts = [p.value for plan in plans for p in _iter_pieces(*plan) if p.kind == "text"]
+        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and texts:
             counts = iter([len(e) for e in backend.encode_batch(texts, add_special_tokens=False)])
@@ -475,23 +413,6 @@ class LlavaAdapter(ModelAdapter):
             sizes = [size(pieces) for _, pieces in rendered]
             out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
         return out
-
-    def encode_dialogue(
-        self,
-        dialogue: "Dialogue",
-        *,
-        system_prompt: str | None = None,
-        train_on: str = "all_assistant",
-        add_generation_prompt: bool = False,
-    ) -> EncodedDialogue:
-        """Render ``dialogue`` with the Vicuna v1 template.
-
-        A leading system turn of the dialogue wins over ``system_prompt``; ``system_prompt``
-        (``""`` = none) replaces the Vicuna default.
-        """
-        return self.encode_many(
-            [dialogue], system_prompt=system_prompt, train_on=train_on, add_generation_prompt=add_generation_prompt
-        )[0]
 
     # -- images -------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:
@@ -585,20 +506,14 @@ class LlavaAdapter(ModelAdapter):
         ModelConfig), ``seed`` (random-weight model only), anything else goes to
         ``from_pretrained``.
         """
-        import torch
         from transformers import LlavaForConditionalGeneration
 
-        dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or self.config.torch_dtype
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        attn = kwargs.pop("attn_implementation", None) or self.config.attn_implementation
+        dtype, attn = load_dtype_and_attention(kwargs, self.config)
         seed = kwargs.pop("seed", 0)
         if self.config.path is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                model = LlavaForConditionalGeneration._from_config(
-                    copy.deepcopy(self.model_config), attn_implementation=attn, dtype=dtype
-                )
-            return model
+            return build_random_model(
+                LlavaForConditionalGeneration, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
+            )
         return LlavaForConditionalGeneration.from_pretrained(
             self.config.path,
             dtype=dtype,
@@ -636,9 +551,3 @@ class LlavaAdapter(ModelAdapter):
         features = torch.cat(list(features), dim=0) if isinstance(features, (list, tuple)) else features
         return features.sum() * 0.0
 
-
-def _iter_pieces(prefix, rendered, suffix):
-    yield from prefix
-    for _, pieces in rendered:
-        yield from pieces
-    yield from suffix

@@ -1,0 +1,170 @@
+"""Pieces shared by the model-family files.
+
+``deep_update`` merges ``ModelConfig.architecture`` overrides into a family's tiny
+architecture; ``load_dtype_and_attention`` reads the load-time settings every adapter's
+``load_model`` accepts and ``build_random_model`` builds a random-weight model;
+``state_fingerprint`` hashes what an adapter's ``fingerprint()`` covers.
+
+:class:`PieceAdapter` is the rendering path of the families that build their chat
+template themselves (LLaVA-1.5, InternLM-XComposer2): a dialogue is first rendered into
+:class:`Piece` objects (text, fixed ids, images), then the text of many dialogues is
+tokenized in one batched call, then the pieces become chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAdapter, TokenChunk
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.dialogue import Dialogue
+    from mmtune.models.config import ModelConfig
+
+__all__ = [
+    "deep_update",
+    "load_dtype_and_attention",
+    "build_random_model",
+    "state_fingerprint",
+    "Piece",
+    "Plan",
+    "iter_pieces",
+    "PieceAdapter",
+]
+
+
+def deep_update(base: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``overrides`` merged in; nested dicts merge key by key."""
+    out = copy.deepcopy(base)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_update(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_dtype_and_attention(kwargs: dict[str, Any], config: "ModelConfig") -> tuple[Any, str | None]:
+    """Pop ``torch_dtype`` (or ``dtype``) and ``attn_implementation`` from ``load_model``'s
+    keyword arguments, falling back to the ModelConfig; a dtype name becomes the torch dtype."""
+    import torch
+
+    dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or config.torch_dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    attn = kwargs.pop("attn_implementation", None) or config.attn_implementation
+    return dtype, attn
+
+
+def build_random_model(model_class: Any, model_config: Any, *, seed: int, attn_implementation: Any, dtype: Any):
+    """A random-weight ``model_class`` for ``model_config``, initialised from ``seed``.
+
+    The global RNG state is left as it was, so building a model does not shift the data
+    order or dropout of a run that seeded torch before.
+    """
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class._from_config(
+            copy.deepcopy(model_config), attn_implementation=attn_implementation, dtype=dtype
+        )
+
+
+def state_fingerprint(state: dict[str, Any]) -> str:
+    """A short stable hash of a JSON-able state (key order does not matter)."""
+    return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Piece:
+    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image."""
+
+    kind: str  # "text" | "ids" | "image"
+    value: Any
+    trainable: bool = False
+
+
+#: a rendered dialogue: prefix pieces, (role, pieces) per non-system turn, suffix pieces
+Plan = tuple[list[Piece], list[tuple[str, list[Piece]]], list[Piece]]
+
+
+def iter_pieces(prefix: list[Piece], rendered: list[tuple[str, list[Piece]]], suffix: list[Piece]) -> Iterator[Piece]:
+    """Every piece of a :data:`Plan`, in sequence order."""
+    yield from prefix
+    for _, pieces in rendered:
+        yield from pieces
+    yield from suffix
+
+
+class PieceAdapter(ModelAdapter):
+    """An adapter that renders dialogues into pieces and tokenizes their text in batches.
+
+    Subclasses implement :meth:`_pieces` (the chat template) and :meth:`_tokenize_many`
+    (how text pieces become ids) and set ``num_image_tokens`` (tokens per image).
+    """
+
+    num_image_tokens: int
+
+    @abstractmethod
+    def _pieces(
+        self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool
+    ) -> Plan:
+        """Render one dialogue (the arguments as in :meth:`encode_dialogue`)."""
+
+    @abstractmethod
+    def _tokenize_many(self, texts: list[str]) -> list[Sequence[int]]:
+        """Ids of every text piece, in order, without special tokens added."""
+
+    def encode_many(
+        self,
+        dialogues: Sequence["Dialogue"],
+        *,
+        system_prompt: str | None = None,
+        train_on: str = "all_assistant",
+        add_generation_prompt: bool = False,
+    ) -> list[EncodedDialogue]:
+        """:meth:`encode_dialogue` for many dialogues with one batched tokenizer call
+        (the per-call overhead of the tokenizer dominates for short text pieces)."""
+        plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
+        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
+        ids_iter = iter(self._tokenize_many(texts))
+        count = self.num_image_tokens
+
+        def chunks(pieces: list[Piece]) -> list:
+            result = []
+            for piece in pieces:
+                if piece.kind == "text":
+                    ids = tuple(next(ids_iter))
+                    if ids:  # a piece that tokenizes to nothing adds no chunk
+                        result.append(TokenChunk(ids, piece.trainable))
+                elif piece.kind == "ids":
+                    if piece.value:
+                        result.append(TokenChunk(tuple(piece.value), piece.trainable))
+                else:
+                    result.append(ImageChunk(piece.value, count))
+            return result
+
+        out = []
+        for dialogue, (prefix, rendered, suffix) in zip(dialogues, plans):
+            prefix_chunks = chunks(prefix)
+            turns = [EncodedTurn(role, chunks(pieces)) for role, pieces in rendered]
+            out.append(EncodedDialogue(dialogue.id, prefix_chunks, turns, chunks(suffix)))
+        return out
+
+    def encode_dialogue(
+        self,
+        dialogue: "Dialogue",
+        *,
+        system_prompt: str | None = None,
+        train_on: str = "all_assistant",
+        add_generation_prompt: bool = False,
+    ) -> EncodedDialogue:
+        """:meth:`encode_many` of one dialogue (see the subclass for its system prompt rules)."""
+        return self.encode_many(
+            [dialogue], system_prompt=system_prompt, train_on=train_on, add_generation_prompt=add_generation_prompt
+        )[0]
