@@ -31,7 +31,7 @@ python recipes/sft.py experiment=demo "$PEFT" \
   model.architecture.vision_config.num_hidden_layers=24 model.architecture.vision_config.num_attention_heads=16 \
   model.architecture.vision_config.image_size=336 model.architecture.vision_config.patch_size=14 \
   ++model.architecture.vision_config.projection_dim=768 \
-  context=8k collator=packing_8k collator.max_images_per_batch=null \
+  context=8k collator.batching=packing collator.batch_size=1 collator.max_length=8192 collator.max_images_per_batch=null \
   training.mixed_precision=bf16 training.gradient_checkpointing=true training.vision.train=false \
   training.lr=1e-5 training.max_steps="$STEPS" training.warmup_ratio=0 \
   training.eval_before=false training.eval_after=false training.save_final=false \

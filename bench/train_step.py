@@ -6,9 +6,10 @@
 For each model the same synthetic dialogues are trained through the real loop
 (:class:`mmtune.training.loop.SFTRecipe`, one optimizer step per micro-batch) four
 ways: {padding, packing} x {no checkpointing, gradient checkpointing}. Reported per
-configuration: seconds per sample, tokens computed (incl. padding) per real token,
-and peak resident memory above the pre-training baseline (sampled every 5 ms: on CPU
-activations live in ordinary process memory). Ratios are printed side by side.
+configuration (each in a fresh process): seconds per sample over the steps after the
+first, tokens computed (incl. padding) per real token, and peak resident memory above
+the process's size before training (sampled every 5 ms: on CPU, activations live in
+ordinary process memory). Ratios are printed side by side.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 
-# model config -> (samples, padding batch size, packing row length, image size)
+# model config -> (samples, padding batch size, packing row length, image size, images per dialogue)
 MODELS = {
-    "llava_tiny": (64, 8, 1024, 56),
-    "llava_100m": (6, 2, 4096, 336),
-    "internlm_xc2_tiny": (16, 4, 2048, None),
+    "llava_tiny": (64, 8, 1024, 56, 4),
+    "llava_100m": (12, 2, 4096, 336, 2),
+    "internlm_xc2_tiny": (32, 4, 2048, 64, 4),
 }
 
 
@@ -69,9 +70,21 @@ class PeakRSS:
 
 def run_one(model: str, data_dir: Path, out_dir: Path, *, samples: int, batch_size: int, row_length: int,
             packing: bool, checkpointing: bool) -> dict:
-    import gc
+    """One configuration in a fresh process, so peak memory is not hidden by memory freed earlier."""
+    import json
+    import subprocess
 
-    from accelerate.state import AcceleratorState, GradientState
+    spec = dict(model=model, data_dir=str(data_dir), out_dir=str(out_dir), samples=samples, batch_size=batch_size,
+                row_length=row_length, packing=packing, checkpointing=checkpointing)
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _measure(model: str, data_dir: str, out_dir: str, *, samples: int, batch_size: int, row_length: int,
+             packing: bool, checkpointing: bool) -> dict:
+    import json
 
     from mmtune.training.config import to_sft_config
     from mmtune.training.demo import compose_sft_config
@@ -81,7 +94,7 @@ def run_one(model: str, data_dir: Path, out_dir: Path, *, samples: int, batch_si
         "experiment=demo", f"model={model}", f"training.output_dir={out_dir}", f"synthetic.out_dir={data_dir}",
         f"synthetic.n_train={samples}", f"data.cache_dir={data_dir}/cache",
         "training.eval_before=false", "training.eval_after=false", "training.save_final=false",
-        "logging.progress_bar=false", "logging.metrics_file=false", "training.epochs=1", "training.warmup_ratio=0",
+        "logging.progress_bar=false", "training.epochs=1", "training.warmup_ratio=0",
         f"training.gradient_checkpointing={str(checkpointing).lower()}",
         f"collator.max_length={row_length}",
         f"collator.batching={'packing' if packing else 'padding'}",
@@ -92,26 +105,22 @@ def run_one(model: str, data_dir: Path, out_dir: Path, *, samples: int, batch_si
     plan = recipe.data.plan(0)
     lengths = recipe.data.lengths.lengths
     real = sum(int(lengths[k[0] if isinstance(k, tuple) else k]) for batch in plan for k in batch)
-    computed = 0
+    computed = 0  # the collator pads every row of a batch to the batch's longest row
     for batch in plan:
-        if packing:
-            computed += row_length * len({k[1] for k in batch})
-        else:
-            computed += len(batch) * max(int(lengths[k]) for k in batch)
-    n_samples = sum(len(batch) for batch in plan)
-    gc.collect()
+        rows: dict = {}
+        for key in batch:
+            index, row = key if packing else (key, key)
+            rows[row] = rows.get(row, 0) + int(lengths[index])
+        computed += len(rows) * max(rows.values())
     with PeakRSS() as mem:
-        started = time.perf_counter()
         recipe.train()
-        seconds = time.perf_counter() - started
     recipe.cleanup()
-    params = recipe.num_params
-    del recipe
-    gc.collect()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return {"steps": len(plan), "samples": n_samples, "s_per_sample": seconds / n_samples,
-            "computed_per_real": computed / real, "peak_mib": mem.delta_mib, "params": params}
+    # Step 1 pays one-off costs (allocator growth, kernel selection): time the rest.
+    steps = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    timed = sum(m["perf/step_time_s"] for m in steps[1:])
+    timed_samples = sum(len(batch) for batch in plan[1:len(steps)])
+    return {"steps": len(plan), "samples": sum(len(b) for b in plan), "s_per_sample": timed / timed_samples,
+            "computed_per_real": computed / real, "peak_mib": mem.delta_mib, "params": recipe.num_params}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--samples", type=int, default=None, help="override the samples per model")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one configuration (JSON spec)
     args = parser.parse_args(argv)
+    if args.one:
+        import json
+
+        spec = json.loads(args.one)
+        print(json.dumps(_measure(spec.pop("model"), spec.pop("data_dir"), spec.pop("out_dir"), **spec)))
+        return 0
 
     from mmtune.data.synthetic import generate_synthetic
 
@@ -131,16 +147,22 @@ def main(argv: list[str] | None = None) -> int:
             if not (REPO / "configs" / "model" / f"{model}.yaml").is_file():
                 print(f"\n{model}: configs/model/{model}.yaml not found, skipped")
                 continue
-            samples, batch, row, image_size = MODELS.get(model, (16, 4, 2048, None))
+            samples, batch, row, image_size, max_images = MODELS.get(model, (16, 4, 2048, 64, 4))
             samples = args.samples or samples
             data = Path(tmp) / f"data-{model}"
-            generate_synthetic(data, n_train=samples, n_test=1, n_llava=0, seed=0, image_size=image_size or 64)
+            generate_synthetic(data, n_train=samples, n_test=1, n_llava=0, seed=0, image_size=image_size,
+                               min_images=1, max_images=max_images, max_turns=3)
             results = {}
-            for packing in (False, True):
-                for ckpt in (False, True):
-                    key = ("packing" if packing else "padding", "ckpt" if ckpt else "no-ckpt")
-                    results[key] = run_one(model, data, Path(tmp) / f"run-{model}-{'-'.join(key)}", samples=samples,
-                                           batch_size=batch, row_length=row, packing=packing, checkpointing=ckpt)
+            try:
+                for packing in (False, True):
+                    for ckpt in (False, True):
+                        key = ("packing" if packing else "padding", "ckpt" if ckpt else "no-ckpt")
+                        results[key] = run_one(model, data, Path(tmp) / f"run-{model}-{'-'.join(key)}",
+                                               samples=samples, batch_size=batch, row_length=row, packing=packing,
+                                               checkpointing=ckpt)
+            except Exception as err:  # report and go on with the next model
+                print(f"\n{model}: failed: {type(err).__name__}: {err}")
+                continue
             params = results[("padding", "no-ckpt")]["params"]
             print(f"\n{model}: {params / 1e6:.1f}M parameters, {samples} dialogues; padding batch {batch}, "
                   f"packing rows of {row} tokens")

@@ -20,6 +20,8 @@ from mmtune.training.config import SFTConfig, register_configs, to_sft_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SFT_GROUPS = {f.name for f in fields(SFTConfig)} | {"experiment"}
 # Modules that register structured-config schemas for primary configs other than sft.yaml.
+# Files that are only valid together with another choice (QLoRA quantizes a real checkpoint).
+COMPANIONS = {"peft/qlora.yaml": ["model=llava_1_5_7b"]}
 SCHEMA_MODULES = ("mmtune.training.config", "mmtune.evaluation.config", "mmtune.training.plan")
 
 
@@ -67,7 +69,7 @@ def test_config_composes_and_validates(relpath: Path, hydra_context):
         pytest.fail(f"configs/{relpath}: group {group!r} is not part of any known schema; "
                     f"SFT groups are {sorted(SFT_GROUPS)}")
     override = f"{group}={name}" if _in_sft_defaults(group) else f"+{group}={name}"
-    cfg = compose(config_name="sft", overrides=[override])
+    cfg = compose(config_name="sft", overrides=[override, *COMPANIONS.get(str(relpath), [])])
     config = to_sft_config(cfg)
     assert isinstance(config, SFTConfig)
 

@@ -8,8 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,7 +21,6 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, tiny_overrides):
     common = ("training.epochs=2", "training.save_every_steps=3", "training.log_sample_ids=true",
               "training.save_final=false", "training.resume=auto", "training.lr=3e-3")

@@ -291,6 +291,9 @@ def validate(cfg: SFTConfig) -> None:
             problems.append(f"peft.r={p.r} must be >= 1")
         if not 0.0 <= p.dropout < 1.0:
             problems.append(f"peft.dropout={p.dropout} must be in [0, 1)")
+    if p.method == "qlora" and cfg.model.path is None:
+        problems.append("peft.method=qlora needs model.path (a checkpoint to quantize); random-weight models "
+                        "train with peft.method=lora or none")
     c = cfg.context
     if c.rope_scaling not in ROPE_SCALINGS:
         problems.append(f"context.rope_scaling={c.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
@@ -300,9 +303,15 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"logging.mode={cfg.logging.mode!r}: use online, offline, disabled or null")
     if cfg.logging.every_steps < 1:
         problems.append(f"logging.every_steps={cfg.logging.every_steps} must be >= 1")
-    try:
-        cfg.data.validate()
-    except ValueError as err:
-        problems.append(str(err))
+    checks = [cfg.data.validate, cfg.collator.validate]
+    if t.eval_before or t.eval_after:
+        from mmtune.evaluation.config import validate_eval_config
+
+        checks.append(lambda: validate_eval_config(cfg.eval))
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            problems.append(str(err))
     if problems:
         raise ConfigError("invalid SFT config:\n  - " + "\n  - ".join(problems))

@@ -1,6 +1,6 @@
 """``mmtune demo``: the embedded default run, end to end on a CPU.
 
-Generates the synthetic multi-image dialogues, trains the tiny random-weight LLaVA
+Generates synthetic image dialogues, trains the tiny random-weight LLaVA
 (``configs/experiment/demo.yaml``), saves ``final/`` and prints the held-out exact-match
 score before and after training. Extra arguments are Hydra overrides::
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     before = result["before"].get("synthetic", {}).get("exact_match", float("nan"))
     after = result["after"].get("synthetic", {}).get("exact_match", float("nan"))
     print()
-    print("mmtune demo: tiny LLaVA on synthetic multi-image dialogues (CPU)")
+    print("mmtune demo: tiny LLaVA on synthetic image dialogues (CPU)")
     print(f"  held-out exact match before training: {before:6.2f}%")
     print(f"  held-out exact match after training:  {after:6.2f}%   (target >= {TARGET:.0f}%)")
     print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval)")

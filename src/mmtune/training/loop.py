@@ -156,7 +156,15 @@ class SFTRecipe:
         self.context_extension = apply_context_extension(
             model, text_config, cfg.context,
             model_max_position_embeddings=cfg.model.max_position_embeddings, tokenizer=self.adapter.tokenizer)
-        self.max_length = cfg.context.max_length or int(text_config.max_position_embeddings)
+        # The training window: the context group's target when it extends the model,
+        # otherwise the collator's sample budget.
+        self.max_length = cfg.context.max_length or cfg.collator.max_length
+        window = max(int(text_config.max_position_embeddings),
+                     self.context_extension.target if self.context_extension else 0)  # dynamic NTK keeps the original
+        if self.max_length > window:
+            raise ValueError(
+                f"samples of up to {self.max_length} tokens (collator.max_length / context.max_length) exceed the "
+                f"model's {window}-token window: lower collator.max_length or extend the window with context=8k")
         if t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -178,7 +186,7 @@ class SFTRecipe:
                 generate_synthetic_data(cfg.synthetic)
             acc.wait_for_everyone()
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=self.max_length,
+        self.data.connect(self.adapter, max_length=cfg.context.max_length,
                           rank=acc.process_index, world_size=acc.num_processes)
         self.data.setup()
         self.steps_per_epoch = self.data.num_micro_batches(0) // t.gradient_accumulation_steps
@@ -199,6 +207,10 @@ class SFTRecipe:
 
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=t.keep_last)
         resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else t.resume
+        if resume_from is None and acc.is_main_process:
+            # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
+            for stale in ("metrics.jsonl", "sample_ids.jsonl"):
+                (self.output_dir / stale).unlink(missing_ok=True)
         if resume_from is not None:
             state = self.checkpoints.load(acc, resume_from)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
@@ -252,6 +264,7 @@ class SFTRecipe:
         if t.eval_before and self.step == 0:
             self.eval_results["before"] = self.evaluate(tag="before")
         accum = t.gradient_accumulation_steps
+        self.grad_norm = None
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.model.train()
@@ -304,6 +317,8 @@ class SFTRecipe:
                 }
                 for group, lr in zip(self.optim_groups, self.scheduler.get_last_lr()):
                     metrics[f"train/lr/{group['name']}"] = lr
+                if self.grad_norm is not None:
+                    metrics["train/grad_norm"] = float(self.grad_norm)
                 util = mfu(self.num_params, tokens_per_s, device_name, acc.num_processes)
                 if util is not None:
                     metrics["perf/mfu"] = util
