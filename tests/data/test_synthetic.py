@@ -102,3 +102,13 @@ def test_answer_rule():
     assert normalize_answer("  Red.\n") == "red"
     assert is_correct("Yes!", "yes") and is_correct("circle", "Circle")
     assert not is_correct("red circle", "red") and not is_correct("", "no")
+
+
+def test_question_kinds_limits_the_templates_and_rejects_unknown_names(tmp_path):
+    p = generate_synthetic(tmp_path / "s", n_train=40, n_test=5, n_llava=0, seed=1, image_size=32,
+                           question_kinds=["color", "shape", "same_color"])
+    questions = [t["value"] for r in json.load(open(p.train_json)) for t in r["conversations"] if t["from"] == "user"]
+    assert any("same color" in q for q in questions) and any("What shape" in q for q in questions)
+    assert not any("same shape" in q for q in questions)
+    with pytest.raises(ValueError, match=r"question_kinds=\['size'\].*unknown: \['size'\]"):
+        generate_synthetic(tmp_path / "bad", n_train=1, n_test=1, n_llava=0, question_kinds=["size"])

@@ -45,6 +45,8 @@ COLOR_Q = "What color is the shape in Image{k}?"
 SHAPE_Q = "What shape is in Image{k}?"
 SAME_COLOR_Q = "Do Image{j} and Image{k} have the same color?"
 SAME_SHAPE_Q = "Do Image{j} and Image{k} have the same shape?"
+QUESTION_KINDS = ("color", "shape", "same_color", "same_shape")
+"""The question templates above, in order; ``generate_synthetic(question_kinds=...)`` picks a subset."""
 
 
 def normalize_answer(text: str) -> str:
@@ -99,9 +101,15 @@ def _new_picture(rng: random.Random, earlier: list[_Picture]) -> _Picture:
     return _Picture(color, shape)
 
 
-def _question(rng: random.Random, pics: list[_Picture], fresh: list[int]) -> tuple[str, str]:
+def _question(
+    rng: random.Random, pics: list[_Picture], fresh: list[int], allowed: tuple[str, ...] = QUESTION_KINDS
+) -> tuple[str, str]:
     """A question about the shown images; about a just-introduced one when there is one."""
-    kinds = ["color", "shape"] + (["same_color", "same_shape"] if len(pics) >= 2 else [])
+    kinds = [k for k in ("color", "shape") if k in allowed]
+    kinds += [k for k in ("same_color", "same_shape") if k in allowed and len(pics) >= 2]
+    if not kinds:
+        # Only comparisons allowed and one image shown so far: ask about that image.
+        kinds = ["color", "shape"]
     kind = rng.choice(kinds)
     if kind in ("color", "shape"):
         k = rng.choice(fresh) if fresh else rng.randrange(len(pics))
@@ -115,7 +123,9 @@ def _question(rng: random.Random, pics: list[_Picture], fresh: list[int]) -> tup
     return template.format(j=j + 1, k=k + 1), "yes" if same else "no"
 
 
-def _dialogue(rng: random.Random, min_images: int, max_images: int, max_turns: int):
+def _dialogue(
+    rng: random.Random, min_images: int, max_images: int, max_turns: int, allowed: tuple[str, ...] = QUESTION_KINDS
+):
     """``(pictures, conversations)`` of one MMDU-style dialogue."""
     n_images = rng.randint(min_images, max_images)
     n_first = rng.randint(1, min(2, n_images))
@@ -133,7 +143,7 @@ def _dialogue(rng: random.Random, min_images: int, max_images: int, max_turns: i
             pics.append(_new_picture(rng, pics))
             fresh.append(len(pics) - 1)
             intro += f"Image{len(pics)}: <ImageHere>. "
-        question, answer = _question(rng, pics, fresh)
+        question, answer = _question(rng, pics, fresh, allowed)
         conversations.append({"from": "user", "value": intro + question})
         conversations.append({"from": "assistant", "value": answer})
     return pics, conversations
@@ -156,6 +166,7 @@ def generate_synthetic(
     max_images: int = 4,
     max_turns: int = 5,
     text_only_fraction: float = 0.1,
+    question_kinds: tuple[str, ...] | list[str] = QUESTION_KINDS,
 ) -> SyntheticPaths:
     """Write the synthetic train / test / llava-shaped splits and their images.
 
@@ -169,12 +180,25 @@ def generate_synthetic(
         max_turns: user turns per MMDU-format dialogue (raised when more images must be
             introduced, one per later turn).
         text_only_fraction: share of text-only records in the llava split.
+        question_kinds: which question templates the MMDU-format splits use, a non-empty
+            subset of :data:`QUESTION_KINDS` (default: all four). A turn that may only ask
+            a comparison while one image is shown asks about that image's colour or shape.
 
     Returns:
         The written paths.
     """
+    problems = []
     if not 1 <= min_images <= max_images:
-        raise ValueError(f"need 1 <= min_images <= max_images, got {min_images}, {max_images}")
+        problems.append(f"need 1 <= min_images <= max_images, got {min_images}, {max_images}")
+    allowed = tuple(question_kinds)
+    unknown = [k for k in allowed if k not in QUESTION_KINDS]
+    if unknown or not allowed:
+        problems.append(
+            f"question_kinds={list(allowed)!r}: use a non-empty subset of {list(QUESTION_KINDS)} "
+            f"(unknown: {unknown})"
+        )
+    if problems:
+        raise ValueError("generate_synthetic: " + "; ".join(problems))
     out = Path(out_dir)
     images = out / "images"
     (images / "mmdu_pics").mkdir(parents=True, exist_ok=True)
@@ -186,7 +210,7 @@ def generate_synthetic(
     def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
         records = []
         for i in range(n):
-            pics, conversations = _dialogue(rng, min_images, max_images, max_turns)
+            pics, conversations = _dialogue(rng, min_images, max_images, max_turns, allowed)
             paths = []
             for k, pic in enumerate(pics, 1):
                 rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
@@ -261,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "COLORS",
     "SHAPES",
+    "QUESTION_KINDS",
     "SyntheticPaths",
     "generate_synthetic",
     "normalize_answer",

@@ -78,7 +78,9 @@ def rope_parameters_for(current: dict[str, Any], *, rope_scaling: str, factor: f
     """
     keep = {k: current[k] for k in ("rope_theta", "partial_rotary_factor") if k in current}
     if rope_scaling == "none" or factor <= 1.0:
-        return {**keep, "rope_type": current.get("rope_type", "default")} if current else {**keep, "rope_type": "default"}
+        # The target fits the pretrained window: leave the model's own RoPE as it is
+        # (e.g. InternLM2's dynamic scaling with factor 1.0 keeps its factor key).
+        return dict(current) if current else {"rope_type": "default"}
     if rope_scaling in ("linear", "dynamic"):
         return {**keep, "rope_type": rope_scaling, "factor": float(factor)}
     if rope_scaling == "yarn":

@@ -1,0 +1,16 @@
+"""Project-wide test fixtures."""
+
+import sys
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_wandb_settings():
+    """wandb caches its settings (``WANDB_DIR``, mode) in a process-wide singleton on the
+    first ``wandb.init``; tear it down after each test so every test's offline run goes
+    to that test's own directory."""
+    yield
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is None:
+        wandb.teardown()
