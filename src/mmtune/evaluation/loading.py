@@ -72,7 +72,8 @@ def resolve_checkpoint(checkpoint: str, model_config: ModelConfig) -> tuple[Mode
     base = _model_config_from(metadata, model_config)
     has_weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
     if (directory / "config.json").exists() and has_weights:
-        return dataclasses.replace(base, path=str(directory)), None
+        # The saved config.json describes the model; `architecture` only sizes random-weight models.
+        return dataclasses.replace(base, path=str(directory), architecture={}), None
     adapter_dir = directory if (directory / "adapter_config.json").exists() else directory / "adapter"
     if (adapter_dir / "adapter_config.json").exists():
         peft_cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
