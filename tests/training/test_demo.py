@@ -24,3 +24,13 @@ def test_demo_reaches_target_from_chance(tmp_path):
     assert before < 60.0 and after >= 90.0, (before, after)
     assert "held-out exact match after training" in proc.stdout
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_demo_picks_the_default_or_a_named_demo_experiment():
+    from mmtune.training.demo import compose_sft_config, demo_overrides
+
+    assert demo_overrides(["training.epochs=1"]) == ["experiment=demo", "training.epochs=1"]
+    cfg = compose_sft_config(demo_overrides(["experiment=demo_multi_image"]))
+    # The multi-image demo: two images in every dialogue, the bigger demo model.
+    assert cfg.synthetic.options.min_images == cfg.synthetic.options.max_images == 2
+    assert cfg.model.architecture.text_config.hidden_size == 256

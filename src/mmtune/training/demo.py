@@ -6,6 +6,7 @@ score before and after training. Extra arguments are Hydra overrides::
 
     mmtune demo
     mmtune demo training.output_dir=/tmp/demo training.epochs=2
+    mmtune demo experiment=demo_multi_image     # two images per dialogue, a bigger model
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["compose_sft_config", "run_demo", "main"]
+__all__ = ["compose_sft_config", "demo_overrides", "run_demo", "main"]
 
 TARGET = 90.0
 """Held-out exact match (%) the demo must reach; below it the command exits with 1."""
@@ -34,6 +35,14 @@ def compose_sft_config(overrides: list[str]):
         return compose(config_name="sft", overrides=overrides)
 
 
+def demo_overrides(overrides: list[str]) -> list[str]:
+    """``experiment=demo`` plus ``overrides``, unless they pick another experiment
+    (``mmtune demo experiment=demo_multi_image``)."""
+    if any(o.startswith("experiment=") for o in overrides):
+        return list(overrides)
+    return ["experiment=demo", *overrides]
+
+
 def run_demo(overrides: list[str], *, fresh: bool = True) -> dict:
     """Run the demo experiment; returns ``{"before": ..., "after": ..., "seconds": ..., "final_dir": ...}``."""
     from omegaconf import OmegaConf
@@ -42,7 +51,7 @@ def run_demo(overrides: list[str], *, fresh: bool = True) -> dict:
     from mmtune.training.loop import SFTRecipe
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    raw = compose_sft_config(["experiment=demo", *overrides])
+    raw = compose_sft_config(demo_overrides(overrides))
     cfg = to_sft_config(raw)
     out = Path(cfg.training.output_dir)
     if fresh and (out / "checkpoints").exists():
