@@ -63,9 +63,11 @@ as they are). ``None``: the data file's directory."""
     fewer than its size keeps a fixed seeded subset (a "slice"), more repeats records
     (up-sampling). ``None``: every record once."""
 
-    move_image_to_start: bool = False
+    move_image_to_start: Optional[bool] = None
     """``llava`` only: move the ``<image>`` placeholder to the start of its turn followed
-    by a newline, as LLaVA-1.5's own preprocessing does. Off: keep it where it was."""
+    by a newline and strip that turn, as LLaVA-1.5's own preprocessing does
+    (``preprocess_multimodal``). ``None`` (default): on for ``llava``, off for every
+    other format; ``false`` keeps the placeholder where it was."""
 
 
 @dataclass
@@ -174,7 +176,7 @@ class DataConfig:
                 problems.append(
                     f"{key}.num_samples is set together with data.mixture.weights: use one of the two"
                 )
-            if s.move_image_to_start and s.format != "llava":
+            if s.move_image_to_start is True and s.format != "llava":
                 problems.append(f"{key}.move_image_to_start applies to format llava only")
         if mix.weights is not None:
             for name, w in mix.weights.items():

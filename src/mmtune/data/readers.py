@@ -260,8 +260,10 @@ def convert_conversations(
     turns = []
     for msg in conv:
         value = msg["value"]
-        if ctx.move_image_to_start and value.count(placeholder) == 1:
-            value = placeholder + "\n" + value.replace(placeholder, "").strip()
+        if ctx.move_image_to_start and placeholder in value:
+            # LLaVA-1.5's preprocess_multimodal: the turn holding the image becomes
+            # "<image>\n" + its stripped text ("<image>" alone when there is no text)
+            value = (placeholder + "\n" + value.replace(placeholder, "").strip()).strip()
         turns.append(Turn(ROLE_MAP.get(msg["from"], msg["from"]), _split(value, placeholder, images)))
     return Dialogue(rid, ctx.source, tuple(turns)), []
 
@@ -316,6 +318,36 @@ def convert_messages(obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | No
             return None, [Problem("malformed_record", rid, index, t, "'content' must be a string or a list of parts")]
         turns.append(Turn(ROLE_MAP.get(m["role"], m["role"]), segments))
     return Dialogue(rid, ctx.source, tuple(turns)), []
+
+
+def _moves_image(fmt: str, setting: bool | None) -> bool:
+    """``SourceConfig.move_image_to_start`` resolved: ``None`` means on for ``llava`` only."""
+    return fmt == "llava" if setting is None else bool(setting)
+
+
+def parse_record(
+    fmt: str,
+    record: Any,
+    *,
+    source: str = "record",
+    image_root: str | None = None,
+    move_image_to_start: bool | None = None,
+) -> Dialogue:
+    """One record of format ``fmt`` -> :class:`Dialogue`, with the same conversion (and
+    defaults) as a data source; image paths are joined under ``image_root`` (default: the
+    working directory) and not checked. Raises ``ValueError`` naming the problem."""
+    ctx = _Context(
+        source=source,
+        file_dir=os.getcwd(),
+        image_root=image_root,
+        strip_prefix=None,
+        move_image_to_start=_moves_image(fmt, move_image_to_start),
+        join_absolute=fmt != "messages",
+    )
+    dialogue, problems = convert_record(fmt, record, 0, ctx)
+    if dialogue is None:
+        raise ValueError(f"{fmt} record {source!r}: " + "; ".join(f"{p.code}: {p.detail}" for p in problems))
+    return dialogue
 
 
 def convert_record(fmt: str, obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | None, list[Problem]]:
@@ -441,7 +473,7 @@ def load_source(
         file_dir=os.path.dirname(os.path.abspath(path)),
         image_root=os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None,
         strip_prefix=source_cfg.strip_image_prefix,
-        move_image_to_start=source_cfg.move_image_to_start,
+        move_image_to_start=_moves_image(source_cfg.format, source_cfg.move_image_to_start),
         # User-made chat files carry real absolute paths; the datasets' absolute paths
         # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
         join_absolute=source_cfg.format != "messages",

@@ -35,6 +35,8 @@ __all__ = [
     "Plan",
     "iter_pieces",
     "PieceAdapter",
+    "find_sentencepiece_model",
+    "load_sentencepiece",
 ]
 
 
@@ -80,13 +82,55 @@ def state_fingerprint(state: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def find_sentencepiece_model(tokenizer: Any, directory: str | None) -> str | None:
+    """The SentencePiece model file behind ``tokenizer``: its ``vocab_file`` when that is a
+    ``.model`` file, else ``tokenizer.model`` in the checkpoint ``directory``; ``None`` when
+    there is none (byte-level BPE tokenizers, hub ids)."""
+    import os
+
+    vocab_file = getattr(tokenizer, "vocab_file", None)
+    if isinstance(vocab_file, str) and vocab_file.endswith(".model") and os.path.isfile(vocab_file):
+        return vocab_file
+    if directory and os.path.isfile(os.path.join(directory, "tokenizer.model")):
+        return os.path.join(directory, "tokenizer.model")
+    return None
+
+
+def load_sentencepiece(path: str, tokenizer: Any) -> Any:
+    """A ``SentencePieceProcessor`` for ``path``, checked against ``tokenizer``'s vocabulary.
+
+    The official LLaVA-1.5 and XComposer2 training code tokenizes with SentencePiece itself
+    (slow tokenizers); converted fast tokenizers differ from it on text that starts with
+    spaces (a lost or merged word marker), so text is encoded with this processor. Raises
+    ``ValueError`` when the model file and the tokenizer disagree on a piece.
+    """
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=path)
+    size = processor.get_piece_size()
+    probe = sorted({0, 1, 2, size // 3, size // 2, size - 1})
+    theirs = tokenizer.convert_ids_to_tokens(probe)
+    ours = [processor.id_to_piece(i) for i in probe]
+    if theirs != ours:
+        raise ValueError(
+            f"{path} does not belong to the tokenizer it ships with: ids {probe} are {ours} in the "
+            f"SentencePiece model but {theirs} in the tokenizer; use the checkpoint's own tokenizer files"
+        )
+    return processor
+
+
 @dataclass
 class Piece:
-    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image."""
+    """One unit of a rendered dialogue before tokenization: text, fixed ids, or an image.
+
+    ``plain`` tokens at the start of a trainable text piece stay unlabelled (the official
+    XComposer2 code labels by position, and its role header shares the answer's piece).
+    """
 
     kind: str  # "text" | "ids" | "image"
     value: Any
     trainable: bool = False
+    plain: int = 0
 
 
 #: a rendered dialogue: prefix pieces, (role, pieces) per non-system turn, suffix pieces
@@ -140,6 +184,10 @@ class PieceAdapter(ModelAdapter):
             for piece in pieces:
                 if piece.kind == "text":
                     ids = tuple(next(ids_iter))
+                    if piece.trainable and piece.plain:
+                        if ids[: piece.plain]:
+                            result.append(TokenChunk(ids[: piece.plain], False))
+                        ids = ids[piece.plain :]
                     if ids:  # a piece that tokenizes to nothing adds no chunk
                         result.append(TokenChunk(ids, piece.trainable))
                 elif piece.kind == "ids":

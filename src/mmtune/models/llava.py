@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mmtune.data.dialogue import Image
@@ -32,7 +33,9 @@ from mmtune.models._utils import (
     Plan,
     build_random_model,
     deep_update,
+    find_sentencepiece_model,
     iter_pieces,
+    load_sentencepiece,
     load_dtype_and_attention,
     state_fingerprint,
 )
@@ -58,8 +61,8 @@ __all__ = [
 ]
 
 VICUNA_V1_SYSTEM = (
-    "A chat between a curious human and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
 
 # The same rendering as LlavaAdapter.encode_dialogue, as a Jinja chat template, so the
@@ -125,6 +128,31 @@ TINY_ARCHITECTURE: dict[str, Any] = {
     "vision_feature_layer": -2,
     "vision_feature_select_strategy": "default",
 }
+
+
+def _merge_text(segments) -> list:
+    """Adjacent text segments joined (the official prompt is one string)."""
+    out: list = []
+    for segment in segments:
+        if isinstance(segment, str) and out and isinstance(out[-1], str):
+            out[-1] += segment
+        elif not isinstance(segment, str) or segment:
+            out.append(segment)
+    return out
+
+
+def check_template_words(tokenizer: Any, words: Sequence[str], where: str | None) -> None:
+    """Fail when the tokenizer maps a word of the chat template to its unknown token: the
+    template's role names would then be invisible to the model."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    lost = [w for w in words if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
+    if lost:
+        raise ValueError(
+            f"the tokenizer of {where or 'the model'} maps the chat template's words {lost} to the unknown token "
+            f"{tokenizer.unk_token!r}; use a tokenizer whose vocabulary covers them (the checkpoint's own tokenizer)"
+        )
 
 
 def unwrap_model(model: "nn.Module") -> "nn.Module":
@@ -248,11 +276,22 @@ class LlavaAdapter(PieceAdapter):
         self._bos_id = int(self.tokenizer.bos_token_id)
         self._eos_id = int(self.tokenizer.eos_token_id)
         self.stop_token_ids = [self._eos_id]
-        # SentencePiece tokenizers put a word-start marker ("▁") before every encoded
-        # piece, which already plays the role of the separator space.
-        first = self.tokenizer.convert_ids_to_tokens(self.tokenizer("a", add_special_tokens=False)["input_ids"][:1])
+        # LLaVA-1.5 tokenized with the slow SentencePiece tokenizer; use its model file
+        # when the checkpoint has one (converted fast tokenizers differ at leading spaces).
+        sp_path = find_sentencepiece_model(self.tokenizer, config.path if config.path and os.path.isdir(config.path) else None)
+        self._sp = load_sentencepiece(sp_path, self.tokenizer) if sp_path else None
+        self._sp_path = sp_path
+        # SentencePiece puts a word-start marker ("▁", its "dummy prefix") before every
+        # separately encoded string; the official code encodes the prompt in chunks split at
+        # images and special tokens, so each chunk starts with that marker.
+        first = [self._sp.id_to_piece(i) for i in self._sp.encode("a")] if self._sp else (
+            self.tokenizer.convert_ids_to_tokens(self.tokenizer("a", add_special_tokens=False)["input_ids"][:1]))
         self._dummy_prefix = bool(first) and first[0].startswith("\u2581")
         self._template_ids: dict[str, tuple[int, ...]] = {}
+        # the lone word marker that a chunk ending in a space ends with ("USER: " before an image)
+        with_space = self._encode_texts(["a ", "a"])
+        self._space_ids = tuple(with_space[0][len(with_space[1]) :]) if self._dummy_prefix else ()
+        check_template_words(self.tokenizer, ("USER", "ASSISTANT"), config.path)
 
     # -- processor for saving ---------------------------------------------------------------
     @functools.cached_property
@@ -295,15 +334,27 @@ class LlavaAdapter(PieceAdapter):
         return state_fingerprint(state)
 
     # -- rendering ----------------------------------------------------------------------------
-    def _text(self, text: str, *, trainable: bool = False, template: bool = False) -> Piece:
-        # A piece that starts with the separator space: SentencePiece supplies it with its
-        # word-start marker, so drop it there (otherwise it would become an extra token).
-        if self._dummy_prefix and text.startswith(" "):
+    # The official code (``conv_vicuna_v1.get_prompt`` + ``tokenizer_image_token``) builds
+    #     {system} USER: {user} ASSISTANT: {answer}</s>USER: {user} ASSISTANT: {answer}</s>
+    # and tokenizes it in chunks split at each <image> and special token (</s>): each chunk
+    # is one SentencePiece call, so it starts with the word marker "▁". Within a chunk, this
+    # adapter cuts pieces only right after a non-space character, before a space, where
+    # SentencePiece starts a new word anyway; such a piece is encoded without its first
+    # space (the marker of its first word stands for it). The text of a user turn and the
+    # following " ASSISTANT:" stay one piece, since a user text that ends with spaces forms
+    # one word with them. Labels: every answer and its </s> (what ``preprocess_v1``'s
+    # round-length arithmetic labels).
+    def _text(self, text: str, *, chunk_start: bool, trainable: bool = False, template: bool = False) -> Piece:
+        if self._dummy_prefix and not chunk_start:
+            if not text.startswith(" "):
+                raise AssertionError(f"piece {text!r} must start with the separator space")  # a template bug
             text = text[1:]
+            if not text:  # a chunk that ends in its separator space: a lone word marker
+                return Piece("ids", self._space_ids, trainable)
         if template:  # headers and the system prompt repeat: tokenized once, then memoized
             ids = self._template_ids.get(text)
             if ids is None:
-                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids = tuple(self._encode_texts([text])[0])
                 if len(self._template_ids) < 4096:  # bounded: data may carry many system prompts
                     self._template_ids[text] = ids
             return Piece("ids", ids, trainable)
@@ -324,61 +375,90 @@ class LlavaAdapter(PieceAdapter):
             system = turns[0].text
             turns = turns[1:]
         prefix = [Piece("ids", (self._bos_id,))]
-        if system:
-            prefix.append(self._text(system, template=True))
+        # "{system} USER:": a system prompt ending in whitespace shares a word with " USER:"
+        merge_header = bool(system) and system[-1].isspace()
+        if system and not merge_header:
+            prefix.append(self._text(system, chunk_start=True, template=True))
         last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
         rendered: list[tuple[str, list[Piece]]] = []
+        chunk_start = not system or merge_header  # does the next piece start a tokenizer chunk?
         for index, turn in enumerate(turns):
             pieces: list[Piece] = []
             if turn.role == "user":
-                header = (" " if (system and index == 0) else "") + "USER:"
-                pieces.append(self._text(header, template=True))
-                first = True
-                for segment in turn.segments:
+                header = (system if index == 0 and merge_header else "") + (" USER:" if index == 0 else "USER:")
+                pieces.append(self._text(header, chunk_start=chunk_start, template=True))
+                chunk_start = False
+                segments = _merge_text(turn.segments)
+                for k, segment in enumerate(segments):
+                    sep = " " if k == 0 else ""
                     if isinstance(segment, Image):
-                        if first:
-                            pieces.append(self._text(" ", template=True))
+                        if k == 0:
+                            pieces.append(self._text(" ", chunk_start=False, template=True))
                         pieces.append(Piece("image", segment))
-                    elif segment:
-                        pieces.append(self._text((" " if first else "") + segment))
+                        chunk_start = True
                     else:
-                        continue
-                    first = False
-                if first:  # an empty user turn still gets its separator
-                    pieces.append(self._text(" ", template=True))
+                        pieces.append(Piece("text", sep + segment, False))  # finished below
+                        pieces[-1].plain = int(chunk_start)  # remembers where the piece starts
+                        chunk_start = False
+                if not segments:  # an empty user turn still gets its separator
+                    pieces.append(Piece("text", " ", False))
+                    pieces[-1].plain = 0
+                answer_next = index + 1 < len(turns) and turns[index + 1].role == "assistant"
+                if answer_next or (add_generation_prompt and index == len(turns) - 1):
+                    if pieces[-1].kind == "text":
+                        pieces[-1].value += " ASSISTANT:"
+                    else:
+                        pieces.append(Piece("text", " ASSISTANT:", False))
+                        pieces[-1].plain = int(chunk_start)
+                    chunk_start = False
+                pieces = [self._finish_text(p) for p in pieces]
             elif turn.role == "assistant":
                 if turn.images:
                     raise ValueError(
                         f"dialogue {dialogue.id!r}, turn {index}: assistant turns cannot hold images in the "
                         "Vicuna v1 template; move the image into the user turn"
                     )
+                if index == 0 or turns[index - 1].role != "user":
+                    raise ValueError(
+                        f"dialogue {dialogue.id!r}, turn {index}: an assistant turn must follow a user turn in the "
+                        "Vicuna v1 template"
+                    )
                 trainable = train_on == "all_assistant" or index == last_assistant
-                pieces.append(self._text(" ASSISTANT:", template=True))
-                pieces.append(self._text(" " + turn.text, trainable=trainable))
+                pieces.append(self._text(" " + turn.text, chunk_start=False, trainable=trainable))
                 pieces.append(Piece("ids", (self._eos_id,), trainable))
+                chunk_start = True
             else:
                 raise ValueError(
                     f"dialogue {dialogue.id!r}, turn {index}: role {turn.role!r} is not allowed after the first "
                     "turn; only 'user' and 'assistant' alternate (a 'system' turn must come first)"
                 )
             rendered.append((turn.role, pieces))
-        suffix: list[Piece] = []
-        if add_generation_prompt:
-            if not turns or turns[-1].role != "user":
-                raise ValueError(
-                    f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
-                )
-            suffix.append(self._text(" ASSISTANT:", template=True))
-        return prefix, rendered, suffix
+        if add_generation_prompt and (not turns or turns[-1].role != "user"):
+            raise ValueError(
+                f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
+            )
+        return prefix, rendered, []
 
-    def _tokenize_many(self, texts: list[str]) -> list[tuple[int, ...]]:
+    def _finish_text(self, piece: Piece) -> Piece:
+        """A user-turn text piece (``plain`` = 1 when it starts a chunk) -> its final form."""
+        if piece.kind != "text":
+            return piece
+        return self._text(piece.value, chunk_start=bool(piece.plain))
+
+    def _encode_texts(self, texts: list[str]) -> list[Sequence[int]]:
+        """Ids of each text encoded alone (SentencePiece's own encoding when available)."""
         if not texts:
             return []
+        if self._sp is not None:
+            return self._sp.encode(texts)
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
             # the Rust tokenizer directly: same ids, without building a BatchEncoding
-            return [tuple(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
-        return [tuple(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def _tokenize_many(self, texts: list[str]) -> list[tuple[int, ...]]:
+        return [tuple(ids) for ids in self._encode_texts(texts)]
 
     def measure_many(
         self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
@@ -388,11 +468,7 @@ class LlavaAdapter(PieceAdapter):
         without building id tuples and chunk objects."""
         plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
         texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None and texts:
-            counts = iter([len(e) for e in backend.encode_batch(texts, add_special_tokens=False)])
-        else:
-            counts = iter([len(ids) for ids in self._tokenize_many(texts)])
+        counts = iter([len(ids) for ids in self._encode_texts(texts)])
         per_image = self.num_image_tokens
 
         def size(pieces) -> tuple[int, int]:

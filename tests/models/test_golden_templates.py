@@ -1,0 +1,256 @@
+"""Token-exact agreement with the official LLaVA-1.5 and InternLM-XComposer2 training code.
+
+The golden vectors under ``../shared/fixtures/golden`` were produced by the official
+preprocessing code on sample dialogues, with the real Llama-2 and InternLM2 tokenizers
+(``../shared/fixtures/tokenizers``). Each case's native record goes through the normal
+path (reader -> Dialogue -> adapter -> encoder); every image's run of image-token ids is
+collapsed to one ``-200`` and the result must equal the official ``input_ids`` and
+``labels`` token for token.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from mmtune.data.encoding import encode_example
+from mmtune.data.readers import parse_record
+from mmtune.models.base import IGNORE_INDEX
+from mmtune.models.config import ModelConfig
+from mmtune.models.registry import build_adapter
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.normpath(os.path.join(REPO, "..", "shared", "fixtures"))
+IMAGE_MARKER = -200
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(FIXTURES, "golden")),
+    reason=f"golden template fixtures not found in {FIXTURES} (clone the shared fixtures next to the repository)",
+)
+
+
+def _cases(name):
+    path = os.path.join(FIXTURES, "golden", name)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def llava_checkpoint(directory):
+    """A llava-hf style directory with the real Llama-2 tokenizer (``<image>`` = 32000)."""
+    from transformers import AutoTokenizer, LlavaConfig, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from mmtune.models.llava import TINY_ARCHITECTURE
+
+    source = os.path.join(directory, "source")
+    os.makedirs(source)
+    for name in ("tokenizer.model", "tokenizer.json"):
+        shutil.copy(os.path.join(FIXTURES, "tokenizers", "llama2", name), source)
+    with open(os.path.join(source, "tokenizer_config.json"), "w") as handle:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "add_bos_token": True, "legacy": False}, handle)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.pad_token = "<pad>"
+    out = os.path.join(directory, "llava")
+    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": 32064}}
+    LlavaConfig(**arch, image_token_id=32000).save_pretrained(out)
+    LlavaProcessor(
+        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+    ).save_pretrained(out)  # fmt: skip
+    shutil.copy(os.path.join(source, "tokenizer.model"), out)
+    return out
+
+
+def xc2_official_directory(directory):
+    """An official XComposer2-VL directory as released: config.json and only ``tokenizer.model``
+    plus its ``tokenizer_config.json`` (whose tokenizer class is remote code, never run)."""
+    os.makedirs(directory, exist_ok=True)
+    shutil.copy(os.path.join(FIXTURES, "tokenizers", "internlm2", "tokenizer.model"), directory)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as handle:
+        json.dump({
+            "auto_map": {"AutoTokenizer": ["tokenization_internlm_xcomposer2.InternLMXComposer2Tokenizer", None]},
+            "tokenizer_class": "InternLMXComposer2Tokenizer", "bos_token": "<s>", "eos_token": "</s>",
+            "pad_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        }, handle)  # fmt: skip
+    official = {
+        "architectures": ["InternLMXComposer2ForCausalLM"], "model_type": "internlmxcomposer2",
+        "auto_map": {"AutoModel": "modeling_internlm_xcomposer2.InternLMXComposer2ForCausalLM"},
+        "vocab_size": 92544, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "rope_theta": 1000000, "rope_scaling": {"type": "dynamic", "factor": 1.0},
+        "bias": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    }  # fmt: skip
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(official, handle)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return build_adapter(ModelConfig(family="llava", path=llava_checkpoint(str(tmp_path_factory.mktemp("llava")))))
+
+
+@pytest.fixture(scope="module")
+def xc2(tmp_path_factory):
+    path = xc2_official_directory(str(tmp_path_factory.mktemp("xc2") / "official"))
+    return build_adapter(ModelConfig(family="internlm_xcomposer2", path=path, image_size=490))
+
+
+def collapse_images(ids, labels, image_token_id):
+    """Each run of ``image_token_id`` -> one ``-200`` (every label in the run must be ignored)."""
+    out_ids, out_labels, k = [], [], 0
+    while k < len(ids):
+        if ids[k] == image_token_id:
+            end = k
+            while end < len(ids) and ids[end] == image_token_id:
+                end += 1
+            assert all(label == IGNORE_INDEX for label in labels[k:end]), f"labelled image positions at {k}"
+            out_ids.append(IMAGE_MARKER)
+            out_labels.append(IGNORE_INDEX)
+            k = end
+        else:
+            out_ids.append(ids[k])
+            out_labels.append(labels[k])
+            k += 1
+    return out_ids, out_labels
+
+
+def encode_case(adapter, case):
+    dialogue = parse_record(case["native_format"], case["native_record"])
+    example = encode_example(adapter, dialogue, max_length=None)
+    images = sum(1 for _ in example.images)
+    ids, labels = collapse_images(example.input_ids, example.labels, adapter.image_token_id)
+    assert ids.count(IMAGE_MARKER) == images
+    return ids, labels
+
+
+def _piece(adapter, token_id, marker):
+    if token_id == IMAGE_MARKER:
+        return marker
+    if token_id == IGNORE_INDEX:
+        return "(no loss)"
+    return adapter.tokenizer.convert_ids_to_tokens(int(token_id))
+
+
+def assert_same(adapter, case, got, want, what, marker):
+    if got == want:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    show = lambda seq: repr(_piece(adapter, seq[k], marker)) if k < len(seq) else "(end)"  # noqa: E731
+    context = [_piece(adapter, t, marker) for t in case["input_ids"][max(0, k - 6) : k + 4]]
+    pytest.fail(
+        f"{case['id']}: {what} differ first at position {k} (lengths {len(got)} vs official {len(want)}): "
+        f"mmtune {got[k] if k < len(got) else None} {show(got)} vs official "
+        f"{want[k] if k < len(want) else None} {show(want)}; official tokens around it: {context}"
+    )
+
+
+@pytest.mark.parametrize("case", _cases("llava_v1.json"), ids=lambda c: c["id"])
+def test_llava_v1_matches_the_official_preprocessing(llava, case):
+    ids, labels = encode_case(llava, case)
+    assert_same(llava, case, ids, case["input_ids"], "input_ids", "<image>")
+    assert_same(llava, case, labels, case["labels"], "labels", "<image>")
+
+
+@pytest.mark.parametrize("case", _cases("xc2.json"), ids=lambda c: c["id"])
+def test_xcomposer2_matches_the_official_preprocessing(xc2, case):
+    ids, labels = encode_case(xc2, case)
+    assert_same(xc2, case, ids, case["input_ids"], "input_ids", "<ImageHere>")
+    assert_same(xc2, case, labels, case["labels"], "labels", "<ImageHere>")
+
+
+def test_golden_tokens_agree_with_sentencepiece():
+    """The fixtures themselves: the official ``tokens`` are the SentencePiece pieces of the ids."""
+    import sentencepiece as spm
+
+    for name, model in (("llava_v1.json", "llama2"), ("xc2.json", "internlm2")):
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", model, "tokenizer.model"))
+        for case in _cases(name):
+            pieces = [sp.id_to_piece(i) if i >= 0 else None for i in case["input_ids"]]
+            assert [p for p in pieces if p] == [t for t, i in zip(case["tokens"], case["input_ids"]) if i >= 0]
+
+
+# -- a second, independent statement of the official LLaVA-1.5 rules, for dialogues that have
+# -- no golden vector: prompt string -> chunks at <image> -> pieces at </s> -> SentencePiece,
+# -- labels by the round-length arithmetic of the official preprocessing.
+
+
+def _official_llava(sp, turns, has_image):
+    from mmtune.models.llava import VICUNA_V1_SYSTEM
+
+    prompt = VICUNA_V1_SYSTEM + " "
+    for role, text in turns:
+        prompt += ("USER: " + text + " ") if role == "user" else ("ASSISTANT: " + text + "</s>")
+
+    def encode(text):  # a slow tokenizer call with BOS: special tokens split out, the rest SentencePiece
+        ids = [1]
+        for k, part in enumerate(text.split("</s>")):
+            if k:
+                ids.append(2)
+            if part:
+                ids.extend(sp.encode(part))
+        return ids
+
+    def encode_images(text):
+        ids = [1]
+        for k, chunk in enumerate(text.split("<image>")):
+            if k:
+                ids.append(IMAGE_MARKER)
+            ids.extend(encode(chunk)[1:])
+        return ids
+
+    tok = encode_images if has_image else encode
+    ids = tok(prompt)
+    labels = list(ids)
+    cur = 1
+    labels[:1] = [IGNORE_INDEX]
+    for rou in prompt.split("</s>"):
+        if not rou:
+            break
+        parts = rou.split(" ASSISTANT: ")
+        if len(parts) != 2:
+            break
+        round_len = len(tok(rou))
+        instruction_len = len(tok(parts[0] + " ASSISTANT: ")) - 2
+        labels[cur : cur + instruction_len] = [IGNORE_INDEX] * instruction_len
+        cur += round_len
+    labels[cur:] = [IGNORE_INDEX] * (len(labels) - cur)
+    assert cur == len(ids)
+    return ids, labels
+
+
+_USER_TEXTS = [
+    "What is shown here?", "  Describe it.  ", "Compare <image> and <image> please.", "<image>\nWhat now?",
+    "Look: <image>", "Is it raining? \n", "1889 or 1907?", "日本語の質問ですか？", "a  b   c", "<image> <image> Two.",
+    "Tabs\tand\nnewlines\n\n", " <image>, then text", "Ends with space ",
+]
+_ANSWERS = ["Yes.", " A red helmet.\n", "1. One\n2. Two", "No  way", "It is 42.", "  Leading spaces", "中文回答。", "ok "]
+
+
+def test_llava_v1_agrees_with_the_official_rules_on_varied_dialogues(llava):
+    """Random multi-turn MMDU-style dialogues (placeholders anywhere, odd whitespace)."""
+    import random
+
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", "llama2", "tokenizer.model"))
+    rng = random.Random(0)
+    for n in range(60):
+        turns = []
+        for _ in range(rng.randint(1, 4)):
+            turns += [("user", rng.choice(_USER_TEXTS)), ("assistant", rng.choice(_ANSWERS))]
+        images = sum(text.count("<image>") for _, text in turns)
+        record = {"id": f"r{n}", "conversations": [
+            {"from": role, "value": text.replace("<image>", "<ImageHere>")} for role, text in turns]}  # fmt: skip
+        if images:
+            record["image"] = [f"p{k}.jpg" for k in range(images)]
+        want_ids, want_labels = _official_llava(sp, turns, has_image=images > 0)
+        case = {"id": record["id"], "input_ids": want_ids}
+        ids, labels = encode_case(llava, {**case, "native_format": "mmdu", "native_record": record})
+        assert_same(llava, case, ids, want_ids, "input_ids", "<image>")
+        assert_same(llava, case, labels, want_labels, "labels", "<image>")
