@@ -254,3 +254,76 @@ def test_llava_v1_agrees_with_the_official_rules_on_varied_dialogues(llava):
         ids, labels = encode_case(llava, {**case, "native_format": "mmdu", "native_record": record})
         assert_same(llava, case, ids, want_ids, "input_ids", "<image>")
         assert_same(llava, case, labels, want_labels, "labels", "<image>")
+
+
+def _official_xc2(sp, turns, has_image):
+    """conv2text (strip, headers, </s>) -> parts at <ImageHere>, each encoded alone (BOS on the
+    first), special tokens split out -> the positional label masking of the official code."""
+    text = "".join(
+        ("[UNUSED_TOKEN_146]user\n" if role == "user" else "[UNUSED_TOKEN_146]assistant\n")
+        + value.strip() + "[UNUSED_TOKEN_145]\n"
+        for role, value in turns
+    ) + "</s>"  # fmt: skip
+
+    def encode(part):
+        ids = []
+        for k, piece in enumerate(part.split("</s>")):
+            if k:
+                ids.append(2)
+            if piece:
+                ids.extend(sp.encode(piece))
+        return ids
+
+    ids = [1]
+    for k, part in enumerate(text.split("<ImageHere>") if has_image else [text]):
+        if k:
+            ids.append(IMAGE_MARKER)
+        ids.extend(encode(part))
+    labels = list(ids)
+    ends, last = 0, 0
+    for i, token in enumerate(ids):
+        if token == 92542:
+            if ends % 2 == 0:
+                labels[last : i + 6] = [IGNORE_INDEX] * len(labels[last : i + 6])
+            else:
+                last = i + 1
+            ends += 1
+        elif token == 2:
+            labels[i + 1 :] = [IGNORE_INDEX] * len(labels[i + 1 :])
+            break
+    labels = [IGNORE_INDEX if t == IMAGE_MARKER else label for t, label in zip(ids, labels)]
+    return ids, labels
+
+
+def test_xcomposer2_agrees_with_the_official_rules_on_varied_dialogues(xc2):
+    import random
+
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", "internlm2", "tokenizer.model"))
+    rng = random.Random(1)
+    for n in range(60):
+        turns = []
+        for _ in range(rng.randint(1, 4)):
+            turns += [("user", rng.choice(_USER_TEXTS)), ("assistant", rng.choice(_ANSWERS))]
+        turns = [(role, text.replace("<image>", "<ImageHere>")) for role, text in turns]
+        images = sum(text.count("<ImageHere>") for _, text in turns)
+        record = {"id": f"x{n}", "conversations": [{"from": role, "value": text} for role, text in turns]}
+        if images:
+            record["image"] = [f"p{k}.jpg" for k in range(images)]
+        want_ids, want_labels = _official_xc2(sp, turns, has_image=images > 0)
+        case = {"id": record["id"], "input_ids": want_ids}
+        ids, labels = encode_case(xc2, {**case, "native_format": "xcomposer2", "native_record": record})
+        assert_same(xc2, case, ids, want_ids, "input_ids", "<ImageHere>")
+        assert_same(xc2, case, labels, want_labels, "labels", "<ImageHere>")
+
+
+def test_xcomposer2_final_eos_loss_is_an_option(tmp_path):
+    """``label_final_eos=false``: the same ids, no loss on the "\\n" and "</s>" after the last answer."""
+    path = xc2_official_directory(str(tmp_path / "official"))
+    adapter = build_adapter(ModelConfig(family="internlm_xcomposer2", path=path, image_size=490, label_final_eos=False))
+    case = _cases("xc2.json")[0]
+    ids, labels = encode_case(adapter, case)
+    assert ids == case["input_ids"]
+    want = case["labels"][:-2] + [IGNORE_INDEX, IGNORE_INDEX]
+    assert case["labels"][-2:] != [IGNORE_INDEX, IGNORE_INDEX] and labels == want

@@ -26,5 +26,9 @@ class ModelConfig:
     original training did) or ``resize``."""
     image_size: Optional[int] = None
     """Square input resolution; ``None`` takes the processor's / checkpoint's value."""
+    label_final_eos: bool = True
+    """InternLM-XComposer2: put loss on the ``\\n`` and ``</s>`` after the last answer, as the
+    official fine-tuning code does (its ``mask_human_targets``). ``false`` labels only each
+    answer and its ``[UNUSED_TOKEN_145]``, the tokens generation stops at."""
     max_position_embeddings: Optional[int] = None
     """Original context window of the language model; ``None`` reads it from the config."""

@@ -45,6 +45,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -89,6 +90,7 @@ __all__ = [
     "load_official_checkpoint",
     "convert_official_checkpoint",
     "InternLMXComposer2Adapter",
+    "InternLM2Tokenizer",
     "IMAGE_TOKEN",
     "TINY_ARCHITECTURE",
     "unwrap_model",
@@ -858,9 +860,13 @@ def convert_official_checkpoint(src: str, dst: str, *, image_size: int | None = 
 
     model = load_official_checkpoint(src, image_size=image_size, dtype=getattr(torch, dtype))
     model.save_pretrained(dst)
-    for name in os.listdir(src):
-        if name.startswith(("tokenizer", "special_tokens_map", "added_tokens")) and not name.endswith(".py"):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    if os.path.isfile(os.path.join(src, "tokenizer.model")):
+        # the SentencePiece tokenizer, saved without the official remote-code class names
+        _load_tokenizer(src, trust_remote_code=False).save_pretrained(dst)
+    else:  # a tokenizer.json only: keep the files as they are
+        for name in os.listdir(src):
+            if name.startswith(("tokenizer", "special_tokens_map", "added_tokens")) and not name.endswith(".py"):
+                shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -905,29 +911,100 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
+class InternLM2Tokenizer(SentencePieceBackend):
+    """InternLM2's tokenizer without remote code: SentencePiece's own encoding of
+    ``tokenizer.model`` (BPE with byte fallback and no dummy prefix), as the official slow
+    tokenizer encodes. Converted fast tokenizers and ``LlamaTokenizer`` put a word marker
+    ("▁") before separately encoded text, which changes role headers and answer starts.
+
+    ``add_bos_token`` (default on) prepends ``<s>`` when ``add_special_tokens=True``;
+    decoding goes through SentencePiece, so byte-fallback pieces become characters again.
+    """
+
+    vocab_files_names = {"vocab_file": "tokenizer.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(
+        self,
+        vocab_file: str,
+        unk_token: str = "<unk>",
+        bos_token: str = "<s>",
+        eos_token: str = "</s>",
+        pad_token: str = "</s>",
+        add_bos_token: bool = True,
+        add_eos_token: bool = False,
+        **kwargs: Any,
+    ):
+        for key in ("legacy", "special_tokens_pattern", "auto_map", "tokenizer_class"):
+            kwargs.pop(key, None)
+        pattern = {(True, False): "bos", (False, True): "eos", (True, True): "bos_eos"}.get(
+            (bool(add_bos_token), bool(add_eos_token)), "none"
+        )
+        super().__init__(
+            vocab_file=vocab_file, unk_token=unk_token, bos_token=bos_token, eos_token=eos_token,
+            pad_token=pad_token, legacy=True, special_tokens_pattern=pattern, **kwargs,
+        )  # fmt: skip
+        self.add_bos_token, self.add_eos_token = bool(add_bos_token), bool(add_eos_token)
+        self.init_kwargs.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self.sp_model.decode_pieces(list(tokens))
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """SentencePiece ids of each text, no special tokens added (one batched call).
+        Control-token strings in the text stay plain text; ``[UNUSED_TOKEN_*]`` strings are
+        pieces of the model and become those tokens, as in the official tokenizer."""
+        return self.sp_model.encode(list(texts)) if texts else []
+
+
 def _load_tokenizer(path: str, trust_remote_code: bool):
     """The checkpoint's tokenizer without running its code where possible.
 
-    Order: ``AutoTokenizer`` (fast; works for a native checkpoint saved by mmtune, or
-    with ``trust_remote_code``), then ``LlamaTokenizer`` built from the SentencePiece
-    ``tokenizer.model`` (InternLM2's tokenizer is SentencePiece BPE with byte fallback).
+    Order: with ``trust_remote_code``, the checkpoint's own ``AutoTokenizer``; otherwise
+    :class:`InternLM2Tokenizer` on its ``tokenizer.model`` (an official directory ships only
+    that and remote code; a converted one the same file), then a fast ``tokenizer.json``.
     """
-    from transformers import AutoTokenizer, LlamaTokenizer
+    from transformers import AutoTokenizer
 
     errors = []
+    if trust_remote_code:
+        try:
+            return AutoTokenizer.from_pretrained(path, use_fast=False, trust_remote_code=True)
+        except Exception as err:  # noqa: BLE001 - every failure is reported below
+            errors.append(f"AutoTokenizer (remote code): {type(err).__name__}: {err}")
+    if os.path.isfile(os.path.join(path, "tokenizer.model")):
+        try:
+            return InternLM2Tokenizer.from_pretrained(path)
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"InternLM2Tokenizer(tokenizer.model): {type(err).__name__}: {err}")
+    else:
+        errors.append(f"no tokenizer.model in {path}")
     try:
-        return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=trust_remote_code)
-    except Exception as err:  # noqa: BLE001 - every failure is reported below
-        errors.append(f"AutoTokenizer: {type(err).__name__}: {err}")
-    try:
-        return LlamaTokenizer.from_pretrained(path, add_bos_token=False, add_eos_token=False, legacy=False)
+        return AutoTokenizer.from_pretrained(path, use_fast=True)
     except Exception as err:  # noqa: BLE001
-        errors.append(f"LlamaTokenizer(tokenizer.model): {type(err).__name__}: {err}")
+        errors.append(f"AutoTokenizer: {type(err).__name__}: {err}")
     raise ValueError(
-        f"cannot load the tokenizer of {path}:\n  " + "\n  ".join(errors) + "\n  Convert the checkpoint with "
-        "mmtune.models.internlm_xcomposer2.convert_official_checkpoint on a machine where the tokenizer loads, "
-        "or set model.trust_remote_code=true if you trust the checkpoint's code."
+        f"cannot load the tokenizer of {path}:\n  " + "\n  ".join(errors) + "\n  An official InternLM-XComposer2 "
+        "directory has the SentencePiece file tokenizer.model; copy it next to the weights (the sentencepiece and "
+        "protobuf packages are mmtune dependencies)."
     )
+
+
+def _strip_segments(segments) -> list:
+    """A turn's segments with the turn's leading and trailing whitespace removed, as the
+    official ``value.strip()`` on the text with its ``<ImageHere>`` placeholders does."""
+    out = [s for s in segments if not isinstance(s, str) or s]
+    while out and isinstance(out[0], str):
+        out[0] = out[0].lstrip()
+        if out[0]:
+            break
+        out.pop(0)
+    while out and isinstance(out[-1], str):
+        out[-1] = out[-1].rstrip()
+        if out[-1]:
+            break
+        out.pop()
+    return out
 
 
 def unwrap_model(model: nn.Module) -> InternLMXComposer2ForCausalLM:
@@ -1060,6 +1137,11 @@ class InternLMXComposer2Adapter(PieceAdapter):
     def _pieces(
         self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool
     ) -> Plan:
+        # The official conv2text + interleav_wrap: every turn text stripped, then
+        #   [146]user\n{text}[145]\n[146]assistant\n{answer}[145]\n ... </s>
+        # tokenized in parts split at images and special tokens. The "\n" after each [145]
+        # opens the next turn here (the same ids), so the one after the last kept answer
+        # goes with the final </s> whatever truncation keeps.
         if train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
         turns = list(dialogue.turns)
@@ -1070,23 +1152,24 @@ class InternLMXComposer2Adapter(PieceAdapter):
             system = turns[0].text
             turns = turns[1:]
         prefix = [Piece("ids", (int(self.tokenizer.bos_token_id),))]
+        newline: list[Piece] = []  # "\n" before a turn's [146], after the first one
         if system:
-            prefix += [Piece("ids", (self.start_id,)), Piece("text", "system\n" + system),
-                       Piece("ids", (self.end_id,)), Piece("text", "\n")]  # fmt: skip
+            prefix += [Piece("ids", (self.start_id,)), Piece("text", "system\n" + system.strip()),
+                       Piece("ids", (self.end_id,))]  # fmt: skip
+            newline = [Piece("text", "\n")]
         last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
         rendered: list[tuple[str, list[Piece]]] = []
         for index, turn in enumerate(turns):
             if turn.role == "user":
-                # Official: one string per image-separated piece, headers included.
-                pieces = [Piece("ids", (self.start_id,))]
+                pieces = [*newline, Piece("ids", (self.start_id,))]
                 text = "user\n"
-                for segment in turn.segments:
+                for segment in _strip_segments(turn.segments):
                     if isinstance(segment, Image):
                         pieces += [Piece("text", text), Piece("image", segment)]
                         text = ""
                     else:
                         text += segment
-                pieces += [Piece("text", text), Piece("ids", (self.end_id,)), Piece("text", "\n")]
+                pieces += [Piece("text", text), Piece("ids", (self.end_id,))]
             elif turn.role == "assistant":
                 if turn.images:
                     raise ValueError(
@@ -1094,28 +1177,35 @@ class InternLMXComposer2Adapter(PieceAdapter):
                         "XComposer2 format; move the image into the user turn"
                     )
                 trainable = train_on == "all_assistant" or index == last_assistant
+                # official labels start 6 tokens after the user's [145]: "\n", [146] and the
+                # first 3 tokens of "assistant\n{answer}" stay unlabelled
                 pieces = [
+                    *newline,
                     Piece("ids", (self.start_id,)),
-                    Piece("text", "assistant\n"),
-                    Piece("text", turn.text, trainable),
+                    Piece("text", "assistant\n" + turn.text.strip(), trainable, plain=3),
                     Piece("ids", (self.end_id,), trainable),
-                    Piece("text", "\n"),
                 ]
             else:
                 raise ValueError(
                     f"dialogue {dialogue.id!r}, turn {index}: role {turn.role!r} is not allowed after the first "
                     "turn; only 'user' and 'assistant' alternate (a 'system' turn must come first)"
                 )
+            newline = [Piece("text", "\n")]
             rendered.append((turn.role, pieces))
         if add_generation_prompt:
             if not turns or turns[-1].role != "user":
                 raise ValueError(f"dialogue {dialogue.id!r}: add_generation_prompt needs a final user turn")
-            suffix = [Piece("ids", (self.start_id,)), Piece("text", "assistant\n")]
+            suffix = [*newline, Piece("ids", (self.start_id,)), Piece("text", "assistant\n")]
         else:
-            suffix = [Piece("ids", (int(self.tokenizer.eos_token_id),))]
+            ends_with_answer = bool(turns) and turns[-1].role == "assistant"
+            label = ends_with_answer and self.config.label_final_eos
+            suffix = [*[Piece("text", "\n", label) for _ in newline],
+                      Piece("ids", (int(self.tokenizer.eos_token_id),), label)]  # fmt: skip
         return prefix, rendered, suffix
 
     def _tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        if isinstance(self.tokenizer, InternLM2Tokenizer):
+            return self.tokenizer.encode_texts(texts)
         # split_special_tokens: control-token strings inside dialogue text stay plain text
         return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
 
