@@ -44,14 +44,15 @@ def test_llava_image_positions_and_text_only(tmp_path, pics, cache_dir, load):
     a, b = str(pics / "a.png"), str(pics / "b.jpg")
     assert d["start"].turns[0] == Turn("user", (Image(a), "\nWhat colour?"))
     assert d["start"].turns[1] == Turn("assistant", ("Red.",))
-    assert d["end"].turns[0] == Turn("user", ("What colour?\n", Image(b)))
+    # by default <image> goes to the front of its (stripped) turn, as LLaVA-1.5's preprocessing
+    assert d["end"].turns[0] == Turn("user", (Image(b), "\nWhat colour?"))
     assert [t.role for t in d["end"].turns] == ["user", "assistant", "user", "assistant"]
     assert d["text"].images == ()
     assert (src.report.records_kept, src.report.images, src.report.text_only, src.report.turns) == (3, 2, 1, 8)
     assert src.dialogues[0].source == "src"
 
-    moved = load("llava", records, name="moved", image_root=str(pics), move_image_to_start=True)
-    assert moved.dialogues[1].turns[0] == Turn("user", (Image(b), "\nWhat colour?"))
+    kept = load("llava", records, name="kept", image_root=str(pics), move_image_to_start=False)
+    assert kept.dialogues[1].turns[0] == Turn("user", ("What colour?\n", Image(b)))
 
 
 def test_mmdu_images_introduced_in_later_turns(tmp_path, pics, cache_dir, load):

@@ -327,3 +327,43 @@ def test_xcomposer2_final_eos_loss_is_an_option(tmp_path):
     assert ids == case["input_ids"]
     want = case["labels"][:-2] + [IGNORE_INDEX, IGNORE_INDEX]
     assert case["labels"][-2:] != [IGNORE_INDEX, IGNORE_INDEX] and labels == want
+
+
+def _messages(dialogue):
+    out = []
+    for turn in dialogue.turns:
+        content = [{"type": "image"} if not isinstance(s, str) else {"type": "text", "text": s} for s in turn.segments]
+        out.append({"role": turn.role, "content": content})
+    return out
+
+
+def _starts_a_chunk_with_whitespace(dialogue):
+    """Text right after an image or a role header that starts with whitespace: there the
+    fast (Rust) Llama tokenizer splits runs of spaces differently from SentencePiece."""
+    for turn in dialogue.turns:
+        previous = None
+        for segment in turn.segments:
+            if isinstance(segment, str) and (previous is None or not isinstance(previous, str)):
+                if segment[:1] == " ":
+                    return True
+            previous = segment
+    return False
+
+
+def test_saved_llava_chat_template_gives_the_training_ids(llava, tmp_path):
+    """A saved checkpoint's chat template, applied by plain transformers to the real Llama
+    tokenizer, reproduces the training ids (one ``<image>`` id per image)."""
+    from transformers import AutoTokenizer
+
+    llava.save_pretrained(str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    dialogues = [parse_record(c["native_format"], c["native_record"]) for c in _cases("llava_v1.json")]
+    checked = [(c, d) for c, d in zip(_cases("llava_v1.json"), dialogues) if not _starts_a_chunk_with_whitespace(d)]
+    assert len(checked) >= 4
+    for case, dialogue in checked:
+        example = encode_example(llava, dialogue, max_length=None)
+        want, _ = collapse_images(example.input_ids, example.labels, llava.image_token_id)
+        want = [llava.image_token_id if t == IMAGE_MARKER else t for t in want]
+        got = tokenizer.apply_chat_template(_messages(dialogue), tokenize=True)
+        got = got["input_ids"] if isinstance(got, dict) or hasattr(got, "keys") else got
+        assert_same(llava, {**case, "input_ids": want}, list(got), want, "chat-template ids", "<image>")

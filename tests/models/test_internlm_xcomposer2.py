@@ -318,11 +318,12 @@ def test_label_spans_decode_to_assistant_texts(adapter):
             spans.append(adapter.tokenizer.decode(current))
             current = []
     answers = [t.text for t in dialogue.turns if t.role == "assistant"]
-    assert spans == [a + "[UNUSED_TOKEN_145]" for a in answers]
+    # as the official fine-tuning code: the "\n" and "</s>" after the last answer carry loss too
+    assert spans == [a + "[UNUSED_TOKEN_145]" for a in answers[:-1]] + [answers[-1] + "[UNUSED_TOKEN_145]\n</s>"]
 
     _, last_only, _ = _flatten(adapter, adapter.encode_dialogue(dialogue, train_on="last_assistant"))
     kept = [label for label in last_only if label != IGNORE_INDEX]
-    assert adapter.tokenizer.decode(kept) == answers[-1] + "[UNUSED_TOKEN_145]"
+    assert adapter.tokenizer.decode(kept) == answers[-1] + "[UNUSED_TOKEN_145]\n</s>"
 
 
 def test_system_prompt_generation_prompt_and_errors(adapter):

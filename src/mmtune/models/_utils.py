@@ -36,6 +36,7 @@ __all__ = [
     "iter_pieces",
     "PieceAdapter",
     "find_sentencepiece_model",
+    "check_template_words",
     "load_sentencepiece",
 ]
 
@@ -117,6 +118,20 @@ def load_sentencepiece(path: str, tokenizer: Any) -> Any:
             f"SentencePiece model but {theirs} in the tokenizer; use the checkpoint's own tokenizer files"
         )
     return processor
+
+
+def check_template_words(tokenizer: Any, words: Sequence[str], where: str | None) -> None:
+    """Fail when the tokenizer maps a word of the chat template to its unknown token: the
+    template's role names would then be invisible to the model."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return
+    lost = [w for w in words if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
+    if lost:
+        raise ValueError(
+            f"the tokenizer of {where or 'the model'} maps the chat template's words {lost} to the unknown token "
+            f"{tokenizer.unk_token!r}; use a tokenizer whose vocabulary covers them (the checkpoint's own tokenizer)"
+        )
 
 
 @dataclass

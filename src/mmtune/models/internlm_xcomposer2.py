@@ -59,6 +59,7 @@ from mmtune.models._utils import (
     PieceAdapter,
     Plan,
     build_random_model,
+    check_template_words,
     deep_update,
     load_dtype_and_attention,
     state_fingerprint,
@@ -1110,6 +1111,8 @@ class InternLMXComposer2Adapter(PieceAdapter):
                 f"the tokenizer of {config.path} lacks {missing or ''} bos/eos tokens needed by the XC2 template"
             )
         self.start_id, self.end_id = int(ids[_START]), int(ids[_END])
+        check_template_words(tokenizer, ("user", "assistant"), config.path)
+        self._header_length = len(self._tokenize_many(["assistant\n"])[0])
         self.stop_token_ids = [int(tokenizer.eos_token_id), self.end_id]
         self.num_image_tokens = self.model_config.num_image_tokens
         self.image_size = self.model_config.vision_config.image_size
@@ -1178,11 +1181,12 @@ class InternLMXComposer2Adapter(PieceAdapter):
                     )
                 trainable = train_on == "all_assistant" or index == last_assistant
                 # official labels start 6 tokens after the user's [145]: "\n", [146] and the
-                # first 3 tokens of "assistant\n{answer}" stay unlabelled
+                # first 3 tokens of "assistant\n{answer}" (the header, 3 tokens in
+                # InternLM2's vocabulary) stay unlabelled
                 pieces = [
                     *newline,
                     Piece("ids", (self.start_id,)),
-                    Piece("text", "assistant\n" + turn.text.strip(), trainable, plain=3),
+                    Piece("text", "assistant\n" + turn.text.strip(), trainable, plain=self._header_length),
                     Piece("ids", (self.end_id,), trainable),
                 ]
             else:

@@ -32,6 +32,7 @@ from mmtune.models._utils import (
     PieceAdapter,
     Plan,
     build_random_model,
+    check_template_words,
     deep_update,
     find_sentencepiece_model,
     iter_pieces,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "VICUNA_V1_SYSTEM",
     "VICUNA_V1_CHAT_TEMPLATE",
+    "vicuna_v1_chat_template",
     "TINY_ARCHITECTURE",
     "TINY_SPECIAL_TOKENS",
     "LlavaAdapter",
@@ -65,37 +67,44 @@ VICUNA_V1_SYSTEM = (
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
 
-# The same rendering as LlavaAdapter.encode_dialogue, as a Jinja chat template, so the
-# processor saved with a checkpoint renders prompts identically for plain-HF users (and
-# the generic ``auto`` adapter reproduces this adapter's ids; a test checks it).
-VICUNA_V1_CHAT_TEMPLATE = (
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set system = messages[0]['content'] if messages[0]['content'] is string "
-    "else messages[0]['content'] | map(attribute='text') | join('') -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set system = '" + VICUNA_V1_SYSTEM.replace("'", "\\'") + "' -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{{- bos_token + system -}}"
-    "{%- for message in loop_messages -%}"
-    "{%- if message['role'] == 'user' -%}"
-    "{{- (' ' if (system and loop.first) else '') + 'USER:' -}}"
-    "{%- else -%}"
-    "{{- ' ASSISTANT:' -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- ' ' + message['content'] -}}"
-    "{%- else -%}"
-    "{{- ' ' -}}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'image' -%}{{- '<image>' -}}{%- else -%}{{- item['text'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
-)
+
+def vicuna_v1_chat_template(marker_after_special: bool = False) -> str:
+    """The Vicuna v1 prompt of :class:`LlavaAdapter` as a Jinja chat template, saved with
+    checkpoints so plain ``apply_chat_template`` gives the training ids.
+
+    The official string is ``{system} USER: {user} ASSISTANT: {answer}</s>USER: ...``
+    (``ASSISTANT:`` alone as the generation prompt). The official code encodes it in chunks
+    split at ``<image>`` and ``</s>``, each starting with SentencePiece's word marker;
+    a fast Llama tokenizer encoding the whole string adds no marker after a special token.
+    ``marker_after_special`` (for such tokenizers) writes a space after ``<s>``, ``</s>`` and
+    each ``<image>``, which that tokenizer turns into the same marker.
+    """
+    sp = " " if marker_after_special else ""
+    system = VICUNA_V1_SYSTEM.replace("'", "\\'")
+    return (
+        "{%- if messages and messages[0]['role'] == 'system' -%}"
+        "{%- set system = messages[0]['content'] if messages[0]['content'] is string "
+        "else messages[0]['content'] | map(attribute='text') | join('') -%}"
+        "{%- set loop_messages = messages[1:] -%}"
+        "{%- else -%}"
+        "{%- set system = '" + system + "' -%}"
+        "{%- set loop_messages = messages -%}"
+        "{%- endif -%}"
+        "{{- bos_token + '" + sp + "' + system -}}"
+        "{%- for message in loop_messages -%}"
+        "{%- if message['role'] == 'user' -%}{{- ' USER: ' if loop.first else 'USER: ' -}}"
+        "{%- else -%}{{- ' ASSISTANT: ' -}}{%- endif -%}"
+        "{%- if message['content'] is string -%}{{- message['content'] -}}"
+        "{%- else -%}{%- for item in message['content'] -%}"
+        "{%- if item['type'] == 'image' -%}{{- '<image>" + sp + "' -}}{%- else -%}{{- item['text'] -}}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- if message['role'] == 'assistant' -%}{{- eos_token + ('' if loop.last else '" + sp + "') -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
+    )
+
+
+VICUNA_V1_CHAT_TEMPLATE = vicuna_v1_chat_template()
 
 TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<image>", "<pad>")
 
@@ -139,20 +148,6 @@ def _merge_text(segments) -> list:
         elif not isinstance(segment, str) or segment:
             out.append(segment)
     return out
-
-
-def check_template_words(tokenizer: Any, words: Sequence[str], where: str | None) -> None:
-    """Fail when the tokenizer maps a word of the chat template to its unknown token: the
-    template's role names would then be invisible to the model."""
-    unk = tokenizer.unk_token_id
-    if unk is None:
-        return
-    lost = [w for w in words if unk in tokenizer(w, add_special_tokens=False)["input_ids"]]
-    if lost:
-        raise ValueError(
-            f"the tokenizer of {where or 'the model'} maps the chat template's words {lost} to the unknown token "
-            f"{tokenizer.unk_token!r}; use a tokenizer whose vocabulary covers them (the checkpoint's own tokenizer)"
-        )
 
 
 def unwrap_model(model: "nn.Module") -> "nn.Module":
@@ -310,13 +305,25 @@ class LlavaAdapter(PieceAdapter):
             patch_size=vc.patch_size,
             vision_feature_select_strategy=self.model_config.vision_feature_select_strategy,
             # what this adapter trains with, whatever template the source checkpoint had
-            chat_template=VICUNA_V1_CHAT_TEMPLATE,
+            chat_template=self.chat_template,
             num_additional_image_tokens=1,
         )
 
+    @property
+    def chat_template(self) -> str:
+        """The Jinja template saved with checkpoints (see :func:`vicuna_v1_chat_template`)."""
+        return vicuna_v1_chat_template(marker_after_special=self._dummy_prefix)
+
     def save_pretrained(self, directory: str) -> None:
-        """Write the processor (tokenizer, image processor, chat template) to ``directory``."""
+        """Write the processor (tokenizer, image processor, chat template) to ``directory``,
+        with the SentencePiece model the text was encoded with."""
+        import shutil
+
+        self.tokenizer.chat_template = self.chat_template
         self.processor.save_pretrained(directory)
+        target = os.path.join(directory, "tokenizer.model")
+        if self._sp_path and not os.path.exists(target):
+            shutil.copy(self._sp_path, target)
 
     def fingerprint(self) -> str:
         """A short hash of everything that changes encoded ids or lengths (for length caches)."""
@@ -329,7 +336,8 @@ class LlavaAdapter(PieceAdapter):
             "vocab": len(self.tokenizer),
             "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
             "dummy_prefix": self._dummy_prefix,
-            "template": hashlib.sha1(VICUNA_V1_CHAT_TEMPLATE.encode()).hexdigest(),
+            "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
+            "sentencepiece": bool(self._sp),
         }
         return state_fingerprint(state)
 
