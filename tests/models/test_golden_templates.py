@@ -367,3 +367,27 @@ def test_saved_llava_chat_template_gives_the_training_ids(llava, tmp_path):
         got = tokenizer.apply_chat_template(_messages(dialogue), tokenize=True)
         got = got["input_ids"] if isinstance(got, dict) or hasattr(got, "keys") else got
         assert_same(llava, {**case, "input_ids": want}, list(got), want, "chat-template ids", "<image>")
+
+
+def test_official_tokenizer_loads_without_remote_code_and_encodes_as_sentencepiece(xc2, tmp_path):
+    import sentencepiece as spm
+
+    from mmtune.models.internlm_xcomposer2 import InternLM2Tokenizer, convert_official_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", "internlm2", "tokenizer.model"))
+    assert isinstance(xc2.tokenizer, InternLM2Tokenizer)
+    texts = ["user\nWhat is this?", " leading space", "a  b   c\n\n", "图片里有一只橘色的猫。", "assistant\nIt is 42."]
+    for text in texts:
+        assert xc2.tokenizer(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
+        assert xc2.tokenizer(text)["input_ids"] == [1] + sp.encode(text)
+        assert xc2.tokenizer.decode(sp.encode(text)) == text
+    # the converter's output: no remote-code class names, the same ids
+    src = xc2_official_directory(str(tmp_path / "official"))
+    convert_official_tokenizer(src, str(tmp_path / "native"))
+    with open(tmp_path / "native" / "tokenizer_config.json") as handle:
+        assert "InternLMXComposer2Tokenizer" not in handle.read()
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "native")  # the weights' config, for the adapter
+    native = build_adapter(ModelConfig(family="internlm_xcomposer2", path=str(tmp_path / "native"), image_size=490))
+    assert isinstance(native.tokenizer, InternLM2Tokenizer)
+    for text in texts:
+        assert native.tokenizer(text, add_special_tokens=False)["input_ids"] == sp.encode(text)

@@ -286,3 +286,27 @@ def test_uint8_pixels_equal_the_image_processor_bit_for_bit(tmp_path, image_size
             images=[PILImage.open(path).convert("RGB")], do_rescale=False, do_normalize=False
         )["pixel_values"][0]
         assert np.array_equal(ours, np.asarray(reference, dtype=np.uint8)), size
+
+
+def test_tokenizer_that_cannot_spell_the_template_fails_at_start_up(tmp_path):
+    """A tokenizer mapping USER / ASSISTANT to <unk> would train on invisible role names."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from mmtune.models.llava import TINY_ARCHITECTURE
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": 3, "<pad>": 4, "USER": 5, "hello": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": len(vocab)}}
+    LlavaConfig(**arch, image_token_id=3).save_pretrained(tmp_path)
+    LlavaProcessor(
+        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"maps the chat template's words \['ASSISTANT'\] to the unknown token"):
+        build_adapter(ModelConfig(family="llava", path=str(tmp_path)))

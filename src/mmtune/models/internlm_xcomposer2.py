@@ -90,6 +90,7 @@ __all__ = [
     "native_config_from_official",
     "load_official_checkpoint",
     "convert_official_checkpoint",
+    "convert_official_tokenizer",
     "InternLMXComposer2Adapter",
     "InternLM2Tokenizer",
     "IMAGE_TOKEN",
@@ -857,17 +858,25 @@ def convert_official_checkpoint(src: str, dst: str, *, image_size: int | None = 
     The result loads with ``InternLMXComposer2ForCausalLM.from_pretrained(dst)`` and with
     ``ModelConfig(family="internlm_xcomposer2", path=dst)``.
     """
-    import shutil
-
     model = load_official_checkpoint(src, image_size=image_size, dtype=getattr(torch, dtype))
     model.save_pretrained(dst)
+    convert_official_tokenizer(src, dst)
+
+
+def convert_official_tokenizer(src: str, dst: str) -> None:
+    """Save the tokenizer of an official directory ``src`` into ``dst`` so that it loads
+    without remote code and encodes as the official one: :class:`InternLM2Tokenizer` on
+    its ``tokenizer.model`` (no remote-code class names in the saved config). A directory
+    without ``tokenizer.model`` has its tokenizer files copied as they are."""
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
     if os.path.isfile(os.path.join(src, "tokenizer.model")):
-        # the SentencePiece tokenizer, saved without the official remote-code class names
         _load_tokenizer(src, trust_remote_code=False).save_pretrained(dst)
-    else:  # a tokenizer.json only: keep the files as they are
-        for name in os.listdir(src):
-            if name.startswith(("tokenizer", "special_tokens_map", "added_tokens")) and not name.endswith(".py"):
-                shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+        return
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens_map", "added_tokens")) and not name.endswith(".py"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
 # -------------------------------------------------------------------------------------------------
