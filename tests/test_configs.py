@@ -93,3 +93,16 @@ def test_semantic_problems_are_collected_into_one_error(hydra_context):
     message = str(info.value)
     for key in ("training.mixed_precision", "peft.method", "training.gradient_accumulation_steps"):
         assert key in message
+
+
+def test_xc2_official_presets_follow_the_official_finetune_scripts(hydra_context):
+    full = to_sft_config(compose(config_name="sft", overrides=["training=xc2_official", "model=internlm_xc2_tiny"]))
+    t = full.training
+    assert (t.lr, t.weight_decay, t.adam_beta2, t.warmup_ratio, t.lr_scheduler, t.epochs) == (
+        1e-5, 0.1, 0.95, 0.01, "cosine", 1)  # fmt: skip
+    assert t.projector.train and not t.vision.train and t.mixed_precision == "bf16" and t.gradient_checkpointing
+    lora = to_sft_config(compose(config_name="sft", overrides=[
+        "training=xc2_official", "peft=lora_xc2_official", "model=internlm_xc2_tiny"]))  # fmt: skip
+    assert (lora.peft.r, lora.peft.alpha, lora.peft.dropout) == (64, 64, 0.05)
+    assert list(lora.peft.target_modules) == ["wqkv", "wo", "w1", "w2", "w3"]
+    assert lora.training.lr == 5e-5 and not lora.training.projector.train and lora.training.weight_decay == 0.1
