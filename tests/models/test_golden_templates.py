@@ -56,10 +56,12 @@ def llava_checkpoint(directory):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.pad_token = "<pad>"
     out = os.path.join(directory, "llava")
-    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": 32064}}
+    # the real 336 px CLIP grid (576 image tokens); tiny widths: no weights are built here
+    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": 32064},
+            "vision_config": {**TINY_ARCHITECTURE["vision_config"], "image_size": 336}}  # fmt: skip
     LlavaConfig(**arch, image_token_id=32000).save_pretrained(out)
     LlavaProcessor(
-        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
         tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
     ).save_pretrained(out)  # fmt: skip
     shutil.copy(os.path.join(source, "tokenizer.model"), out)
@@ -391,3 +393,45 @@ def test_official_tokenizer_loads_without_remote_code_and_encodes_as_sentencepie
     assert isinstance(native.tokenizer, InternLM2Tokenizer)
     for text in texts:
         assert native.tokenizer(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
+
+
+# -- docs/collator.md shows one dialogue per family as the encoder renders it; regenerate the
+# -- block with MMTUNE_UPDATE_DOCS=1 python -m pytest tests/models/test_golden_templates.py -k docs
+
+DOC_RECORDS = {
+    "llava": ("llava", {"id": "doc-llava", "image": "coco/000000215677.jpg", "conversations": [
+        {"from": "human", "value": "What is he holding?\n<image>"}, {"from": "gpt", "value": "A red umbrella."},
+        {"from": "human", "value": "Is it raining?"}, {"from": "gpt", "value": "Yes."}]}),
+    "xc2": ("xcomposer2", {"id": "doc-xc2", "image": ["a.jpg", "b.jpg"], "conversations": [
+        {"from": "user", "value": "Compare <ImageHere> and <ImageHere>. "}, {"from": "assistant", "value": "Both are dogs."},
+        {"from": "user", "value": "Which is older?"}, {"from": "assistant", "value": "The first."}]}),
+}  # fmt: skip
+DOC_BEGIN, DOC_END = "<!-- rendered templates: begin -->", "<!-- rendered templates: end -->"
+
+
+def _doc_block(llava, xc2):
+    from mmtune.data.encoding import render_example
+
+    lines = [DOC_BEGIN]
+    for name, adapter, title in (("llava", llava, "LLaVA-1.5 (Vicuna v1, Llama-2 tokenizer)"),
+                                 ("xc2", xc2, "InternLM-XComposer2 (InternLM2 tokenizer)")):  # fmt: skip
+        fmt, record = DOC_RECORDS[name]
+        example = encode_example(adapter, parse_record(fmt, record), max_length=None)
+        lines += ["", f"{title}, `{fmt}` record:", "", "```json", json.dumps(record, ensure_ascii=False), "```", "",
+                  "```text", render_example(example, adapter.tokenizer, adapter.image_token_id), "```"]  # fmt: skip
+    return "\n".join(lines + ["", DOC_END])
+
+
+def test_docs_show_the_rendered_templates(llava, xc2):
+    path = os.path.join(REPO, "docs", "collator.md")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    block = _doc_block(llava, xc2)
+    start, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    current = text[start : end + len(DOC_END)] if start >= 0 and end >= 0 else None
+    if os.environ.get("MMTUNE_UPDATE_DOCS") == "1" and current != block:
+        assert current is not None, f"add the markers {DOC_BEGIN} / {DOC_END} to {path}"
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text.replace(current, block))
+        current = block
+    assert current == block, "docs/collator.md is out of date: rerun with MMTUNE_UPDATE_DOCS=1"

@@ -36,6 +36,7 @@ __all__ = [
     "encode_dialogues",
     "encode_example",
     "encode_examples",
+    "render_example",
 ]
 
 TRAIN_ON = ("all_assistant", "last_assistant")
@@ -211,3 +212,31 @@ def encode_examples(
         _finish(adapter, d, e, max_length=max_length, truncation=truncation, train_on=train_on, stats=stats)
         for d, e in zip(dialogues, encoded_list)
     ]
+
+
+def render_example(example: Example, tokenizer, image_token_id: int) -> str:
+    """An encoded example as its token pieces, for reading: pieces separated by spaces,
+    each image run as ``[image x N]``, loss-bearing runs between ``«`` and ``»``, and
+    newlines / tabs shown escaped. What the model is trained on, token by token."""
+    out: list[str] = []
+    in_loss = False
+    k = 0
+    ids, labels = example.input_ids, example.labels
+    while k < len(ids):
+        labelled = labels[k] != IGNORE_INDEX
+        if labelled != in_loss:
+            out.append("«" if labelled else "»")
+            in_loss = labelled
+        if ids[k] == image_token_id:
+            end = k
+            while end < len(ids) and ids[end] == image_token_id:
+                end += 1
+            out.append(f"[image x {end - k}]")
+            k = end
+            continue
+        piece = tokenizer.convert_ids_to_tokens(int(ids[k]))
+        out.append(piece.replace("\n", "\\n").replace("\t", "\\t"))
+        k += 1
+    if in_loss:
+        out.append("»")
+    return " ".join(out).replace("« ", "«").replace(" »", "»")
