@@ -4,7 +4,9 @@ Formats (``SourceConfig.format``):
 
 - ``llava``: llava-665k. ``{"id", "image"?, "conversations": [{"from": "human"|"gpt",
   "value"}]}``; one ``<image>`` placeholder (at the start followed by a newline, or at
-  the end) for a record with an ``image``; records without ``image`` are text-only.
+  the end) for a record with an ``image``; records without ``image`` are text-only. By
+  default the turn holding ``<image>`` becomes ``"<image>\\n" + its stripped text``, as
+  LLaVA-1.5's own preprocessing does (``SourceConfig.move_image_to_start``).
 - ``mmdu``: MMDU benchmark and MMDU-45k. ``image`` is a list; the k-th ``<ImageHere>``
   in the whole dialogue is the k-th path; roles ``user``/``assistant``.
 - ``xcomposer2``: InternLM-XComposer2's fine-tune JSON (same layout as ``mmdu``; roles

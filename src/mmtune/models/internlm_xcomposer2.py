@@ -1043,12 +1043,12 @@ class InternLMXComposer2Adapter(PieceAdapter):
         <s>[UNUSED_TOKEN_146]user\\n{text with images}[UNUSED_TOKEN_145]\\n
         [UNUSED_TOKEN_146]assistant\\n{answer}[UNUSED_TOKEN_145]\\n ... </s>
 
-    Labels: each assistant answer and its ``[UNUSED_TOKEN_145]`` (the end-of-turn token
-    generation stops at). Not labelled: the role headers, the ``\\n`` after the
-    end-of-turn token and the final ``</s>`` (generation stops before them). Images are
-    spliced with no marker tokens. Text pieces are tokenized separately at image and
-    label boundaries; special-token strings inside dialogue text are not parsed as
-    control tokens. Images are always resized to a square, as the official model does
+    Ids and labels as the official fine-tuning code (``conv2text``, ``interleav_wrap``,
+    ``mask_human_targets``): turn texts stripped; labels on each answer and its
+    ``[UNUSED_TOKEN_145]``, and on the ``\\n`` and ``</s>`` after the last answer
+    (``ModelConfig.label_final_eos``, default on as the official code). Images are spliced
+    with no marker tokens; text is tokenized in the official parts (split at images and
+    special tokens). Images are always resized to a square, as the official model does
     (``ModelConfig.image_aspect_ratio`` is not read).
 
     In ``encode_dialogue`` / ``encode_many`` a leading system turn wins over
@@ -1141,7 +1141,8 @@ class InternLMXComposer2Adapter(PieceAdapter):
             "num_image_tokens": self.num_image_tokens,
             "vocab": len(self.tokenizer),
             "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
-            "template": "xc2-v1",
+            "template": "xc2-v2",  # official stripping and parts
+            "tokenizer_class": type(self.tokenizer).__name__,
         }
         return state_fingerprint(state)
 

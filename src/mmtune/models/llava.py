@@ -5,13 +5,14 @@ Rendering follows the original LLaVA-1.5 ``conv_vicuna_v1`` template::
 
     <s>{system} USER: {user turn} ASSISTANT: {answer}</s>USER: {user turn} ASSISTANT: {answer}</s>
 
+(system "A chat between a curious user and an artificial intelligence assistant. ...").
 Images stand where their placeholders were, each as ``num_image_tokens`` copies of the
-``<image>`` token (576 for 336 px CLIP-L/14 with the CLS feature dropped). Labels cover
-each assistant answer *with the separator space in front of it* and its ``</s>``: a
-piece boundary always sits just before a space, which is where byte-level BPE and
-SentencePiece both start a new token, so tokenizing the pieces one by one gives the same
-ids as tokenizing the rendered string (the labelled span decodes to ``" " + answer +
-"</s>"``).
+``<image>`` token (576 for 336 px CLIP-L/14 with the CLS feature dropped). Ids and labels
+equal the official preprocessing (``preprocess_v1`` + ``tokenizer_image_token``) token for
+token: the prompt is encoded in chunks split at images and ``</s>``, each starting with
+SentencePiece's word marker, with the checkpoint's ``tokenizer.model`` when it has one.
+Labels cover each answer and its ``</s>`` (see ``_text`` / ``_pieces`` for how pieces are
+cut so that piece-wise encoding equals the official chunk-wise one).
 
 With ``ModelConfig.path = None`` the adapter builds a random-weight tiny LLaVA (Llama text
 model + CLIP vision tower, 2 layers each) with a built-in byte-level tokenizer; its
