@@ -256,6 +256,10 @@ def test_llava_v1_agrees_with_the_official_rules_on_varied_dialogues(llava):
         ids, labels = encode_case(llava, {**case, "native_format": "mmdu", "native_record": record})
         assert_same(llava, case, ids, want_ids, "input_ids", "<image>")
         assert_same(llava, case, labels, want_labels, "labels", "<image>")
+        # the length pass counts what the encoder produces
+        dialogue = parse_record("mmdu", record)
+        fixed, turns, _, _ = llava.measure_many([dialogue])[0]
+        assert fixed + sum(turns) == len(encode_example(llava, dialogue, max_length=None).input_ids)
 
 
 def _official_xc2(sp, turns, has_image):
