@@ -88,6 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ckpt.add_argument("--batch-size", type=int, default=1, help="dialogues per batch on the re-encode path")
     ckpt.add_argument("--device", default="auto")
     ckpt.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
+    ckpt.add_argument("--trust-remote-code", action="store_true",
+                      help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
     _common(ckpt)
 
     cmd = sub.add_parser("lmms-command", help="print the lmms-eval command for an exported checkpoint")
@@ -126,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from mmtune.models.config import ModelConfig
 
             _print(evaluate_checkpoint(args.checkpoint, cfg, output_dir=args.out, run_name=args.run,
-                                       model_config=ModelConfig(family=args.family)))
+                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
         elif args.command == "lmms-command":
             from mmtune.evaluation.config import LmmsEvalConfig
             from mmtune.evaluation.lmms_eval import build_command
