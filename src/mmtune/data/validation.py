@@ -42,6 +42,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "image file does not exist",
         "check source.image_root / strip_image_prefix, or restore the file",
     ),
+    "path_outside_root": (
+        "image path points outside the image root (through '..', a symlink or an absolute path)",
+        "keep images under source.image_root, or set data.allow_absolute_image_paths=true for real absolute paths",
+    ),
     "corrupt_image": (
         "image file cannot be opened as an image",
         "replace the file with a valid image (or set validation.check_images=exists to skip decoding)",

@@ -43,6 +43,7 @@ def _eval_config(args: argparse.Namespace, benchmark: str) -> EvalConfig:
     if args.judge_model:
         cfg.judge.model = args.judge_model
     cfg.judge.send_images = args.send_images
+    cfg.allow_absolute_image_paths = args.allow_absolute_paths
     if args.concurrency is not None:
         cfg.judge.concurrency = args.concurrency
     return cfg
@@ -56,6 +57,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="only the first N dialogues / items")
     parser.add_argument("--judge-model", help="judge model name (else $MMTUNE_JUDGE_MODEL)")
     parser.add_argument("--send-images", action="store_true", help="attach images to judge calls")
+    parser.add_argument("--allow-absolute-paths", action="store_true",
+                        help="accept absolute image paths outside --image-root (default: rejected as path_outside_root)")
     parser.add_argument("--concurrency", type=int, help="judge calls in flight")
     parser.add_argument("--runs", type=int, help="MM-Vet judge runs (default 5)")
     parser.add_argument("--alpha", type=float, help="MDI Score_final weight of level 1 (default 0.5)")

@@ -187,6 +187,10 @@ class EvalConfig:
     mdi: MDIConfig = field(default_factory=MDIConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     lmms_eval: LmmsEvalConfig = field(default_factory=LmmsEvalConfig)
+    allow_absolute_image_paths: bool = False
+    """Accept absolute image paths outside a benchmark's ``image_root`` (default: the data
+    file's folder). Off: such a path, or one escaping the root through ``..``/symlinks,
+    fails loading with ``path_outside_root`` (see :mod:`mmtune.data.paths`)."""
     report: bool = True
     """Write ``report.md`` with tables and PNG plots next to the result JSONs."""
     progress: bool = True

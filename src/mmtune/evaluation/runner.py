@@ -93,7 +93,8 @@ def _run_synthetic_or_mmdu(name: str, ctx: _Context, run: str, model: str, conte
     sub = getattr(ctx.cfg, name)
     if not sub.data_path:
         raise ValueError(f"eval.{name}.data_path is required: it holds the questions and reference answers")
-    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit)
+    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit,
+                                    allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         predictions = load_turn_predictions(sub.predictions)
     else:
@@ -118,7 +119,8 @@ def _run_mmvet(ctx: _Context, run: str, model: str, context_length: Optional[int
     sub = ctx.cfg.mmvet
     if not sub.data_path:
         raise ValueError("eval.mmvet.data_path is required: mm-vet.json holds the questions and ground truths")
-    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit)
+    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit,
+                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         predictions = load_json_or_jsonl(sub.predictions)
         if not isinstance(predictions, dict):
@@ -142,7 +144,8 @@ def _run_mdi(ctx: _Context, run: str, model: str, context_length: Optional[int])
     source = sub.predictions or sub.data_path
     if not source:
         raise ValueError("eval.mdi: set data_path (to generate) or predictions (items with a 'response')")
-    items = load_items(source, image_root=sub.image_root, limit=sub.limit)
+    items = load_items(source, image_root=sub.image_root, limit=sub.limit,
+                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         missing = [i.id for i in items if i.response is None]
         if missing:
