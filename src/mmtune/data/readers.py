@@ -411,6 +411,18 @@ def _row(d: Dialogue) -> dict[str, Any]:
     return row
 
 
+def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False) -> ImagePathRules:
+    """The image path rule of one source: its ``image_root`` (default: the data file's folder)."""
+    return ImagePathRules(
+        root=os.path.abspath(source_cfg.image_root or os.path.dirname(os.path.abspath(source_cfg.path))),
+        allow_absolute=allow_absolute,
+        strip_prefix=source_cfg.strip_image_prefix,
+        # User-made chat files carry real absolute paths; the datasets' absolute paths
+        # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
+        join_rooted=source_cfg.format != "messages",
+    )
+
+
 def load_source(
     source_cfg: SourceConfig,
     *,
@@ -452,18 +464,7 @@ def load_source(
             "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
         )
     image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
-    ctx = _Context(
-        source=source_cfg.name,
-        rules=ImagePathRules(
-            root=image_root or os.path.dirname(os.path.abspath(path)),
-            allow_absolute=allow_absolute_image_paths,
-            strip_prefix=source_cfg.strip_image_prefix,
-            # User-made chat files carry real absolute paths; the datasets' absolute paths
-            # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
-            join_rooted=source_cfg.format != "messages",
-        ),
-        move_image_to_start=source_cfg.move_image_to_start,
-    )
+    ctx = _Context(source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths), source_cfg.move_image_to_start)
     options = {
         "name": source_cfg.name,
         "format": source_cfg.format,
@@ -603,6 +604,7 @@ __all__ = [
     "convert_record",
     "DialogueSequence",
     "SourceData",
+    "image_rules",
     "load_source",
     "load_sources",
     "read_datatxt",
