@@ -208,13 +208,32 @@ class EvaluateConfig:
     supplies the model family. Overrides ``model.path``."""
     run_name: str = "eval"
     """Label written into every result file."""
-    output_dir: str = "outputs/eval"
-    """Where generations, judge cache, result JSONs and the report go."""
+    output_dir: Optional[str] = None
+    """Where generations, judge cache, result JSONs and the report go. ``None``:
+    ``outputs/eval/<run_name>/<model>`` with one folder per checkpoint / model path
+    (:func:`default_output_dir`), so two models never share resumable answers."""
     wandb: bool = False
     """Log metrics and the report's plots to Weights & Biases."""
     wandb_project: str = "mmtune"
     """W&B project when ``wandb`` is on."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelConfig) -> str:
+    """``outputs/eval/<run_name>/<model>``: the checkpoint's (else ``model.path``'s) last
+    two path parts and a hash of its absolute path, or ``random-<family>``."""
+    import hashlib
+    import os
+    import re
+
+    target = checkpoint or model.path
+    if not target:
+        slug = f"random-{model.family}"
+    else:
+        absolute = os.path.abspath(target) if os.path.exists(target) else target
+        tail = "-".join(p for p in absolute.replace("\\", "/").split("/")[-2:] if p)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", tail) + "-" + hashlib.sha1(absolute.encode()).hexdigest()[:8]
+    return os.path.join("outputs", "eval", run_name, slug)
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:

@@ -46,8 +46,10 @@ def _write_details(out: Path, name: str, rows: list[Any]) -> None:
 class _Context:
     """Lazily built shared pieces: the generator (loads the model) and the judge client."""
 
-    def __init__(self, cfg: EvalConfig, out: Path, make_generator: Optional[Callable[[], Any]]):
+    def __init__(self, cfg: EvalConfig, out: Path, make_generator: Optional[Callable[[], Any]],
+                 run_name: str = "eval", model_label: str = "model"):
         self.cfg, self.out, self._make_generator = cfg, out, make_generator
+        self.run_name, self.model_label = run_name, model_label
         self._generator = None
         self._judge = None
 
@@ -73,7 +75,22 @@ class _Context:
         return self._judge
 
     def generate(self, name: str, dialogues: list[Dialogue]):
-        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl", progress=self.cfg.progress)
+        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
+                                       progress=self.cfg.progress, run_key=self.run_key(name))
+
+    def run_key(self, name: str) -> dict[str, Any]:
+        """What a benchmark's answers depend on besides decoding: the model and the data file."""
+        import time
+
+        from mmtune.evaluation.fingerprint import file_identity
+
+        sub = getattr(self.cfg, name)
+        return {
+            "checkpoint": self.model_label,
+            "data": file_identity(sub.data_path),
+            "image_root": sub.image_root,
+            "about": {"run": self.run_name, "model": self.model_label, "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+        }
 
     def close(self) -> None:
         if self._judge is not None:
@@ -185,7 +202,7 @@ def run_benchmarks(
     validate_eval_config(cfg)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = _Context(cfg, out, make_generator)
+    ctx = _Context(cfg, out, make_generator, run_name=run_name, model_label=model_label)
     context_length = cfg.generation.context_length
     results: dict[str, BenchmarkResult] = {}
     try:
