@@ -35,15 +35,22 @@ def test_relative_and_rooted_paths_join_the_root(tree):
     assert rules.resolve(str(root / "pics" / "a.png")).problem is None  # absolute, already inside
 
 
-@pytest.mark.parametrize("raw", ["../outside/secret.png", "pics/../../outside/secret.png", "link/secret.png",
-                                 "/../outside/secret.png"])
-def test_dot_dot_and_symlink_escapes_are_rejected(tree, raw):
+@pytest.mark.parametrize("raw", ["../outside/secret.png", "pics/../../outside/secret.png", "/../outside/secret.png"])
+def test_dot_dot_escapes_are_rejected_even_when_absolute_paths_are_allowed(tree, raw):
     root, _ = tree
     resolved = ImagePathRules(str(root), allow_absolute=True).resolve(raw)
     assert resolved.problem == "path_outside_root"
-    assert "outside the image root" in resolved.detail
+    assert "climbs out of the image root" in resolved.detail
     with pytest.raises(ImagePathError):
         resolved.checked()
+
+
+def test_symlink_leading_out_of_the_root_needs_explicit_permission(tree):
+    root, outside = tree
+    refused = ImagePathRules(str(root)).resolve("link/secret.png")
+    assert refused.problem == "path_outside_root"
+    assert f"symlink to {outside / 'secret.png'}" in refused.detail and "allow_absolute_image_paths" in refused.detail
+    assert ImagePathRules(str(root), allow_absolute=True).resolve("link/secret.png").problem is None
 
 
 def test_plain_absolute_path_needs_explicit_permission(tree):

@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="data config YAML path or name under configs/data/, or a data file (.json/.jsonl)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. validation.check_images=exists")
     p.add_argument("--strict", action="store_true", help="fail at the first problem (validation.mode=strict)")
-    p.add_argument("--images", choices=("verify", "exists", "none"), help="image check level (validation.check_images)")
+    p.add_argument("--images", choices=("verify", "decode", "exists", "none"),
+                   help="image check level (validation.check_images; decode: full decode of every image)")
     p.add_argument("--refresh", action="store_true", help="re-read the files instead of using the Arrow cache")
     p.add_argument("--cache-dir", help="cache folder (data.cache_dir)")
     p.add_argument("--mixture", action="store_true", help="also print each source's samples per epoch")

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 FORMATS = ("llava", "mmdu", "xcomposer2", "messages")
 MODES = ("skip", "strict")
-IMAGE_CHECKS = ("verify", "exists", "none")
+IMAGE_CHECKS = ("verify", "decode", "exists", "none")
 MIX_BY = ("samples", "tokens")
 STRATEGIES = ("custom", "add_to_pool", "continue_training")
 
@@ -106,11 +106,15 @@ class ValidationConfig:
 
     mode: str = "skip"
     """``skip``: drop bad records and report exactly how many and why. ``strict``: raise at
-    the first problem, naming file, record id, turn index and the fix."""
+    the first problem, naming file, record id, turn index and the fix. Also decides what an
+    image that fails to decode during training does (unless ``collator.image_errors`` is set)."""
 
     check_images: str = "verify"
     """``verify``: the file exists and PIL can open and verify it (header-level, cheap);
-    ``exists``: only existence; ``none``: no image checks."""
+    ``decode``: every image is decoded in full, so a file cut short after its header is
+    found here and not mid-training; ``exists``: only existence; ``none``: no image checks.
+    Images that fail to decode during training follow ``mode`` (see
+    ``collator.image_errors``)."""
 
     max_examples: int = 5
     """Example record ids kept per problem class in the report."""

@@ -9,7 +9,9 @@ file on the machine. Every reader and benchmark loader resolves paths with
 * a **format-rooted** path (the MMDU benchmark's ``/mmdu_pics/a.jpg``; every format but
   ``messages``) is joined to the image root too, unless it already lies inside the root;
 * the joined path must stay inside the root after ``..`` and symlinks are resolved,
-  otherwise the image is a ``path_outside_root`` problem;
+  otherwise the image is a ``path_outside_root`` problem (a symlink leading out of the
+  root, as an unpacked archive may carry, is accepted only when absolute paths are
+  allowed: that setting means "files outside the image root may be read");
 * a **plain absolute** path that exists outside the root (``/home/me/a.jpg``, or any
   absolute path of the ``messages`` format) is used as it is only when absolute paths
   are allowed explicitly (``data.allow_absolute_image_paths=true``,
@@ -93,13 +95,19 @@ class ImagePathRules:
 
     def _contained(self, joined: str, how: str) -> ResolvedImage:
         joined = os.path.normpath(joined)
+        if not _inside(joined, (os.path.normpath(os.path.abspath(self.root)),)):
+            return ResolvedImage(
+                joined, how, "path_outside_root",
+                f"{joined} ({how}) climbs out of the image root {os.path.abspath(self.root)} through '..'; "
+                "fix the path in the data file or point image_root at the folder holding it",
+            )
         real = os.path.realpath(joined)
-        if _inside(real, (self.real_root,)):
+        if _inside(real, (self.real_root,)) or self.allow_absolute:
             return ResolvedImage(joined, how)
         return ResolvedImage(
             joined, how, "path_outside_root",
-            f"{joined} ({how}) resolves to {real}, outside the image root {self.real_root} "
-            "(through '..' or a symlink); fix the path in the data file or point image_root at the folder holding it",
+            f"{joined} ({how}) leads through a symlink to {real}, outside the image root {self.real_root}; "
+            f"point image_root at the real folder, or {ALLOW_ABSOLUTE_HINT.split(', or ', 1)[1]}",
         )
 
     def resolve(self, raw: str) -> ResolvedImage:
