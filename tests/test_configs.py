@@ -93,3 +93,35 @@ def test_semantic_problems_are_collected_into_one_error(hydra_context):
     message = str(info.value)
     for key in ("training.mixed_precision", "peft.method", "training.gradient_accumulation_steps"):
         assert key in message
+
+
+def test_plus_key_unknown_to_the_schema_is_rejected(hydra_context):
+    from mmtune.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training\.lerning_rate"):
+        to_sft_config(compose(config_name="sft", overrides=["+training.lerning_rate=1e-4"]))
+    with pytest.raises(ConfigError, match=r"data\.mixture\.sources\[0\]\.imag_root \(did you mean data\.mixture\.sources\[0\]\.image_root\?\)"):
+        to_sft_config(compose(config_name="sft", overrides=["+data.mixture.sources.0.imag_root=/x"]))
+    # free-form dict fields still take any key
+    cfg = to_sft_config(compose(config_name="sft", overrides=["+model.architecture.text_config.new_option=1"]))
+    assert cfg.model.architecture["text_config"]["new_option"] == 1
+
+
+def test_plus_key_unknown_to_the_evaluation_schema_is_rejected(hydra_context):
+    from mmtune.evaluation.config import to_evaluate_config
+
+    cfg = compose(config_name="evaluate", overrides=["eval.synthetic.data_path=x.json", "+eval.generation.max_new_token=3"])
+    with pytest.raises(ValueError, match=r"eval\.generation\.max_new_token \(did you mean eval\.generation\.max_new_tokens\?\)"):
+        to_evaluate_config(cfg)
+
+
+def test_missing_model_path_names_the_key(tmp_path):
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    with pytest.raises(FileNotFoundError, match=r"model\.path='.*/no/such/ckpt' does not exist"):
+        build_adapter(ModelConfig(family="llava", path=str(tmp_path / "no" / "such" / "ckpt")))
+    not_a_dir = tmp_path / "weights.bin"
+    not_a_dir.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"model\.path=.* is a file"):
+        build_adapter(ModelConfig(family="llava", path=str(not_a_dir)))

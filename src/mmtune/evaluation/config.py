@@ -274,6 +274,12 @@ def to_evaluate_config(cfg: Any) -> EvaluateConfig:
     """A composed Hydra/OmegaConf config as a validated :class:`EvaluateConfig`."""
     from omegaconf import OmegaConf
 
+    from mmtune.schema_keys import unknown_keys
+
+    unknown = unknown_keys(cfg, EvaluateConfig)
+    if unknown:  # ``+key=value`` slips past OmegaConf's struct check; a typo must not be ignored
+        raise ValueError("unknown config key(s), not in the schema (mmtune.evaluation.config.EvaluateConfig):\n  - "
+                         + "\n  - ".join(unknown))
     merged = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), cfg)
     config = OmegaConf.to_object(merged)
     validate_eval_config(config.eval)
