@@ -83,6 +83,8 @@ class SFTDataModule:
         self.adapter: Optional["ModelAdapter"] = None
         self.rank, self.world_size = 0, 1
         self._plans: dict[int, list] = {}
+        self.skipped_items: list[dict[str, Any]] = []
+        """Samples dropped while loading on this rank (see :meth:`note_skipped`)."""
 
     def connect(self, adapter: "ModelAdapter", *, max_length: Optional[int] = None, rank: int = 0,
                 world_size: int = 1) -> None:
@@ -130,7 +132,7 @@ class SFTDataModule:
         They are added to :attr:`loss_report` by :meth:`merge_skipped` (after gathering
         every rank's list)."""
         skipped = meta.get("skipped") or []
-        self.skipped_items = getattr(self, "skipped_items", []) + list(skipped)
+        self.skipped_items.extend(skipped)
         return len(skipped)
 
     def merge_skipped(self, items: list[dict[str, Any]]) -> None:

@@ -85,8 +85,14 @@ class _Context:
         from mmtune.evaluation.fingerprint import file_identity
 
         sub = getattr(self.cfg, name)
+        checkpoint = self.model_label
+        if Path(checkpoint).is_dir():  # the run dir and its final/ name the same weights
+            directory = Path(checkpoint).resolve()
+            if (directory / "final").is_dir() and not (directory / "config.json").exists():
+                directory = directory / "final"
+            checkpoint = str(directory)
         return {
-            "checkpoint": self.model_label,
+            "checkpoint": checkpoint,
             "data": file_identity(sub.data_path),
             "image_root": sub.image_root,
             "about": {"run": self.run_name, "model": self.model_label, "started": time.strftime("%Y-%m-%d %H:%M:%S")},

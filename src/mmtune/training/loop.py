@@ -338,7 +338,7 @@ class SFTRecipe:
         from accelerate.utils import gather_object
 
         acc = self.accelerator
-        items = getattr(self.data, "skipped_items", [])
+        items = self.data.skipped_items
         if acc.num_processes > 1:
             items = gather_object(items)
         if acc.is_main_process and items:
