@@ -12,7 +12,7 @@ mmtune.evaluation.runner.evaluate_checkpoint (also what training calls at the en
 import hydra
 from omegaconf import DictConfig
 
-from mmtune.evaluation.config import register_configs, to_evaluate_config
+from mmtune.evaluation.config import default_output_dir, register_configs, to_evaluate_config
 from mmtune.evaluation.runner import evaluate_checkpoint
 
 register_configs()
@@ -21,10 +21,11 @@ register_configs()
 @hydra.main(config_path="../configs", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
     config = to_evaluate_config(cfg)
+    output_dir = config.output_dir or default_output_dir(config.run_name, config.checkpoint, config.model)
     results = evaluate_checkpoint(
         config.checkpoint,
         config.eval,
-        output_dir=config.output_dir,
+        output_dir=output_dir,
         run_name=config.run_name,
         model_config=config.model,
         wandb=config.wandb,
@@ -33,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     for name, result in results.items():
         headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
         print(f"{name}: {headline}")
-    print(f"results and report in {config.output_dir}")
+    print(f"results and report in {output_dir}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,35 @@ def test_xc2_official_presets_follow_the_official_finetune_scripts(hydra_context
     assert (lora.peft.r, lora.peft.alpha, lora.peft.dropout) == (64, 64, 0.05)
     assert list(lora.peft.target_modules) == ["wqkv", "wo", "w1", "w2", "w3"]
     assert lora.training.lr == 5e-5 and not lora.training.projector.train and lora.training.weight_decay == 0.1
+
+
+def test_plus_key_unknown_to_the_schema_is_rejected(hydra_context):
+    from mmtune.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training\.lerning_rate"):
+        to_sft_config(compose(config_name="sft", overrides=["+training.lerning_rate=1e-4"]))
+    with pytest.raises(ConfigError, match=r"data\.mixture\.sources\[0\]\.imag_root \(did you mean data\.mixture\.sources\[0\]\.image_root\?\)"):
+        to_sft_config(compose(config_name="sft", overrides=["+data.mixture.sources.0.imag_root=/x"]))
+    # free-form dict fields still take any key
+    cfg = to_sft_config(compose(config_name="sft", overrides=["+model.architecture.text_config.new_option=1"]))
+    assert cfg.model.architecture["text_config"]["new_option"] == 1
+
+
+def test_plus_key_unknown_to_the_evaluation_schema_is_rejected(hydra_context):
+    from mmtune.evaluation.config import to_evaluate_config
+
+    cfg = compose(config_name="evaluate", overrides=["eval.synthetic.data_path=x.json", "+eval.generation.max_new_token=3"])
+    with pytest.raises(ValueError, match=r"eval\.generation\.max_new_token \(did you mean eval\.generation\.max_new_tokens\?\)"):
+        to_evaluate_config(cfg)
+
+
+def test_missing_model_path_names_the_key(tmp_path):
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    with pytest.raises(FileNotFoundError, match=r"model\.path='.*/no/such/ckpt' does not exist"):
+        build_adapter(ModelConfig(family="llava", path=str(tmp_path / "no" / "such" / "ckpt")))
+    not_a_dir = tmp_path / "weights.bin"
+    not_a_dir.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"model\.path=.* is a file"):
+        build_adapter(ModelConfig(family="llava", path=str(not_a_dir)))

@@ -83,3 +83,62 @@ def test_missing_files_and_usage(tmp_path, monkeypatch, capsys):
     assert "available:" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
     assert configs_dir().name == "configs"
+
+
+def _data_file_cases(pics):
+    llava = [{"id": "l1", "image": "a.png", "conversations": [
+        {"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "Red."}]}]
+    mmdu = [{"id": "m1", "image": ["/pics/a.png", "/pics/c.png"], "conversations": [
+        {"from": "user", "value": "Image1: <ImageHere> Image2: <ImageHere> Same?"}, {"from": "assistant", "value": "No."}]}]
+    xc2 = [{"id": "x1", "image": ["pics/a.png"], "conversations": [
+        {"from": "user", "value": "<ImageHere> Colour?"}, {"from": "bot", "value": "Red."}]}]
+    messages = [{"id": "c1", "messages": [
+        {"role": "user", "content": [{"type": "image", "path": "pics/b.jpg"}, {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": "Green."}]}]
+    return {"llava": (llava, pics), "mmdu": (mmdu, pics.parent), "xcomposer2": (xc2, pics.parent),
+            "messages": (messages, pics.parent)}
+
+
+@pytest.mark.parametrize("fmt", ["llava", "mmdu", "xcomposer2", "messages"])
+def test_check_a_data_file_detects_and_states_its_format(fmt, tmp_path, pics, capsys):
+    records, root = _data_file_cases(pics)[fmt]
+    path = tmp_path / (f"{fmt}.jsonl" if fmt == "messages" else f"{fmt}.json")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) if fmt == "messages" else json.dumps(records))
+    code = main(["check", str(path), "--image-root", str(root), "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"format {fmt} (detected:" in out and "override with --format" in out
+    assert "kept 1, skipped 0" in out
+    assert f"joined to {root} and kept inside it" in out
+
+
+def test_check_a_data_file_format_override_and_missing_image_report(tmp_path, pics, capsys):
+    records = [{"id": "m1", "image": ["/mmdu_pics/gone.png"], "conversations": [
+        {"from": "user", "value": "<ImageHere> ?"}, {"from": "assistant", "value": "x"}]}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(records))
+    code = main(["check", str(path), "--format", "xcomposer2", "--images", "exists",
+                 "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "format xcomposer2 (given with --format)" in out
+    assert f"tried {tmp_path / 'mmdu_pics' / 'gone.png'}, built as image_root {tmp_path} + rooted path '/mmdu_pics/gone.png'" in out
+
+
+def test_check_a_data_file_absolute_paths_need_the_flag(tmp_path, pics, capsys):
+    inside, outside = tmp_path / "data", tmp_path / "elsewhere"
+    inside.mkdir()
+    outside.mkdir()
+    (outside / "a.png").write_bytes((pics / "a.png").read_bytes())
+    records = [{"messages": [{"role": "user", "content": [{"type": "image", "path": str(outside / "a.png")}]},
+                             {"role": "assistant", "content": "Red."}]},
+               {"messages": [{"role": "user", "content": [{"type": "image", "path": str(pics / "a.png")}]},
+                             {"role": "assistant", "content": "Red."}]}]
+    path = inside / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "c1")])
+    out = capsys.readouterr().out
+    assert "kept 1, skipped 1" in out and "path_outside_root" in out and "absolute paths outside it rejected" in out
+    main(["check", str(path), "--image-root", str(pics), "--allow-absolute-paths", "--cache-dir", str(tmp_path / "c2")])
+    out = capsys.readouterr().out
+    assert "kept 2, skipped 0" in out and "absolute paths outside it used as they are" in out

@@ -30,6 +30,8 @@ MMDU_CASES = {
     "placeholder_in_assistant": ({"id": "bad", "image": ["a.png"], "conversations": [_user("Hi"), _asst("<ImageHere>")]}, 1),
     "malformed_record": ({"id": "bad", "conversations": [_user("Hi"), {"from": "assistant"}]}, 1),
     "duplicate_id": ({"id": "good", "conversations": [_user("Hi"), _asst("Hello")]}, None),
+    "path_outside_root": ({"id": "bad", "image": ["a.png", "../outside.png"], "conversations": [
+        _user("<ImageHere> ?"), _asst("x"), _user("<ImageHere> ?"), _asst("y")]}, 2),
 }
 ROLE_ORDER_CASES = {
     "two user turns in a row": ([_user("a"), _user("b"), _asst("c")], 1),

@@ -111,8 +111,10 @@ def test_token_counts_and_cost(tmp_path):
 
 
 def test_images_sent_only_when_enabled_and_hashed_into_key(tmp_path):
+    from PIL import Image as PILImage
+
     img = tmp_path / "a.png"
-    img.write_bytes(b"\x89PNG fake bytes")
+    PILImage.new("RGB", (4, 4), (1, 2, 3)).save(img)
     with FakeJudgeServer(lambda body: Scripted(content="ok")) as server:
         text_only = make_client(server, tmp_path)
         text_only.judge(JudgeRequest("q", images=(str(img),)))
@@ -188,3 +190,14 @@ def test_no_duplicate_paid_calls_after_sigkill_and_resume(tmp_path):
 def test_missing_model_name_says_how_to_fix():
     with pytest.raises(Exception, match="MMTUNE_JUDGE_MODEL"):
         JudgeClient(JudgeConfig(), env={})
+
+
+def test_only_image_files_are_ever_sent(tmp_path):
+    secret = tmp_path / "id_rsa.png"  # named like an image, holds something else
+    secret.write_text("-----BEGIN PRIVATE KEY-----\n")
+    with FakeJudgeServer(lambda body: Scripted(content="ok")) as server:
+        client = make_client(server, tmp_path, send_images=True)
+        with pytest.raises(ValueError, match="is not an image file"):
+            client.judge(JudgeRequest("q", images=(str(secret),)))
+    assert all("PRIVATE KEY" not in json.dumps(r) for r in server.requests)
+    assert not server.requests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,15 @@ def standin(tmp_path_factory) -> Path:
         data / "llava" / "synthetic": os.path.join(syn.image_dir, "synthetic"),
     }
     for link, target in links.items():
-        link.symlink_to(target)
+        if os.path.isdir(target):  # image folders: real copies (a symlink out of the image root is refused)
+            shutil.copytree(target, link)
+        else:
+            link.symlink_to(target)
     mmvet = data / "mm-vet"
     (mmvet / "images").mkdir(parents=True)
     items = {}
     for i, png in enumerate(sorted(Path(syn.image_dir, "mmdu_pics").glob("*.png"))[:3]):
-        (mmvet / "images" / png.name).symlink_to(png)
+        shutil.copy(png, mmvet / "images" / png.name)
         items[f"v1_{i}"] = {"imagename": png.name, "question": "What color?", "answer": "red", "capability": ["rec"]}
     (mmvet / "mm-vet.json").write_text(json.dumps(items))
 

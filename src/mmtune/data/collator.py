@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.dialogue import Dialogue
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["BATCHING_MODES", "BATCH_KEYS", "CollatorConfig", "MultiImageCollator", "MultiImageDataset", "model_inputs"]
+__all__ = ["BATCHING_MODES", "BATCH_KEYS", "CollatorConfig", "MultiImageCollator", "MultiImageDataset", "SkippedSample",
+           "model_inputs"]
 
 BATCHING_MODES = ("padding", "length_grouped", "token_budget", "packing")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "pixel_values", "num_loss_tokens")
@@ -105,9 +106,11 @@ class CollatorConfig:
     """Directory of the processed-pixel cache; null disables it."""
     image_cache_key: str = "content"
     """Pixel-cache key: ``content`` (file bytes hash) or ``stat`` (path, size, mtime)."""
-    image_errors: str = "strict"
-    """A corrupt image: ``strict`` raises (file, dialogue, turn); ``skip`` drops the sample
-    and counts it."""
+    image_errors: Optional[str] = None
+    """An image that fails to decode while training: ``strict`` stops (naming file,
+    dialogue and turn); ``skip`` drops the sample, counts it and reports it at the end
+    of training and in ``data_report.json``. ``null`` (default): follow
+    ``data.validation.mode``, so one setting decides for every bad record."""
     length_cache_dir: Optional[str] = None
     """Directory of the per-sample length cache; null keeps lengths in memory only."""
 
@@ -135,7 +138,7 @@ class CollatorConfig:
             problems.append("collator.megabatch_mult and collator.packing_window must be > 0")
         if self.image_cache_key not in ("content", "stat"):
             problems.append(f"collator.image_cache_key={self.image_cache_key!r}: use 'content' or 'stat'")
-        if self.image_errors not in ("strict", "skip"):
+        if self.image_errors not in (None, "strict", "skip"):
             problems.append(f"collator.image_errors={self.image_errors!r}: use 'strict' or 'skip'")
         if problems:
             raise ValueError("invalid collator config:\n  - " + "\n  - ".join(problems))
@@ -183,7 +186,7 @@ class MultiImageCollator:
         return self.image_pipeline.load(example.images, dialogue_id=example.dialogue_id, raw=True)
 
     def __call__(self, examples: Sequence[Example | None]) -> dict[str, Any]:
-        examples = [e for e in examples if e is not None]
+        examples = [e for e in examples if isinstance(e, Example)]
         if not examples:
             raise ValueError("empty batch: every sample of this batch was skipped (see the dataset's skip counters)")
         if self.packed:
@@ -242,13 +245,27 @@ class MultiImageCollator:
         }
 
 
+@dataclass(frozen=True)
+class SkippedSample:
+    """A sample the dataset left out while loading it (skip mode). Returned in place of
+    the example so the reason travels with the batch to the main process, where
+    :class:`~mmtune.data.datamodule.CollateWithMeta` puts it into the batch metadata."""
+
+    dialogue_id: str
+    source: str
+    reason: str
+    """Problem code, e.g. ``corrupt_image``."""
+    detail: str
+
+
 class MultiImageDataset(torch.utils.data.Dataset):
     """Encodes a dialogue and loads its pixels on access (so both run in DataLoader workers).
 
     Indexing with ``i`` gives sample ``i``; with ``(i, row)`` (what packed batch samplers
     yield) the example's ``row`` is set. Returns ``None`` for a sample that is skipped
-    (truncation, or a corrupt image with ``image_errors: skip``); the collator drops it and
-    :attr:`skipped` counts it (per worker process).
+    by truncation, and a :class:`SkippedSample` for a corrupt image with ``image_errors:
+    skip``; the collator drops both, :attr:`skipped_corrupt` counts the latter (per worker
+    process; the batch metadata carries them to the main process).
 
     Args:
         dialogues: random-access sequence of :class:`~mmtune.data.dialogue.Dialogue`.
@@ -295,11 +312,12 @@ class MultiImageDataset(torch.utils.data.Dataset):
             return None
         try:
             pixels = self.images.load(example.images, dialogue_id=dialogue.id, raw=True)
-        except CorruptImageError:
-            if cfg.image_errors == "strict":
+        except CorruptImageError as err:
+            if cfg.image_errors != "skip":
                 raise
             self.skipped_corrupt += 1
-            return None
+            turn = f" turn {err.turn}" if err.turn is not None else ""
+            return SkippedSample(dialogue.id, dialogue.source, "corrupt_image", f"{err.path}{turn}: {err.__cause__ or err}")
         return replace(example, pixel_values=pixels, row=row)
 
     def collator(self) -> MultiImageCollator:

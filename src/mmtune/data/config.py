@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 FORMATS = ("llava", "mmdu", "xcomposer2", "messages")
 MODES = ("skip", "strict")
-IMAGE_CHECKS = ("verify", "exists", "none")
+IMAGE_CHECKS = ("verify", "decode", "exists", "none")
 MIX_BY = ("samples", "tokens")
 STRATEGIES = ("custom", "add_to_pool", "continue_training")
 
@@ -49,10 +49,11 @@ class SourceConfig:
     """The data file: a JSON list or a JSONL file (detected from its first character)."""
 
     image_root: Optional[str] = None
-    """Directory image paths are relative to. Absolute paths in the data (the MMDU
-    benchmark's ``/mmdu_pics/x.jpg``) are joined under it too, so for the benchmark this
-    is the folder that contains ``mmdu_pics/`` (format ``messages`` keeps absolute paths
-as they are). ``None``: the data file's directory."""
+    """Directory image paths are relative to, and that they must stay inside. Rooted
+    paths in the data (the MMDU benchmark's ``/mmdu_pics/x.jpg``) are joined under it
+    too, so for the benchmark this is the folder that contains ``mmdu_pics/`` (format
+    ``messages`` does not join absolute paths: they need
+    ``data.allow_absolute_image_paths``). ``None``: the data file's directory."""
 
     strip_image_prefix: Optional[str] = None
     """A prefix removed from every image path before joining with ``image_root``, e.g.
@@ -107,11 +108,15 @@ class ValidationConfig:
 
     mode: str = "skip"
     """``skip``: drop bad records and report exactly how many and why. ``strict``: raise at
-    the first problem, naming file, record id, turn index and the fix."""
+    the first problem, naming file, record id, turn index and the fix. Also decides what an
+    image that fails to decode during training does (unless ``collator.image_errors`` is set)."""
 
     check_images: str = "verify"
     """``verify``: the file exists and PIL can open and verify it (header-level, cheap);
-    ``exists``: only existence; ``none``: no image checks."""
+    ``decode``: every image is decoded in full, so a file cut short after its header is
+    found here and not mid-training; ``exists``: only existence; ``none``: no image checks.
+    Images that fail to decode during training follow ``mode`` (see
+    ``collator.image_errors``)."""
 
     max_examples: int = 5
     """Example record ids kept per problem class in the report."""
@@ -149,6 +154,12 @@ class DataConfig:
 
     stacking: StackingConfig = field(default_factory=StackingConfig)
     """Optional dialogue stacking."""
+
+    allow_absolute_image_paths: bool = False
+    """Accept absolute image paths that lie outside a source's ``image_root`` (the
+    ``messages`` format's real paths, ``/home/me/x.jpg``). Off: such a path is a
+    ``path_outside_root`` problem. Relative and rooted paths must stay inside the root
+    either way (see :mod:`mmtune.data.paths`)."""
 
     cache_dir: Optional[str] = None
     """Where parsed, validated sources are cached as Arrow files. ``None``:

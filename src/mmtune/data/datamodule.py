@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
+from mmtune.models.base import IGNORE_INDEX
+
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.collator import CollatorConfig
     from mmtune.data.config import DataConfig
@@ -48,10 +50,18 @@ class CollateWithMeta:
         self.collate = collate
 
     def __call__(self, examples: Sequence[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        kept = [e for e in examples if e is not None]
-        batch = self.collate(kept)
+        from mmtune.data.collator import SkippedSample
+        from mmtune.data.encoding import Example
+
+        kept = [e for e in examples if isinstance(e, Example)]
+        skipped = [e for e in examples if isinstance(e, SkippedSample)]
+        # Every sample of the micro-batch skipped (corrupt images, skip mode): a one-token
+        # batch with no loss tokens keeps every rank's forward/backward count in step.
+        batch = self.collate(kept or [Example("<skipped>", [self.collate.pad_token_id], [IGNORE_INDEX])])
         meta = {"ids": [e.dialogue_id for e in kept], "tokens": sum(len(e) for e in kept),
-                "images": sum(len(e.images) for e in kept)}
+                "images": sum(len(e.images) for e in kept),
+                "skipped": [{"dialogue_id": e.dialogue_id, "source": e.source, "reason": e.reason, "detail": e.detail}
+                            for e in skipped]}
         return batch, meta
 
 
@@ -73,6 +83,8 @@ class SFTDataModule:
         self.adapter: Optional["ModelAdapter"] = None
         self.rank, self.world_size = 0, 1
         self._plans: dict[int, list] = {}
+        self.skipped_items: list[dict[str, Any]] = []
+        """Samples dropped while loading on this rank (see :meth:`note_skipped`)."""
 
     def connect(self, adapter: "ModelAdapter", *, max_length: Optional[int] = None, rank: int = 0,
                 world_size: int = 1) -> None:
@@ -87,27 +99,46 @@ class SFTDataModule:
         """Load the sources (through the cache), compute exact lengths, build the dataset."""
         from mmtune.data.batching import PlannedBatchSampler
         from mmtune.data.collator import MultiImageDataset
-        from mmtune.data.lengths import compute_lengths
+        from mmtune.data.loss_report import DataLossReport, lengths_per_source
         from mmtune.data.mixture import build_mixture
 
         if self.adapter is None:
             raise RuntimeError("SFTDataModule.setup() needs connect(adapter, ...) first")
+        if self.collator_config.image_errors is None:  # one policy: the data validation mode
+            self.collator_config = replace(self.collator_config, image_errors=self.data_config.validation.mode)
         cfg = self.collator_config
         cfg.validate()
         self.mixture = build_mixture(self.data_config)
         # The plan is built over all ranks' samples and then sharded by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)
-        self.lengths = compute_lengths(
-            self.adapter, self.mixture.dialogues, max_length=cfg.max_length, truncation=cfg.truncation,
+        self.lengths, per_source = lengths_per_source(
+            self.adapter, self.mixture, max_length=cfg.max_length, truncation=cfg.truncation,
             train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=cfg.length_cache_dir,
         )
+        self.loss_report = DataLossReport.build(self.mixture, per_source, cfg.max_length)
+        if self.loss_report.trainable_samples == 0:
+            raise ValueError(self.loss_report.why_empty())
         self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, cfg)
         self.collate = CollateWithMeta(self.dataset.collator())
         self.batch_sampler = PlannedBatchSampler(
             self.order.global_order, self.lengths.lengths, cfg, num_images=self.lengths.num_images,
             rank=self.rank, world_size=self.world_size,
         )
+
+    def note_skipped(self, meta: dict[str, Any]) -> int:
+        """Keep the samples a batch dropped while loading (``meta["skipped"]``); returns how many.
+
+        They are added to :attr:`loss_report` by :meth:`merge_skipped` (after gathering
+        every rank's list)."""
+        skipped = meta.get("skipped") or []
+        self.skipped_items.extend(skipped)
+        return len(skipped)
+
+    def merge_skipped(self, items: list[dict[str, Any]]) -> None:
+        """Add every rank's dropped samples to :attr:`loss_report`."""
+        if items:
+            self.loss_report.add_skipped(items)
 
     # -- plans -------------------------------------------------------------------------------
     def plan(self, epoch: int) -> list[list]:

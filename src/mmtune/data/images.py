@@ -70,7 +70,8 @@ class CorruptImageError(ValueError):
         where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
         super().__init__(
             f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the "
-            "file, or run with data validation mode 'skip' to drop such samples"
+            "file, or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
+            "counted and reported; data.validation.check_images=decode finds them all before training"
         )
 
 

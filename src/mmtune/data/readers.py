@@ -22,12 +22,14 @@ file is never held in memory whole, and every converted, validated record goes
 straight to the Arrow cache (:mod:`mmtune.data.cache`). The returned
 :class:`SourceData` reads dialogues back lazily from the memory-mapped cache.
 
-Image paths are resolved per source: ``strip_image_prefix`` is removed, then the path
-is joined under ``image_root`` (a leading ``/`` included, so the benchmark's
-``/mmdu_pics/x.jpg`` works with ``image_root`` = the folder holding ``mmdu_pics``);
-without ``image_root``, relative paths are relative to the data file and absolute
-ones are kept. In the ``messages`` format absolute paths and ``file://`` URLs are always
-used as they are (they point at the user's own files).
+Image paths are resolved per source by :class:`mmtune.data.paths.ImagePathRules` (the
+same rule evaluation uses): ``strip_image_prefix`` is removed, then relative paths and
+the datasets' rooted paths (the benchmark's ``/mmdu_pics/x.jpg``) are joined under
+``image_root`` (default: the data file's folder) and must stay inside it; a plain
+absolute path outside it (any absolute path or ``file://`` URL in the ``messages``
+format) is used only with ``data.allow_absolute_image_paths=true``. A rejected path is
+a ``path_outside_root`` problem; a missing image's report shows the path tried and how
+it was built.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -44,6 +46,7 @@ import numpy as np
 from mmtune.data.cache import CacheWriter, cache_key, entry_paths, open_entry
 from mmtune.data.config import FORMATS, IMAGE_CHECKS, MODES, DataConfig, SourceConfig, default_cache_dir
 from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.paths import ImagePathRules, ResolvedImage
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
 
 LLAVA_PLACEHOLDER = "<image>"
@@ -198,20 +201,16 @@ def iter_records(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
 @dataclass(frozen=True)
 class _Context:
     source: str
-    file_dir: str
-    image_root: str | None
-    strip_prefix: str | None
+    rules: ImagePathRules
     move_image_to_start: bool
-    join_absolute: bool = True
+    origins: dict = field(default_factory=dict)
+    """Resolved path -> how it was built (for missing-image reports)."""
 
-    def resolve(self, path: str) -> str:
-        if self.strip_prefix and path.startswith(self.strip_prefix):
-            path = path[len(self.strip_prefix) :]
-        if path.startswith("file://"):
-            return path[len("file://") :]
-        if os.path.isabs(path) and (self.image_root is None or not self.join_absolute):
-            return path
-        return os.path.join(self.image_root or self.file_dir, path.lstrip("/"))
+    def resolve(self, path: str) -> ResolvedImage:
+        resolved = self.rules.resolve(path)
+        if len(self.origins) < 100_000:  # bounded: only used to explain problems
+            self.origins[resolved.path] = resolved.how
+        return resolved
 
 
 def _split(text: str, placeholder: str, images: Iterator[str]) -> tuple:
@@ -258,7 +257,17 @@ def convert_conversations(
         count += msg["value"].count(placeholder)
     if count != len(raw_images):
         return bad(f"{count} {placeholder} placeholder(s), {len(raw_images)} image path(s)", None, "placeholder_mismatch")
-    images = iter([ctx.resolve(p) for p in raw_images])
+    resolved = [ctx.resolve(p) for p in raw_images]
+    for k, image in enumerate(resolved):
+        if image.problem:
+            seen, turn = 0, None
+            for t, msg in enumerate(conv):
+                seen += msg["value"].count(placeholder)
+                if seen > k:
+                    turn = t
+                    break
+            return bad(image.detail, turn, image.problem)
+    images = iter([image.path for image in resolved])
     turns = []
     for msg in conv:
         value = msg["value"]
@@ -312,7 +321,10 @@ def convert_messages(obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | No
                                 f"image {url[:40]!r} is inline or remote: save it as a local file and use its path",
                             )
                         ]
-                    segs.append(Image(ctx.resolve(url)))
+                    image = ctx.resolve(url)
+                    if image.problem:
+                        return None, [Problem(image.problem, rid, index, t, image.detail)]
+                    segs.append(Image(image.path))
                 else:
                     return None, [Problem("malformed_record", rid, index, t, f"unknown content part {str(part)[:60]}")]
             segments = tuple(segs)
@@ -340,11 +352,8 @@ def parse_record(
     working directory) and not checked. Raises ``ValueError`` naming the problem."""
     ctx = _Context(
         source=source,
-        file_dir=os.getcwd(),
-        image_root=image_root,
-        strip_prefix=None,
+        rules=ImagePathRules(root=image_root or os.getcwd(), join_rooted=fmt != "messages"),
         move_image_to_start=_moves_image(fmt, move_image_to_start),
-        join_absolute=fmt != "messages",
     )
     dialogue, problems = convert_record(fmt, record, 0, ctx)
     if dialogue is None:
@@ -433,6 +442,18 @@ def _row(d: Dialogue) -> dict[str, Any]:
     return row
 
 
+def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False) -> ImagePathRules:
+    """The image path rule of one source: its ``image_root`` (default: the data file's folder)."""
+    return ImagePathRules(
+        root=os.path.abspath(source_cfg.image_root or os.path.dirname(os.path.abspath(source_cfg.path))),
+        allow_absolute=allow_absolute,
+        strip_prefix=source_cfg.strip_image_prefix,
+        # User-made chat files carry real absolute paths; the datasets' absolute paths
+        # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
+        join_rooted=source_cfg.format != "messages",
+    )
+
+
 def load_source(
     source_cfg: SourceConfig,
     *,
@@ -441,6 +462,7 @@ def load_source(
     check_images: str = "verify",
     max_examples: int = 5,
     refresh: bool = False,
+    allow_absolute_image_paths: bool = False,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -452,6 +474,8 @@ def load_source(
         check_images: ``verify`` | ``exists`` | ``none`` (see ``ValidationConfig``).
         max_examples: example ids kept per problem class.
         refresh: rebuild the cache entry even if one exists.
+        allow_absolute_image_paths: accept absolute image paths outside the image root
+            (see :mod:`mmtune.data.paths`).
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -470,22 +494,19 @@ def load_source(
             f"source {source_cfg.name!r}: data file {path!r} does not exist "
             "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
         )
+    image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
     ctx = _Context(
-        source=source_cfg.name,
-        file_dir=os.path.dirname(os.path.abspath(path)),
-        image_root=os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None,
-        strip_prefix=source_cfg.strip_image_prefix,
-        move_image_to_start=_moves_image(source_cfg.format, source_cfg.move_image_to_start),
-        # User-made chat files carry real absolute paths; the datasets' absolute paths
-        # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
-        join_absolute=source_cfg.format != "messages",
+        source_cfg.name,
+        image_rules(source_cfg, allow_absolute_image_paths),
+        _moves_image(source_cfg.format, source_cfg.move_image_to_start),
     )
     options = {
         "name": source_cfg.name,
         "format": source_cfg.format,
-        "image_root": ctx.image_root,
-        "strip_image_prefix": ctx.strip_prefix,
-        "move_image_to_start": ctx.move_image_to_start,
+        "image_root": image_root,
+        "strip_image_prefix": source_cfg.strip_image_prefix,
+        "move_image_to_start": source_cfg.move_image_to_start,
+        "allow_absolute_image_paths": allow_absolute_image_paths,
         "check_images": check_images,
         "max_examples": max_examples,
     }
@@ -502,6 +523,14 @@ def load_source(
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
 
+def _explain(problem: Problem, ctx: _Context) -> Problem:
+    """A missing image's problem with the path tried and how it was built."""
+    if problem.code != "missing_image":
+        return problem
+    how = ctx.origins.get(problem.detail)
+    return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
+
+
 def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report_path) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, check_images, max_examples)
@@ -516,7 +545,7 @@ def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report
             else:
                 dialogue, problems = convert_record(source_cfg.format, obj, index, ctx)
                 if dialogue is not None:
-                    problems = check_dialogue(dialogue, index, checker)
+                    problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker)]
                     if dialogue.id in seen:
                         problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
                     seen.add(dialogue.id)
@@ -545,6 +574,7 @@ def load_sources(data_cfg: DataConfig, *, refresh: bool = False) -> list[SourceD
             check_images=v.check_images,
             max_examples=v.max_examples,
             refresh=refresh,
+            allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
         )
         for s in data_cfg.mixture.sources
     ]
@@ -609,6 +639,7 @@ __all__ = [
     "convert_record",
     "DialogueSequence",
     "SourceData",
+    "image_rules",
     "load_source",
     "load_sources",
     "read_datatxt",

@@ -42,9 +42,13 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "image file does not exist",
         "check source.image_root / strip_image_prefix, or restore the file",
     ),
+    "path_outside_root": (
+        "image path points outside the image root (through '..', a symlink or an absolute path)",
+        "keep images under source.image_root, or set data.allow_absolute_image_paths=true for real absolute paths",
+    ),
     "corrupt_image": (
         "image file cannot be opened as an image",
-        "replace the file with a valid image (or set validation.check_images=exists to skip decoding)",
+        "replace the file with a valid image (or set validation.check_images=exists to skip the check)",
     ),
     "empty_conversation": (
         "conversation has no user/assistant turns",
@@ -182,7 +186,9 @@ class ImageChecker:
 
     ``verify`` opens the file with PIL and runs ``Image.verify()``: the header is parsed
     and structure checked without decoding pixels, so it costs well under a millisecond
-    for small files. ``exists`` only stats the file; ``none`` checks nothing.
+    for small files, but a file cut short after its header passes. ``decode`` decodes
+    every pixel as training will (milliseconds per image), so nothing found later can
+    fail. ``exists`` only stats the file; ``none`` checks nothing.
     """
 
     def __init__(self, level: str = "verify"):
@@ -198,12 +204,15 @@ class ImageChecker:
         result: tuple[str, str] | None = None
         if not os.path.isfile(path):
             result = ("missing_image", path)
-        elif self.level == "verify":
+        elif self.level in ("verify", "decode"):
             from PIL import Image as PILImage
 
             try:
                 with PILImage.open(path) as im:
-                    im.verify()
+                    if self.level == "decode":
+                        im.load()
+                    else:
+                        im.verify()
             except Exception as e:  # PIL raises many types for bad files; all mean "corrupt"
                 result = ("corrupt_image", f"{path}: {type(e).__name__}: {e}")
         self._seen[path] = result

@@ -43,6 +43,7 @@ def _eval_config(args: argparse.Namespace, benchmark: str) -> EvalConfig:
     if args.judge_model:
         cfg.judge.model = args.judge_model
     cfg.judge.send_images = args.send_images
+    cfg.allow_absolute_image_paths = args.allow_absolute_paths
     if args.concurrency is not None:
         cfg.judge.concurrency = args.concurrency
     return cfg
@@ -56,6 +57,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="only the first N dialogues / items")
     parser.add_argument("--judge-model", help="judge model name (else $MMTUNE_JUDGE_MODEL)")
     parser.add_argument("--send-images", action="store_true", help="attach images to judge calls")
+    parser.add_argument("--allow-absolute-paths", action="store_true",
+                        help="accept absolute image paths outside --image-root (default: rejected as path_outside_root)")
     parser.add_argument("--concurrency", type=int, help="judge calls in flight")
     parser.add_argument("--runs", type=int, help="MM-Vet judge runs (default 5)")
     parser.add_argument("--alpha", type=float, help="MDI Score_final weight of level 1 (default 0.5)")
@@ -88,6 +91,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ckpt.add_argument("--batch-size", type=int, default=1, help="dialogues per batch on the re-encode path")
     ckpt.add_argument("--device", default="auto")
     ckpt.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
+    ckpt.add_argument("--trust-remote-code", action="store_true",
+                      help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
     _common(ckpt)
 
     cmd = sub.add_parser("lmms-command", help="print the lmms-eval command for an exported checkpoint")
@@ -126,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from mmtune.models.config import ModelConfig
 
             _print(evaluate_checkpoint(args.checkpoint, cfg, output_dir=args.out, run_name=args.run,
-                                       model_config=ModelConfig(family=args.family)))
+                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
         elif args.command == "lmms-command":
             from mmtune.evaluation.config import LmmsEvalConfig
             from mmtune.evaluation.lmms_eval import build_command

@@ -53,18 +53,23 @@ def load_json_or_jsonl(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
 
 
-def resolve_image(path: str, image_root: Optional[str], data_file: Path) -> str:
-    """``image_root/path`` (leading ``/`` dropped, as MMDU writes ``/mmdu_pics/x.jpg``);
-    without a root: the path itself when absolute and present, else relative to the data file."""
-    if image_root:
-        return str(Path(image_root) / path.lstrip("/"))
-    if os.path.isabs(path) and os.path.exists(path):
-        return path
-    return str(data_file.parent / path.lstrip("/"))
+def resolve_image(path: str, image_root: Optional[str], data_file: Path, *, allow_absolute: bool = False) -> str:
+    """The image file of ``path`` by the data layer's rule (:mod:`mmtune.data.paths`):
+    joined to ``image_root`` (default: the data file's folder; a leading ``/`` as MMDU
+    writes ``/mmdu_pics/x.jpg`` is joined too) and kept inside it.
+
+    Raises:
+        ImagePathError: the path escapes the root, or is absolute outside it and
+            ``allow_absolute`` is off.
+    """
+    from mmtune.data.paths import ImagePathRules
+
+    return ImagePathRules(image_root or str(Path(data_file).parent), allow_absolute=allow_absolute).resolve(path).checked()
 
 
 def load_mmdu_dialogues(
-    path: str | os.PathLike, *, image_root: Optional[str] = None, source: str = "mmdu", limit: Optional[int] = None
+    path: str | os.PathLike, *, image_root: Optional[str] = None, source: str = "mmdu", limit: Optional[int] = None,
+    allow_absolute_image_paths: bool = False,
 ) -> list[Dialogue]:
     """Read an MMDU-schema JSON list into dialogues (validation collects all problems).
 
@@ -101,7 +106,13 @@ def load_mmdu_dialogues(
                     segments.append(part)
                 if k < len(parts) - 1:
                     if used < len(images):
-                        segments.append(Image(resolve_image(images[used], image_root, path)))
+                        try:
+                            resolved = resolve_image(images[used], image_root, path,
+                                                     allow_absolute=allow_absolute_image_paths)
+                        except ValueError as err:
+                            problems.append(f"record {rid}, turn {t}: [path_outside_root] {err}")
+                            resolved = images[used]
+                        segments.append(Image(resolved))
                     used += 1
             turns.append(Turn(role, tuple(segments)))
         if used != len(images):
@@ -168,7 +179,7 @@ def load_turn_predictions(path: str | os.PathLike) -> dict[tuple[str, int], Turn
                 out[(str(record["dialogue_id"]), int(record["turn"]))] = TurnPrediction(record["answer"], meta)
         return out
     # image paths are resolved but never opened: scoring a predictions file needs no images
-    for dialogue in load_mmdu_dialogues(path):
+    for dialogue in load_mmdu_dialogues(path, allow_absolute_image_paths=True):
         for t, (_, a) in enumerate(dialogue.exchanges()):
             out[(dialogue.id, t)] = TurnPrediction(dialogue.turns[a].text, {})
     return out

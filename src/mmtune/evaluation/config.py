@@ -187,6 +187,10 @@ class EvalConfig:
     mdi: MDIConfig = field(default_factory=MDIConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     lmms_eval: LmmsEvalConfig = field(default_factory=LmmsEvalConfig)
+    allow_absolute_image_paths: bool = False
+    """Accept absolute image paths outside a benchmark's ``image_root`` (default: the data
+    file's folder). Off: such a path, or one escaping the root through ``..``/symlinks,
+    fails loading with ``path_outside_root`` (see :mod:`mmtune.data.paths`)."""
     report: bool = True
     """Write ``report.md`` with tables and PNG plots next to the result JSONs."""
     progress: bool = True
@@ -204,13 +208,32 @@ class EvaluateConfig:
     supplies the model family. Overrides ``model.path``."""
     run_name: str = "eval"
     """Label written into every result file."""
-    output_dir: str = "outputs/eval"
-    """Where generations, judge cache, result JSONs and the report go."""
+    output_dir: Optional[str] = None
+    """Where generations, judge cache, result JSONs and the report go. ``None``:
+    ``outputs/eval/<run_name>/<model>`` with one folder per checkpoint / model path
+    (:func:`default_output_dir`), so two models never share resumable answers."""
     wandb: bool = False
     """Log metrics and the report's plots to Weights & Biases."""
     wandb_project: str = "mmtune"
     """W&B project when ``wandb`` is on."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelConfig) -> str:
+    """``outputs/eval/<run_name>/<model>``: the checkpoint's (else ``model.path``'s) last
+    two path parts and a hash of its absolute path, or ``random-<family>``."""
+    import hashlib
+    import os
+    import re
+
+    target = checkpoint or model.path
+    if not target:
+        slug = f"random-{model.family}"
+    else:
+        absolute = os.path.abspath(target) if os.path.exists(target) else target
+        tail = "-".join(p for p in absolute.replace("\\", "/").split("/")[-2:] if p)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", tail) + "-" + hashlib.sha1(absolute.encode()).hexdigest()[:8]
+    return os.path.join("outputs", "eval", run_name, slug)
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
@@ -251,6 +274,12 @@ def to_evaluate_config(cfg: Any) -> EvaluateConfig:
     """A composed Hydra/OmegaConf config as a validated :class:`EvaluateConfig`."""
     from omegaconf import OmegaConf
 
+    from mmtune.schema_keys import unknown_keys
+
+    unknown = unknown_keys(cfg, EvaluateConfig)
+    if unknown:  # ``+key=value`` slips past OmegaConf's struct check; a typo must not be ignored
+        raise ValueError("unknown config key(s), not in the schema (mmtune.evaluation.config.EvaluateConfig):\n  - "
+                         + "\n  - ".join(unknown))
     merged = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), cfg)
     config = OmegaConf.to_object(merged)
     validate_eval_config(config.eval)

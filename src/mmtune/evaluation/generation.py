@@ -22,7 +22,11 @@ Each turn's record says what happened.
 
 Every turn's record is appended to a JSONL file and flushed as soon as it exists; a
 restart skips finished turns and rebuilds the history of a half-done dialogue from the
-recorded answers.
+recorded answers. A restart only resumes answers of the same run: ``<file>.settings.json``
+keys the file on the decoding settings, the weights (a fingerprint of the loaded model
+plus the checkpoint's name) and the data file (path, size, mtime), and every resumed
+record's question must equal the dialogue's; anything else raises
+:class:`StaleGenerationsError` naming the run that wrote the file.
 """
 
 from __future__ import annotations
@@ -41,9 +45,17 @@ from mmtune.evaluation.common import question_text
 from mmtune.evaluation.config import GenerationConfig
 from mmtune.models.base import ImageChunk, ModelAdapter
 
-__all__ = ["TurnRecord", "DialogueGenerator", "flatten", "read_generations"]
+__all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "read_generations"]
 
 log = logging.getLogger(__name__)
+
+
+class StaleGenerationsError(ValueError):
+    """A generation file holds answers of another model, data file, prompt or decoding."""
+
+    def __init__(self, path: Path, message: str):
+        self.path = path
+        super().__init__(message)
 
 
 @dataclass
@@ -353,11 +365,17 @@ class DialogueGenerator:
         *,
         out_path: Optional[str | os.PathLike] = None,
         progress: bool = False,
+        run_key: Optional[dict[str, Any]] = None,
     ) -> list[TurnRecord]:
         """Answer every user turn of ``dialogues``; append each record to ``out_path`` at once.
 
         Turns already in ``out_path`` are not generated again (resume); their answers are
-        used as the history of the dialogue's remaining turns.
+        used as the history of the dialogue's remaining turns. ``run_key`` names what
+        else the answers depend on (``{"checkpoint": ..., "data": ...}``) and
+        ``{"about": {...}}`` describes the run for messages; both go to the settings file.
+
+        Raises:
+            StaleGenerationsError: ``out_path`` holds answers of another run.
 
         Returns:
             All records of ``dialogues`` (old and new), in dialogue and turn order.
@@ -370,9 +388,10 @@ class DialogueGenerator:
         if out_path is not None:
             out_path = Path(out_path)
             out_path.parent.mkdir(parents=True, exist_ok=True)
-            self._check_settings(out_path)
+            self._check_settings(out_path, run_key)
             _drop_torn_line(out_path)
             done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
+            _check_questions(out_path, done, dialogues)
             handle = out_path.open("a", encoding="utf-8")
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
 
@@ -445,25 +464,49 @@ class DialogueGenerator:
         order = [(s.dialogue.id, t) for s in states for t in range(len(s.answers))]
         return [records[k] for k in order if k in records]
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self, run_key: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        from mmtune.evaluation.fingerprint import weights_fingerprint
+
         keys = ("max_new_tokens", "do_sample", "temperature", "top_p", "repetition_penalty", "seed", "overflow", "min_new_tokens", "system_prompt")
         settings = {k: getattr(self.config, k) for k in keys}
         settings["context_length"] = self.context_length
+        settings["weights"] = weights_fingerprint(self.model)
+        settings.update(run_key or {})
         return settings
 
-    def _check_settings(self, out_path: Path) -> None:
-        # Resuming with other decoding settings would mix two evaluations in one file.
+    def _check_settings(self, out_path: Path, run_key: Optional[dict[str, Any]] = None) -> None:
+        # Resuming another model's, data file's or decoding's answers would mix two
+        # evaluations in one file and report them under the new name.
         meta = out_path.with_suffix(".settings.json")
-        settings = self._settings()
-        if meta.exists() and out_path.exists():
+        settings = self._settings(run_key)
+        if meta.exists() and out_path.exists() and out_path.stat().st_size > 0:
             old = json.loads(meta.read_text())
-            if old != settings:
-                diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-                raise ValueError(
-                    f"{out_path} was generated with other settings {diff} (old, new); use a new output "
-                    "directory or delete the file to start over"
+            diff = {k: (old.get(k), v) for k, v in settings.items() if k != "about" and old.get(k) != v}
+            if diff:
+                about = old.get("about") or {}
+                who = ", ".join(f"{k} {v!r}" for k, v in about.items()) or "no run recorded"
+                raise StaleGenerationsError(
+                    out_path,
+                    f"{out_path} holds answers generated with other settings by another run ({who}); they "
+                    f"differ in {sorted(diff)}: "
+                    f"{diff} (old, new). Not mixing them: use another output folder (each checkpoint gets its own "
+                    f"by default) or delete {out_path.name} and {meta.name} to start over",
                 )
-        meta.write_text(json.dumps(settings, indent=2))
+        meta.write_text(json.dumps(settings, indent=2, default=str))
+
+
+def _check_questions(out_path: Path, done: dict[tuple[str, int], dict[str, Any]], dialogues: Sequence[Dialogue]) -> None:
+    """Resumed records must answer the questions being asked now (same data, same prompts)."""
+    for dialogue in dialogues:
+        for t, (u, _) in enumerate(dialogue.exchanges()):
+            old = done.get((dialogue.id, t))
+            if old is not None and old.get("question") != question_text(dialogue.turns[u]):
+                raise StaleGenerationsError(
+                    out_path,
+                    f"{out_path}: the stored answer of dialogue {dialogue.id!r}, turn {t} was generated for another "
+                    f"question ({old.get('question')!r:.80} vs now {question_text(dialogue.turns[u])!r:.80}): the data "
+                    "file or prompt changed. Use another output folder or delete the file to start over",
+                )
 
 
 def _drop_torn_line(path: Path) -> None:

@@ -93,6 +93,26 @@ def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _image_upload(path: str) -> tuple[str, bytes]:
+    """``(mime type, bytes)`` of an image file to attach to a judge call.
+
+    The file must decode as an image header (PIL) whatever its name says: only image
+    files ever leave the machine, never a file an image path happens to point at.
+    """
+    from PIL import Image as PILImage
+
+    try:
+        with PILImage.open(path) as image:
+            kind = image.format
+    except Exception as err:  # PIL raises many types for files that are not images
+        raise ValueError(
+            f"judge.send_images: {path} is not an image file ({type(err).__name__}: {err}); only image files are "
+            "sent to the judge. Fix the image path in the benchmark data or turn send_images off"
+        ) from None
+    mime = PILImage.MIME.get(kind or "", mimetypes.guess_type(path)[0] or "image/png")
+    return mime, Path(path).read_bytes()
+
+
 class JudgeCache:
     """Append-only SQLite store of judge replies. Safe across threads and processes
     (WAL mode; each write commits at once so a SIGKILL loses only calls in flight)."""
@@ -214,8 +234,8 @@ class JudgeClient:
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
             for path in request.images:
-                mime = mimetypes.guess_type(path)[0] or "image/png"
-                data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+                mime, raw = _image_upload(path)
+                data = base64.b64encode(raw).decode("ascii")
                 content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}})
             messages.append({"role": "user", "content": content})
         else:

@@ -10,6 +10,13 @@ Accepted ``checkpoint`` directories:
 * any local HF model directory, with the family from ``model.family``.
 
 The family comes from ``mmtune_run.json`` when present, else from the given ModelConfig.
+
+Remote code: a checkpoint is data from somewhere else, so it never decides whether its
+own Python runs. ``trust_remote_code`` always comes from the caller's ModelConfig (never
+from ``mmtune_run.json``), and when the checkpoint asks for remote code (an ``auto_map``
+in its JSON configs, or a run saved with ``trust_remote_code=true``) while the caller
+has not allowed it, loading stops with :class:`RemoteCodeRefused` before transformers
+sees the directory.
 """
 
 from __future__ import annotations
@@ -22,10 +29,17 @@ from typing import Any, Optional
 
 from mmtune.models.config import ModelConfig
 
-__all__ = ["resolve_checkpoint", "load_for_evaluation", "pick_device"]
+__all__ = ["RemoteCodeRefused", "resolve_checkpoint", "load_for_evaluation", "pick_device"]
 
 log = logging.getLogger(__name__)
 RUN_METADATA = "mmtune_run.json"
+# JSON files transformers reads an ``auto_map`` (remote code entry points) from.
+_CODE_CONFIGS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
+                 "image_processor_config.json", "adapter_config.json")
+
+
+class RemoteCodeRefused(RuntimeError):
+    """A checkpoint asks to run its own code and the user has not allowed remote code."""
 
 
 def pick_device(name: str) -> str:
@@ -49,7 +63,8 @@ def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig
         return dataclasses.replace(fallback)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = ((metadata.get("config") or {}).get("model") or {}) if isinstance(metadata.get("config"), dict) else {}
-    values = {k: v for k, v in saved.items() if k in fields}
+    # The user's trust_remote_code always wins: a checkpoint never turns remote code on.
+    values = {k: v for k, v in saved.items() if k in fields and k != "trust_remote_code"}
     if metadata.get("family"):
         values["family"] = metadata["family"]
     merged = dataclasses.asdict(fallback)
@@ -57,11 +72,54 @@ def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig
     return ModelConfig(**merged)
 
 
+def _remote_code_requests(directory: Path, metadata: Optional[dict[str, Any]]) -> list[str]:
+    """Where ``directory`` asks for remote code: ``auto_map`` entries and a saved run's setting."""
+    found = []
+    for name in _CODE_CONFIGS:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # transformers reports unreadable configs itself
+        auto_map = content.get("auto_map") if isinstance(content, dict) else None
+        if auto_map:
+            entries = ", ".join(f"{k} -> {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else str(auto_map)
+            found.append(f"{path} has auto_map ({entries})")
+    saved = ((metadata or {}).get("config") or {}) if isinstance((metadata or {}).get("config"), dict) else {}
+    if isinstance(saved.get("model"), dict) and saved["model"].get("trust_remote_code") is True:
+        found.append(f"its {RUN_METADATA} was saved with model.trust_remote_code=true")
+    if any(directory.glob("*.py")):
+        found.append(f"it ships Python files ({', '.join(sorted(p.name for p in directory.glob('*.py'))[:5])})")
+    return found
+
+
+def check_remote_code(directories: list[Path], metadata: Optional[dict[str, Any]], config: ModelConfig) -> None:
+    """Raise :class:`RemoteCodeRefused` when a directory asks for remote code the user has not allowed."""
+    if config.trust_remote_code:
+        return
+    found: list[str] = []
+    for i, directory in enumerate(dict.fromkeys(directories)):
+        if directory.is_dir():
+            found += _remote_code_requests(directory, metadata if i == 0 else None)
+    if found:
+        raise RemoteCodeRefused(
+            f"checkpoint {directories[0]} asks to run its own Python code: " + "; ".join(found) + ". mmtune does not "
+            "run code that comes with a checkpoint unless you allow it: if you trust where it came from, pass "
+            "model.trust_remote_code=true (recipes/evaluate.py) or --trust-remote-code (mmtune evaluate checkpoint)"
+        )
+
+
 def resolve_checkpoint(checkpoint: str, model_config: ModelConfig) -> tuple[ModelConfig, Optional[Path]]:
     """(model config to load, peft adapter directory or None) for a saved ``checkpoint``.
 
+    ``trust_remote_code`` is always ``model_config``'s own.
+
     Raises:
         FileNotFoundError: when the directory holds no model weights and no adapter.
+        RemoteCodeRefused: the checkpoint (or the base model its adapter names) asks for
+            remote code and ``model_config.trust_remote_code`` is off.
     """
     directory = Path(checkpoint)
     if not directory.is_dir():
@@ -72,12 +130,14 @@ def resolve_checkpoint(checkpoint: str, model_config: ModelConfig) -> tuple[Mode
     base = _model_config_from(metadata, model_config)
     has_weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
     if (directory / "config.json").exists() and has_weights:
+        check_remote_code([directory], metadata, model_config)
         # The saved config.json describes the model; `architecture` only sizes random-weight models.
         return dataclasses.replace(base, path=str(directory), architecture={}), None
     adapter_dir = directory if (directory / "adapter_config.json").exists() else directory / "adapter"
     if (adapter_dir / "adapter_config.json").exists():
         peft_cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
         base_path = base.path or peft_cfg.get("base_model_name_or_path") or None
+        check_remote_code([directory, adapter_dir] + ([Path(base_path)] if base_path else []), metadata, model_config)
         return dataclasses.replace(base, path=base_path), adapter_dir
     raise FileNotFoundError(
         f"{directory} holds neither HF weights (config.json + *.safetensors) nor a peft adapter "

@@ -55,7 +55,14 @@ def parse_options(text: str) -> dict[str, str]:
     return options
 
 
-def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None) -> list[MDIItem]:
+def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None,
+               allow_absolute_image_paths: bool = False) -> list[MDIItem]:
+    """MDI-Benchmark items; ``image_path`` resolves under ``image_root`` (default: the file's
+    folder) by the data layer's path rule, with ``.png`` added when it has no extension."""
+    from pathlib import Path
+
+    from mmtune.evaluation.common import resolve_image
+
     data = load_json_or_jsonl(path)
     if isinstance(data, dict):
         data = list(data.values())
@@ -74,10 +81,13 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         if answer not in options:
             problems.append(f"item {rid}: answer {answer!r} is not one of the options {sorted(options)}")
         image = record.get("image_path")
-        if image and image_root:
-            image = f"{image_root.rstrip('/')}/{image}"
         if image and not re.search(r"\.(png|jpe?g)$", image, re.IGNORECASE):
             image += ".png"
+        if image:
+            try:
+                image = resolve_image(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
+            except ValueError as err:
+                problems.append(f"item {rid}: [path_outside_root] {err}")
         items.append(
             MDIItem(rid, int(match.group(1)), match.group(2), match.group(3), str(record.get("question", "")),
                     options, str(record.get("option", "")), answer, image, record.get("response"))

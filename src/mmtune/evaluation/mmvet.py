@@ -36,9 +36,11 @@ class MMVetItem:
     image: Optional[str] = None
 
 
-def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None) -> list[MMVetItem]:
-    """Read ``mm-vet.json`` (a dict keyed ``v1_0``..)."""
-    from mmtune.evaluation.common import load_json_or_jsonl
+def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None,
+               allow_absolute_image_paths: bool = False) -> list[MMVetItem]:
+    """Read ``mm-vet.json`` (a dict keyed ``v1_0``..); image names resolve under ``image_root``
+    (default: the file's folder) by the data layer's path rule."""
+    from mmtune.evaluation.common import load_json_or_jsonl, resolve_image
 
     data = load_json_or_jsonl(path)
     if not isinstance(data, dict):
@@ -53,8 +55,11 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         if bad:
             problems.append(f"item {key}: unknown capability {bad}; known: {list(CAPABILITIES)}")
         image = value.get("imagename")
-        if image and image_root:
-            image = str(Path(image_root) / image)
+        if image:
+            try:
+                image = resolve_image(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
+            except ValueError as err:
+                problems.append(f"item {key}: [path_outside_root] {err}")
         items.append(MMVetItem(key, value["question"], value["answer"], tuple(value["capability"]), image))
     if problems:
         raise ValueError(f"{path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))

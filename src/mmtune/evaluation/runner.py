@@ -46,8 +46,10 @@ def _write_details(out: Path, name: str, rows: list[Any]) -> None:
 class _Context:
     """Lazily built shared pieces: the generator (loads the model) and the judge client."""
 
-    def __init__(self, cfg: EvalConfig, out: Path, make_generator: Optional[Callable[[], Any]]):
+    def __init__(self, cfg: EvalConfig, out: Path, make_generator: Optional[Callable[[], Any]],
+                 run_name: str = "eval", model_label: str = "model"):
         self.cfg, self.out, self._make_generator = cfg, out, make_generator
+        self.run_name, self.model_label = run_name, model_label
         self._generator = None
         self._judge = None
 
@@ -73,7 +75,28 @@ class _Context:
         return self._judge
 
     def generate(self, name: str, dialogues: list[Dialogue]):
-        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl", progress=self.cfg.progress)
+        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
+                                       progress=self.cfg.progress, run_key=self.run_key(name))
+
+    def run_key(self, name: str) -> dict[str, Any]:
+        """What a benchmark's answers depend on besides decoding: the model and the data file."""
+        import time
+
+        from mmtune.evaluation.fingerprint import file_identity
+
+        sub = getattr(self.cfg, name)
+        checkpoint = self.model_label
+        if Path(checkpoint).is_dir():  # the run dir and its final/ name the same weights
+            directory = Path(checkpoint).resolve()
+            if (directory / "final").is_dir() and not (directory / "config.json").exists():
+                directory = directory / "final"
+            checkpoint = str(directory)
+        return {
+            "checkpoint": checkpoint,
+            "data": file_identity(sub.data_path),
+            "image_root": sub.image_root,
+            "about": {"run": self.run_name, "model": self.model_label, "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+        }
 
     def close(self) -> None:
         if self._judge is not None:
@@ -93,7 +116,8 @@ def _run_synthetic_or_mmdu(name: str, ctx: _Context, run: str, model: str, conte
     sub = getattr(ctx.cfg, name)
     if not sub.data_path:
         raise ValueError(f"eval.{name}.data_path is required: it holds the questions and reference answers")
-    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit)
+    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit,
+                                    allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         predictions = load_turn_predictions(sub.predictions)
     else:
@@ -118,7 +142,8 @@ def _run_mmvet(ctx: _Context, run: str, model: str, context_length: Optional[int
     sub = ctx.cfg.mmvet
     if not sub.data_path:
         raise ValueError("eval.mmvet.data_path is required: mm-vet.json holds the questions and ground truths")
-    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit)
+    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit,
+                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         predictions = load_json_or_jsonl(sub.predictions)
         if not isinstance(predictions, dict):
@@ -142,7 +167,8 @@ def _run_mdi(ctx: _Context, run: str, model: str, context_length: Optional[int])
     source = sub.predictions or sub.data_path
     if not source:
         raise ValueError("eval.mdi: set data_path (to generate) or predictions (items with a 'response')")
-    items = load_items(source, image_root=sub.image_root, limit=sub.limit)
+    items = load_items(source, image_root=sub.image_root, limit=sub.limit,
+                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
     if sub.predictions:
         missing = [i.id for i in items if i.response is None]
         if missing:
@@ -182,7 +208,7 @@ def run_benchmarks(
     validate_eval_config(cfg)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = _Context(cfg, out, make_generator)
+    ctx = _Context(cfg, out, make_generator, run_name=run_name, model_label=model_label)
     context_length = cfg.generation.context_length
     results: dict[str, BenchmarkResult] = {}
     try:

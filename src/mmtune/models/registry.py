@@ -45,4 +45,15 @@ def adapter_class(family: str) -> type["ModelAdapter"]:
 
 
 def build_adapter(config: "ModelConfig") -> "ModelAdapter":
+    """The adapter of ``config.family``.
+
+    Raises:
+        FileNotFoundError: ``model.path`` is a local path that does not exist (named
+            here, before transformers reports it as an unknown hub id).
+    """
+    from mmtune.schema_keys import model_path_problem
+
+    problem = model_path_problem(config.path)
+    if problem:
+        raise FileNotFoundError(problem)
     return adapter_class(config.family)(config)

@@ -16,7 +16,8 @@ group                   schema                                          owner mo
 ``eval/``               :class:`mmtune.evaluation.config.EvalConfig`    evaluator
 ======================  ==============================================  ====================
 
-OmegaConf rejects an unknown key or a wrong type while merging; :func:`validate`
+OmegaConf rejects an unknown key or a wrong type while merging (and
+:func:`mmtune.schema_keys.unknown_keys` the ones Hydra's ``+key=value`` adds); :func:`validate`
 then checks what types cannot say (a value from a fixed set, a file that must exist)
 and raises one :class:`ConfigError` that lists every problem with its key.
 """
@@ -247,6 +248,12 @@ def to_sft_config(cfg: Any) -> SFTConfig:
     """Turn a composed DictConfig into an :class:`SFTConfig` object and :func:`validate` it."""
     from omegaconf import OmegaConf
 
+    from mmtune.schema_keys import unknown_keys
+
+    unknown = unknown_keys(cfg, SFTConfig)
+    if unknown:  # ``+key=value`` slips past OmegaConf's struct check; a typo must not be ignored
+        raise ConfigError("unknown config key(s), not in the schema (mmtune.training.config.SFTConfig):\n  - "
+                          + "\n  - ".join(unknown))
     merged = OmegaConf.merge(OmegaConf.structured(SFTConfig), cfg)
     config: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(config)

@@ -3,6 +3,11 @@
 A thin bridge to the evaluator (:func:`mmtune.evaluation.runner.evaluate_model`) on the
 in-memory model, so the demo scores the model it just trained without reloading it.
 Result files (``<output_dir>/eval/<before|after>/``) use the evaluator's schema.
+
+Those folders belong to the run: when one holds generations of other weights or data
+(a re-run of the demo in the same folder, a resumed run whose model changed), they are
+stale, so they are moved aside to ``generations/<name>.stale-<n>.jsonl`` and generated
+again instead of being reported under the new model.
 """
 
 from __future__ import annotations
@@ -22,8 +27,36 @@ def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTC
                          output_dir: str, checkpoint: Optional[str] = None,
                          wandb_run: Any = None) -> dict[str, dict[str, float]]:
     """Run ``cfg.eval``'s benchmarks on ``model``; returns ``{benchmark: metrics}``."""
+    import logging
+
+    from mmtune.evaluation.generation import StaleGenerationsError
     from mmtune.evaluation.runner import evaluate_model
 
-    results = evaluate_model(model, adapter, cfg.eval, output_dir=output_dir, run_name=run,
-                             model_label=checkpoint or f"{run}@{tag}", checkpoint=checkpoint, wandb_run=wandb_run)
+    for _ in range(len(cfg.eval.benchmarks) + 1):
+        try:
+            results = evaluate_model(model, adapter, cfg.eval, output_dir=output_dir, run_name=run,
+                                     model_label=checkpoint or f"{run}@{tag}", checkpoint=checkpoint,
+                                     wandb_run=wandb_run)
+            break
+        except StaleGenerationsError as err:
+            moved = _move_aside(err.path)
+            logging.getLogger(__name__).warning("%s; this run's folder: moved the old answers to %s", err, moved)
+    else:  # pragma: no cover - every benchmark's file was moved once
+        raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
     return {name: dict(result.metrics) for name, result in results.items()}
+
+
+def _move_aside(path):
+    """Rename a stale generation file and its settings file; returns the new file name."""
+    from pathlib import Path
+
+    path = Path(path)
+    n = 1
+    while path.with_name(f"{path.stem}.stale-{n}.jsonl").exists():
+        n += 1
+    target = path.with_name(f"{path.stem}.stale-{n}.jsonl")
+    path.rename(target)
+    settings = path.with_suffix(".settings.json")
+    if settings.exists():
+        settings.rename(target.with_suffix(".settings.json"))
+    return target

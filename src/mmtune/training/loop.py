@@ -189,6 +189,10 @@ class SFTRecipe:
         self.data.connect(self.adapter, max_length=cfg.context.max_length,
                           rank=acc.process_index, world_size=acc.num_processes)
         self.data.setup()
+        if acc.is_main_process:  # what the data pipeline left out, per source and reason
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
+        acc.print(self.data.loss_report.render())
         self.steps_per_epoch = self.data.num_micro_batches(0) // t.gradient_accumulation_steps
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -297,6 +301,7 @@ class SFTRecipe:
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += summed.detach()
+                self.data.note_skipped(meta)
                 seq_tokens += meta["tokens"]
                 images += meta["images"]
             self.step += 1
@@ -326,6 +331,20 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+        self._report_skipped()
+
+    def _report_skipped(self) -> None:
+        """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
+        from accelerate.utils import gather_object
+
+        acc = self.accelerator
+        items = self.data.skipped_items
+        if acc.num_processes > 1:
+            items = gather_object(items)
+        if acc.is_main_process and items:
+            self.data.merge_skipped(items)
+            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
+            acc.print(self.data.loss_report.render_skipped())
 
     def _log_sample_ids(self, ids_per_micro_batch: list[list[str]]) -> None:
         from accelerate.utils import gather_object

@@ -1,0 +1,165 @@
+"""What the data pipeline left out of a training run, per source and per reason.
+
+Data is lost at three places, and each is counted here so a run never shrinks silently:
+
+1. reading: records skipped by validation (``skip`` mode), per problem code;
+2. fitting the window: samples whose first exchange alone does not fit (they train on
+   nothing), and turns / images cut from the end of samples that were truncated;
+3. loading: samples dropped while training because an image failed to decode (``skip``
+   mode), with the file, record and turn.
+
+:func:`lengths_per_source` measures each source on its own so the truncation counts
+are per source; :class:`DataLossReport` renders the start-up summary, is written to
+``<output_dir>/data_report.json`` and explains a run whose data all got dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.lengths import LengthTable
+    from mmtune.data.mixture import Mixture
+
+__all__ = ["SourceLoss", "DataLossReport", "lengths_per_source"]
+
+
+@dataclass
+class SourceLoss:
+    """Losses of one source."""
+
+    source: str
+    records_read: int = 0
+    records_kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Records left out when reading, per reason (first problem of the record)."""
+    samples: int = 0
+    """Samples (records kept, after stacking) measured against the window."""
+    no_window: int = 0
+    """Samples that fit no window: their first exchange alone is too long (or truncation
+    is ``skip_sample``). They are never trained on."""
+    no_window_ids: list[str] = field(default_factory=list)
+    truncated: int = 0
+    """Samples kept with trailing turns cut."""
+    dropped_turns: int = 0
+    dropped_images: int = 0
+    corrupt_images: int = 0
+    """Samples dropped during training because an image failed to decode (skip mode)."""
+    corrupt_examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataLossReport:
+    """Per-source losses of one run (see the module docstring)."""
+
+    max_length: Optional[int]
+    sources: list[SourceLoss]
+
+    @classmethod
+    def build(cls, mixture: "Mixture", tables: list["LengthTable"], max_length: Optional[int]) -> "DataLossReport":
+        out = []
+        for source, table in zip(mixture.sources, tables):
+            report = source.report
+            stats = table.stats or {}
+            zero = np.flatnonzero(table.lengths == 0)
+            out.append(SourceLoss(
+                source=source.name, records_read=report.records_read, records_kept=report.records_kept,
+                skipped=dict(report.skipped), samples=int(len(table)), no_window=int(len(zero)),
+                no_window_ids=[source.dialogues[int(i)].id for i in zero[:5]],
+                truncated=int(stats.get("truncated", 0)), dropped_turns=int(stats.get("dropped_turns", 0)),
+                dropped_images=int(stats.get("dropped_images", 0)),
+            ))
+        return cls(max_length, out)
+
+    # -- training-time skips -------------------------------------------------------------
+    def add_skipped(self, skipped: list[dict[str, Any]]) -> None:
+        """Count samples dropped while loading (``meta["skipped"]`` of a batch)."""
+        for item in skipped:
+            loss = next((s for s in self.sources if s.source == item.get("source")), None) or self.sources[0]
+            loss.corrupt_images += 1
+            if len(loss.corrupt_examples) < 20:
+                loss.corrupt_examples.append(f"{item['dialogue_id']}: {item['detail']}")
+
+    @property
+    def trainable_samples(self) -> int:
+        return sum(s.samples - s.no_window for s in self.sources)
+
+    @property
+    def corrupt_images(self) -> int:
+        return sum(s.corrupt_images for s in self.sources)
+
+    def why_empty(self) -> str:
+        """Why no sample is left to train on, source by source, with what to change."""
+        lines = ["no training sample is left after reading and fitting the data:"]
+        for s in self.sources:
+            reasons = ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1]))
+            if s.records_read == 0:
+                lines.append(f"  - source {s.source}: the data file has no records")
+            elif s.records_kept == 0:
+                lines.append(f"  - source {s.source}: all {s.records_read} records were skipped when reading "
+                             f"({reasons}); run `mmtune data check` on it for examples and fixes")
+            elif s.no_window == s.samples:
+                lines.append(f"  - source {s.source}: all {s.samples} samples are longer than the "
+                             f"{self.max_length}-token window even with one exchange (e.g. {', '.join(s.no_window_ids)}); "
+                             "raise collator.max_length / context.max_length or shorten the samples")
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        """The start-up summary: one block per source, only the losses that happened."""
+        lines = [f"data: {self.trainable_samples} trainable samples (window {self.max_length} tokens)"]
+        for s in self.sources:
+            parts = [f"records read {s.records_read}, kept {s.records_kept}"]
+            if s.skipped:
+                parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1])))
+            if s.no_window:
+                parts.append(f"{s.no_window} samples fit no window (e.g. {', '.join(s.no_window_ids)})")
+            if s.truncated:
+                parts.append(f"{s.truncated} samples truncated: {s.dropped_turns} turns, {s.dropped_images} images dropped")
+            if s.corrupt_images:
+                parts.append(f"{s.corrupt_images} samples dropped for an image that failed to decode")
+            lines.append(f"  {s.source}: " + "; ".join(parts))
+        return "\n".join(lines)
+
+    def render_skipped(self) -> str:
+        """End-of-training lines about samples dropped while loading."""
+        lines = [f"{self.corrupt_images} samples left out during training because an image failed to decode:"]
+        for s in self.sources:
+            for example in s.corrupt_examples[:5]:
+                lines.append(f"  {s.source}: {example}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_length": self.max_length, "trainable_samples": self.trainable_samples,
+                "sources": [asdict(s) for s in self.sources]}
+
+    def write(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+
+def lengths_per_source(adapter: Any, mixture: "Mixture", **kwargs: Any) -> tuple["LengthTable", list["LengthTable"]]:
+    """Exact lengths of every sample (global index order) and each source's own table.
+
+    Measuring source by source gives per-source truncation counts; lengths are the same
+    as measuring the concatenation (a sample's length depends on that sample only).
+    """
+    from mmtune.data.lengths import LengthTable, compute_lengths
+
+    tables = [compute_lengths(adapter, source.dialogues, **kwargs) for source in mixture.sources]
+    stats: dict[str, int] = {}
+    for table in tables:
+        for key, value in (table.stats or {}).items():
+            stats[key] = stats.get(key, 0) + int(value)
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(t, name) for t in tables]) if tables else np.zeros(0, dtype=np.int32)
+
+    key = hashlib.sha1("|".join(t.key for t in tables).encode()).hexdigest()[:16]
+    combined = LengthTable(cat("lengths"), cat("full_lengths"), cat("num_images"), key, stats,
+                           from_cache=bool(tables) and all(t.from_cache for t in tables))
+    return combined, tables

@@ -1,0 +1,134 @@
+"""Where an image path from a data file points: one rule for data check, training and evaluation.
+
+Data files come from elsewhere, so an image path in them is not trusted to name any
+file on the machine. Every reader and benchmark loader resolves paths with
+:class:`ImagePathRules`:
+
+* a **relative** path (``pics/a.jpg``) is joined to the image root (``image_root``, or
+  the data file's folder when unset);
+* a **format-rooted** path (the MMDU benchmark's ``/mmdu_pics/a.jpg``; every format but
+  ``messages``) is joined to the image root too, unless it already lies inside the root;
+* the joined path must stay inside the root after ``..`` and symlinks are resolved,
+  otherwise the image is a ``path_outside_root`` problem (a symlink leading out of the
+  root, as an unpacked archive may carry, is accepted only when absolute paths are
+  allowed: that setting means "files outside the image root may be read");
+* a **plain absolute** path that exists outside the root (``/home/me/a.jpg``, or any
+  absolute path of the ``messages`` format) is used as it is only when absolute paths
+  are allowed explicitly (``data.allow_absolute_image_paths=true``,
+  ``eval.allow_absolute_image_paths=true``, ``--allow-absolute-paths``); otherwise it is
+  a ``path_outside_root`` problem that says so.
+
+Each result carries how the path was built, so a missing image's report shows the path
+that was tried and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ALLOW_ABSOLUTE_HINT", "ImagePathError", "ImagePathRules", "ResolvedImage"]
+
+ALLOW_ABSOLUTE_HINT = (
+    "move the file under the image root, or allow absolute image paths explicitly "
+    "(data.allow_absolute_image_paths=true, eval.allow_absolute_image_paths=true or --allow-absolute-paths)"
+)
+
+
+class ImagePathError(ValueError):
+    """An image path resolves outside the allowed image roots."""
+
+
+@dataclass(frozen=True)
+class ResolvedImage:
+    """One image path after resolution."""
+
+    path: str
+    """The file to read (or, for a problem, the path that was tried)."""
+    how: str
+    """How ``path`` was built, for reports (``image_root /r + relative path 'a.jpg'``)."""
+    problem: Optional[str] = None
+    """``None`` or ``"path_outside_root"``."""
+    detail: str = ""
+    """What is wrong and how to fix it, when ``problem`` is set."""
+
+    def checked(self) -> str:
+        """``path``, or :class:`ImagePathError` when the path was rejected."""
+        if self.problem:
+            raise ImagePathError(self.detail)
+        return self.path
+
+
+def _inside(real: str, roots: tuple[str, ...]) -> bool:
+    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+@dataclass(frozen=True)
+class ImagePathRules:
+    """How the image paths of one data file are resolved (see the module docstring).
+
+    Args:
+        root: the image root (absolute or relative to the working directory).
+        allow_absolute: accept plain absolute paths outside the root.
+        strip_prefix: removed from the start of every path first (``/mmdu_pics/``).
+        join_rooted: join absolute paths to the root (the datasets' rooted paths);
+            ``False`` for user-made files whose absolute paths are real ones.
+    """
+
+    root: str
+    allow_absolute: bool = False
+    strip_prefix: Optional[str] = None
+    join_rooted: bool = True
+
+    @property
+    def real_root(self) -> str:
+        return os.path.realpath(self.root)
+
+    def describe(self) -> str:
+        """The rule in one line, for ``mmtune data check``."""
+        rooted = "relative and rooted (/dir/x.jpg) paths" if self.join_rooted else "relative paths"
+        absolute = "used as they are" if self.allow_absolute else "rejected (path_outside_root)"
+        prefix = f", after removing prefix {self.strip_prefix!r}" if self.strip_prefix else ""
+        return (f"{rooted} joined to {os.path.abspath(self.root)}{prefix} and kept inside it; "
+                f"absolute paths outside it {absolute}")
+
+    def _contained(self, joined: str, how: str) -> ResolvedImage:
+        joined = os.path.normpath(joined)
+        if not _inside(joined, (os.path.normpath(os.path.abspath(self.root)),)):
+            return ResolvedImage(
+                joined, how, "path_outside_root",
+                f"{joined} ({how}) climbs out of the image root {os.path.abspath(self.root)} through '..'; "
+                "fix the path in the data file or point image_root at the folder holding it",
+            )
+        real = os.path.realpath(joined)
+        if _inside(real, (self.real_root,)) or self.allow_absolute:
+            return ResolvedImage(joined, how)
+        return ResolvedImage(
+            joined, how, "path_outside_root",
+            f"{joined} ({how}) leads through a symlink to {real}, outside the image root {self.real_root}; "
+            f"point image_root at the real folder, or {ALLOW_ABSOLUTE_HINT.split(', or ', 1)[1]}",
+        )
+
+    def resolve(self, raw: str) -> ResolvedImage:
+        """Resolve one path exactly as written in the data file."""
+        path = raw
+        if self.strip_prefix and path.startswith(self.strip_prefix):
+            path = path[len(self.strip_prefix):]
+        if path.startswith("file://"):
+            path = path[len("file://"):]
+        root = os.path.abspath(self.root)
+        if not os.path.isabs(path):
+            return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
+        if _inside(os.path.realpath(path), (self.real_root,)):
+            return ResolvedImage(os.path.normpath(path), "absolute path inside the image root")
+        if self.join_rooted:
+            joined = os.path.join(root, path.lstrip("/"))
+            if os.path.exists(joined) or not os.path.exists(path):
+                return self._contained(joined, f"image_root {root} + rooted path {path!r}")
+        if self.allow_absolute:
+            return ResolvedImage(os.path.normpath(path), "absolute path, used as is (absolute paths allowed)")
+        return ResolvedImage(
+            os.path.normpath(path), "absolute path", "path_outside_root",
+            f"absolute path {path} is outside the image root {root}; {ALLOW_ABSOLUTE_HINT}",
+        )

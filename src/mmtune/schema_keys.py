@@ -1,0 +1,79 @@
+"""Keys a composed config has that its typed schema does not: the ``+key`` typo catcher.
+
+OmegaConf rejects an unknown key while merging a YAML file into a structured config, but
+Hydra's ``+key=value`` (which Hydra itself suggests when a key is missing) adds a key
+with struct mode lifted, and the merge into the schema then keeps it silently: a
+``+training.lerning_rate=1e-4`` run trains with the default rate. :func:`unknown_keys`
+walks the composed config against the schema's dataclasses and lists every key the
+schema does not define, with the closest known name; free-form ``dict`` fields (model
+architecture overrides, judge prices) accept any key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+__all__ = ["unknown_keys", "model_path_problem"]
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``Optional[X]`` -> ``X``."""
+    if typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """``["training.lerning_rate (did you mean training.lr?)", ...]`` for ``node`` (a
+    DictConfig or plain dict) checked against the dataclass ``schema``."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=False)
+    if not isinstance(node, dict) or not dataclasses.is_dataclass(schema):
+        return []
+    hints = typing.get_type_hints(schema)
+    fields = {f.name for f in dataclasses.fields(schema)}
+    problems = []
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(sorted(fields))})"
+            problems.append(f"{name}{hint}")
+            continue
+        kind = _unwrap(hints.get(key))
+        if dataclasses.is_dataclass(kind):
+            problems += unknown_keys(value, kind, f"{name}.")
+        elif typing.get_origin(kind) in (list, typing.List) and isinstance(value, list):
+            (item,) = typing.get_args(kind) or (None,)
+            item = _unwrap(item)
+            if dataclasses.is_dataclass(item):
+                for i, element in enumerate(value):
+                    problems += unknown_keys(element, item, f"{name}[{i}].")
+    return problems
+
+
+def model_path_problem(path: str | None, key: str = "model.path") -> str | None:
+    """A message naming ``key`` when ``path`` is meant as a local directory and is not one.
+
+    A path counts as local when it is absolute, starts with ``.`` or ``~``, or has more
+    than one ``/``; ``org/name`` may be a hub id and is left to the loader.
+    """
+    import os
+
+    if not path:
+        return None
+    local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep in path and path.count(os.sep) > 1
+    expanded = os.path.expanduser(path)
+    if local and not os.path.exists(expanded):
+        return (f"{key}={path!r} does not exist: point it at a local checkpoint directory (config.json + weights) "
+                "or a hub id such as llava-hf/llava-1.5-7b-hf")
+    if os.path.exists(expanded) and not os.path.isdir(expanded):
+        return f"{key}={path!r} is a file, not a checkpoint directory"
+    return None
