@@ -137,3 +137,22 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe):
     for name, param in reference.named_parameters():
         if param.grad is not None:
             torch.testing.assert_close(gradient[name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_in_training_evaluation_is_refused_under_multi_process_zero3():
+    from types import SimpleNamespace
+
+    from mmtune.training.loop import check_evaluation_layout
+
+    both = SimpleNamespace(eval_before=True, eval_after=True)
+    with pytest.raises(ValueError, match=r"training.eval_before and training.eval_after=true cannot run under "
+                                         r"DeepSpeed ZeRO-3 on 8 processes.*training.eval_before=false "
+                                         r"training.eval_after=false"):
+        check_evaluation_layout(both, zero_stage=3, num_processes=8)
+    with pytest.raises(ValueError, match="training.eval_after=true cannot"):
+        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), zero_stage=3, num_processes=2)
+    # Full weights on every rank (DDP, ZeRO-2), a single ZeRO-3 process, or no evaluation: allowed.
+    check_evaluation_layout(both, zero_stage=2, num_processes=8)
+    check_evaluation_layout(both, zero_stage=0, num_processes=8)
+    check_evaluation_layout(both, zero_stage=3, num_processes=1)
+    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero_stage=3, num_processes=8)
