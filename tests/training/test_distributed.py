@@ -136,6 +136,9 @@ def test_deepspeed_zero_on_cpu_trains_and_saves_a_loadable_hf_checkpoint(stage, 
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads((tmp_path / "rank0.json").read_text())["steps"] == 3
+    # The engine's gradient norm is logged under DeepSpeed too.
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["train/grad_norm"] > 0 for m in metrics)
     # final/ is a plain HF checkpoint with full (gathered) tensors, not DeepSpeed shards.
     final = out / "final"
     assert (final / "model.safetensors").is_file() and not list(final.glob("*.pt"))
