@@ -33,7 +33,8 @@ def main() -> None:
         def save_first_gradient(*args, **kwargs):
             path = grads_out.format(rank=recipe.accelerator.process_index)
             if not os.path.exists(path):
-                torch.save({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, path)
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                torch.save(grads, path)
             return inner_step(*args, **kwargs)
 
         recipe.optimizer.optimizer.step = save_first_gradient
@@ -50,7 +51,8 @@ def main() -> None:
     with open(out_json.format(rank=recipe.accelerator.process_index), "w") as f:
         json.dump({"rank": recipe.accelerator.process_index, "world_size": recipe.accelerator.num_processes,
                    "digest": digest.hexdigest(), "changed": changed, "steps": recipe.step,
-                   "micro_batches": len(micro_batches), "fillers": sum(bool(m.get("filler")) for m in micro_batches)}, f)
+                   "micro_batches": len(micro_batches),
+                   "fillers": sum(bool(m.get("filler")) for m in micro_batches)}, f)
 
 
 if __name__ == "__main__":

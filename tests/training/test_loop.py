@@ -102,7 +102,7 @@ def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_p
         [True] * (real[0] - 3 * (recipe.steps_per_epoch[0] - 1)) + [False] * (3 * recipe.steps_per_epoch[0] - real[0])
 
 
-def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe):
+def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tmp_path):
     # One epoch of 8 packed rows at 3 per step: the third step has 2 real micro-batches and a filler.
     recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
                          "collator.packing_window=8", "training.gradient_accumulation_steps=3",
@@ -137,6 +137,10 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe):
     for name, param in reference.named_parameters():
         if param.grad is not None:
             torch.testing.assert_close(gradient[name], param.grad, rtol=1e-4, atol=1e-6)
+    # The gradient norm is logged even without clipping.
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["train/grad_norm"]
+    assert logged == pytest.approx(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in gradient.values()]))),
+                                   rel=1e-5)
 
 
 def test_in_training_evaluation_is_refused_under_multi_process_zero3():

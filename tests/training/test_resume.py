@@ -64,7 +64,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
     assert before_kill_metrics[-1]["step"] > resume_step, "the killed attempt should have logged past its checkpoint"
 
     ids, metrics = _lines(killed_dir / "sample_ids.jsonl"), _lines(killed_dir / "metrics.jsonl")
-    ref_ids, ref_metrics = _lines(tmp_path / "reference" / "sample_ids.jsonl"), _lines(tmp_path / "reference" / "metrics.jsonl")
+    reference_dir = tmp_path / "reference"
+    ref_ids, ref_metrics = _lines(reference_dir / "sample_ids.jsonl"), _lines(reference_dir / "metrics.jsonl")
     if batching[0] == "padding":
         assert ref_metrics[-1]["step"] == 16  # 32 samples / 4 per batch x 2 epochs
     # The logs were cut back to the checkpoint on resume: every step appears once.

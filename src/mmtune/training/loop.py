@@ -20,6 +20,9 @@ must get exactly right are awkward to reach inside ``Trainer``.
    micro-batch's *summed* loss is scaled by ``world_size * accum / global_tokens``.
    accelerate (or DeepSpeed) divides by ``accum`` and DDP/ZeRO average gradients over
    ``world_size`` ranks, so the gradient is exactly that of the token-weighted mean.
+   Every rank runs exactly ``accum`` micro-batches per step: where an epoch's plan runs
+   out (an uneven last round, a partial last step) the data module tops ranks up with
+   filler micro-batches that have no loss token, so they add nothing to either sum.
 
 accelerate still does what it does well: device placement, mixed precision, DDP and
 DeepSpeed wrapping, ``no_sync`` during accumulation, ZeRO-3 gathering on save, and
@@ -251,7 +254,8 @@ class SFTRecipe:
                                 run_name=cfg.logging.run_name or cfg.run_name)
         acc.print(
             f"model: {self.num_params / 1e6:.2f}M parameters, {self.num_trainable / 1e6:.2f}M trainable; "
-            f"{self.total_steps} optimizer steps ({'/'.join(map(str, self.steps_per_epoch))} per epoch) on {acc.num_processes} process(es); "
+            f"{self.total_steps} optimizer steps ({'/'.join(map(str, self.steps_per_epoch))} per epoch) "
+            f"on {acc.num_processes} process(es); "
             f"window {self.max_length} tokens"
             + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
                if self.context_extension else "")
@@ -333,8 +337,9 @@ class SFTRecipe:
                             # same modules called on every rank); its value is exactly 0.
                             summed = summed + self.adapter.vision_dummy_loss(self.model)
                     acc.backward(summed * scale)
-                    if acc.sync_gradients and t.max_grad_norm and not self.is_deepspeed:
-                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    if acc.sync_gradients and not self.is_deepspeed:
+                        # Without clipping (max_grad_norm unset) this only measures the norm.
+                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm or math.inf)
                     elif acc.sync_gradients and self.is_deepspeed:
                         # The engine stepped (and clipped) inside backward at the boundary and
                         # kept the global norm it computed before clipping.
@@ -359,7 +364,7 @@ class SFTRecipe:
                     "train/loss": float(stats[0]) / max(global_tokens, 1),
                     "train/lr": self.scheduler.get_last_lr()[0],
                     "train/loss_tokens": global_tokens,
-                    "train/epoch": self.epoch + self.micro_batches_done / max(1, self.data.num_micro_batches(self.epoch)),
+                    "train/epoch": self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/images_per_s": float(stats[2]) / elapsed,
                     "perf/step_time_s": elapsed,
