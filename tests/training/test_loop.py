@@ -79,12 +79,13 @@ def test_frozen_groups_stay_fixed_and_group_lrs_apply(make_recipe):
 
 
 def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_path):
-    # Windows of 8 samples into 768-token rows: the epochs' plans hold 8, 9 and 8 rows, and
-    # 3 micro-batches per step leave a partial last group in every epoch.
+    # Windows of 8 samples into 768-token rows: the epochs' plans hold 8 and 9 rows, and
+    # 3 micro-batches per step leave a partial last group in both epochs.
     recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
                          "collator.packing_window=8", "training.gradient_accumulation_steps=3",
-                         "training.epochs=3", "training.log_sample_ids=true")
-    real = [recipe.data.rank_plan(epoch).real for epoch in range(3)]
+                         "training.epochs=2", "training.log_sample_ids=true",
+                         "training.gradient_checkpointing=false")  # faster; not what is tested
+    real = [recipe.data.rank_plan(epoch).real for epoch in range(2)]
     assert len(set(real)) > 1, "the epochs' plans should differ in length"
     assert recipe.steps_per_epoch == [-(-n // 3) for n in real]
     assert recipe.total_steps == sum(recipe.steps_per_epoch)
@@ -93,7 +94,7 @@ def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_p
     rows = [json.loads(line) for line in (tmp_path / "run" / "sample_ids.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, recipe.total_steps + 1))
     assert [r["epoch"] for r in rows] == [e for e, n in enumerate(recipe.steps_per_epoch) for _ in range(n)]
-    for epoch in range(3):
+    for epoch in range(2):
         ids = [i for r in rows if r["epoch"] == epoch for mb in r["ranks"][0]["ids"] for i in mb]
         assert len(ids) == len(set(ids)) == 32, epoch
     # The last step of an epoch trains its real micro-batches; the fillers that complete it carry no ids.
@@ -102,6 +103,7 @@ def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_p
         [True] * (real[0] - 3 * (recipe.steps_per_epoch[0] - 1)) + [False] * (3 * recipe.steps_per_epoch[0] - real[0])
 
 
+@pytest.mark.slow
 def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tmp_path):
     # One epoch of 8 packed rows at 3 per step: the third step has 2 real micro-batches and a filler.
     recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
