@@ -22,6 +22,10 @@ Modes:
 - ``packing``: first-fit-decreasing of each window of ``packing_window`` samples into
   rows of ``max_length`` tokens (and at most ``max_images`` images per batch), then
   ``batch_size`` rows per batch.
+
+Ranks: :func:`rank_plan` deals an epoch's batches round-robin and tops every rank up to
+the same whole number of optimizer steps with filler batches (trained with no loss
+token), so ranks stay in step; :func:`steps_per_epoch` is the resulting step count.
 """
 
 from __future__ import annotations
@@ -223,6 +227,8 @@ def shard_plan(plan: Plan, rank: int, world_size: int) -> Plan:
 
     When the plan does not divide evenly, the first batches are reused to fill the last
     round (as ``DistributedSampler`` repeats samples), so no rank waits at a collective.
+    The training data module uses :func:`rank_plan` instead, which repeats no sample
+    and also evens out gradient-accumulation groups.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")

@@ -2,11 +2,15 @@
 
 It owns the dataset and the collate function (as litgpt's data modules do) and gets
 the settings known only once the model is built through one :meth:`SFTDataModule.connect`
-call: the adapter (tokenizer, template, image token count), the training window and the
-rank layout.
+call: the adapter (tokenizer, template, image token count), the training window, the
+rank layout and the gradient accumulation.
+
+Every epoch has its own plan, dealt to the ranks and padded with filler micro-batches
+to the same whole number of optimizer steps on every rank
+(:func:`~mmtune.data.batching.rank_plan`).
 
 Exact resume: each epoch's batch plan is a pure function of (data config, seed,
-epoch, lengths, collator settings, world size). The training loop records how many
+epoch, lengths, collator settings, world size, accumulation). The training loop records how many
 micro-batches of the epoch it consumed; resuming rebuilds the plan and starts the
 DataLoader at that micro-batch, without loading the skipped ones. A hash of the plan
 is stored with the checkpoint and checked on resume, so a changed data or collator
@@ -15,10 +19,11 @@ config fails loudly instead of silently training on a different order.
 Example::
 
     dm = SFTDataModule(cfg.data, cfg.collator, seed=42)
-    dm.connect(adapter, max_length=8192, rank=0, world_size=1)
+    dm.connect(adapter, max_length=8192, rank=0, world_size=1, gradient_accumulation_steps=4)
     dm.setup()
+    dm.steps_in_epoch(0)  # optimizer steps of epoch 0 (the same on every rank)
     for batch, meta in dm.dataloader(epoch=0, start=0):
-        meta["ids"]      # dialogue ids in the batch
+        meta["ids"]      # dialogue ids in the batch ([] for a filler)
         meta["tokens"]   # real (non-padding) tokens
 """
 
