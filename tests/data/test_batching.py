@@ -11,7 +11,9 @@ from mmtune.data.batching import (
     plan_padding,
     plan_stats,
     plan_token_budget,
+    rank_plan,
     shard_plan,
+    steps_per_epoch,
 )
 from mmtune.data.collator import CollatorConfig
 
@@ -120,3 +122,29 @@ def test_drop_last_drops_only_a_short_final_batch():
     assert drop == (keep[:-1] if len(keep[-1]) < 4 else keep)
     padded = build_plan(ORDER, LENGTHS, CollatorConfig(batching="padding", batch_size=7, drop_last=True))
     assert all(len(b) == 7 for b in padded)
+
+
+@pytest.mark.parametrize("world_size,accumulation", [(1, 1), (1, 4), (2, 1), (2, 3), (3, 2), (8, 4)])
+def test_rank_plans_stay_in_step_and_deal_every_batch_once(world_size, accumulation):
+    cfg = CollatorConfig(max_length=8192, batching="packing", batch_size=1, packing_window=64)
+    for epoch in range(3):
+        order = list(np.random.default_rng(epoch).permutation(600))
+        plan = build_plan(order, LENGTHS, cfg)
+        shares = [rank_plan(plan, r, world_size, accumulation) for r in range(world_size)]
+        steps = steps_per_epoch(len(plan), world_size, accumulation)
+        # Every rank: the same number of micro-batches, whole steps of them.
+        assert {len(s.batches) for s in shares} == {steps * accumulation}
+        assert all(s.steps == steps for s in shares)
+        # Real batches: each of the plan's exactly once; fillers only at the end, fewer than a round.
+        real = [b for s in shares for b in s.batches[: s.real]]
+        assert sorted(real) == sorted(plan)
+        assert sum(s.fillers for s in shares) < world_size * accumulation
+        assert all(s.batches[s.real:] == [s.batches[s.real - 1]] * s.fillers for s in shares if s.real)
+
+
+def test_steps_per_epoch_counts_a_partial_last_step():
+    assert steps_per_epoch(13, 2, 2) == 4  # 7 and 6 micro-batches, padded to 8 each
+    assert steps_per_epoch(12, 2, 2) == 3 and steps_per_epoch(1, 8, 4) == 1 and steps_per_epoch(0, 2, 2) == 0
+    assert [steps_per_epoch(n, 1, 3) for n in (167, 168, 170)] == [56, 56, 57]
+    with pytest.raises(ValueError, match="accumulation=0"):
+        steps_per_epoch(10, 1, 0)

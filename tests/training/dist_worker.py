@@ -1,11 +1,13 @@
 """Run a tiny SFT job in this process (one rank) and write a digest of its final weights.
 
 Used by test_distributed.py under ``torchrun`` and for single-process DeepSpeed:
-``python dist_worker.py OUT_JSON override...``.
+``python dist_worker.py OUT_JSON override...``. With ``GRADS_OUT`` set, the gradient of
+the first optimizer step (after the all-reduce) is saved to ``GRADS_OUT.format(rank=...)``.
 """
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -21,6 +23,21 @@ def main() -> None:
     recipe.setup()
     model = recipe.accelerator.unwrap_model(recipe.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()} if not recipe.is_deepspeed else {}
+    micro_batches = []
+    batches = recipe._micro_batches
+    recipe._micro_batches = lambda: (micro_batches.append(item[1]) or item for item in batches())
+    grads_out = os.environ.get("GRADS_OUT")
+    if grads_out:
+        inner_step = recipe.optimizer.optimizer.step
+
+        def save_first_gradient(*args, **kwargs):
+            path = grads_out.format(rank=recipe.accelerator.process_index)
+            if not os.path.exists(path):
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                torch.save(grads, path)
+            return inner_step(*args, **kwargs)
+
+        recipe.optimizer.optimizer.step = save_first_gradient
     recipe.train()
     digest = hashlib.sha256()
     changed = 0
@@ -33,7 +50,9 @@ def main() -> None:
     recipe.cleanup()
     with open(out_json.format(rank=recipe.accelerator.process_index), "w") as f:
         json.dump({"rank": recipe.accelerator.process_index, "world_size": recipe.accelerator.num_processes,
-                   "digest": digest.hexdigest(), "changed": changed, "steps": recipe.step}, f)
+                   "digest": digest.hexdigest(), "changed": changed, "steps": recipe.step,
+                   "micro_batches": len(micro_batches),
+                   "fillers": sum(bool(m.get("filler")) for m in micro_batches)}, f)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,33 @@ import json
 import pytest
 
 from mmtune.training.config import LoggingConfig
-from mmtune.training.logging import RunLogger, mfu, peak_flops, redact
+from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu, peak_flops, redact
 
 
 def test_redact_hides_secret_strings_only():
-    config = {"judge": {"api_key": "sk-123", "api_key_env": "MMTUNE_JUDGE_API_KEY", "max_tokens": 2048},
-              "hub_token": "hf_abc", "db_password": "pw", "client_secret": "s", "lr": 1e-4,
-              "sources": [{"name": "x", "auth_token": "t"}]}
+    config = {"judge": {"api_key": "sk-123", "api_key_env": "MMTUNE_JUDGE_API_KEY", "max_tokens": 2048,
+                        "cache_key": "3f2a9c", "cache_dir": "/tmp/judge"},
+              "hub_token": "hf_abc", "db_password": "pw", "client_secret": "s", "lr": 1e-4, "HF_TOKEN": "hf_x",
+              "token": "t0", "openaiApiKey": "sk-2",
+              "model": {"tokenizer": "lmsys/vicuna-7b", "pad_token": "<pad>", "image_token": "<image>",
+                        "token_file": "~/.cache/token"},
+              "sources": [{"name": "x", "auth_token": "t", "key": "mmdu-45k"}]}
     out = redact(config)
     assert out["judge"]["api_key"] == out["hub_token"] == out["db_password"] == out["client_secret"] == "***"
-    assert out["sources"][0]["auth_token"] == "***"
+    assert out["HF_TOKEN"] == out["token"] == out["openaiApiKey"] == out["sources"][0]["auth_token"] == "***"
     assert out["judge"]["max_tokens"] == 2048 and out["lr"] == 1e-4 and out["sources"][0]["name"] == "x"
+    # Names of variables that hold secrets, cache keys, special tokens and paths are not secrets.
+    assert out["judge"]["api_key_env"] == "MMTUNE_JUDGE_API_KEY" and out["judge"]["cache_key"] == "3f2a9c"
+    assert out["model"] == config["model"] and out["sources"][0]["key"] == "mmdu-45k"
+
+
+def test_cut_jsonl_after_keeps_rows_up_to_the_step(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in range(1, 6))
+                   + '{"step": 6, "train/lo')  # torn by a kill
+    assert cut_jsonl_after(log, 3) == 3
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+    assert cut_jsonl_after(log, 3) == 0 and cut_jsonl_after(tmp_path / "absent.jsonl", 3) == 0
 
 
 def test_mfu_uses_peak_of_the_device():
@@ -31,13 +47,17 @@ def test_wandb_offline_run_gets_redacted_config_and_metrics(tmp_path, monkeypatc
     cfg = LoggingConfig(wandb=True, project="mmtune-test", tags=["unit"], progress_bar=False)
     logger = RunLogger(cfg, output_dir=str(tmp_path), is_main=True, total_steps=2,
                        resolved_config={"training": {"lr": 0.1}, "judge": {"api_key": "sk-SECRET"}})
+    calls = []
+    log_to_wandb = logger.wandb_run.log
+    logger.wandb_run.log = lambda data, step=None: calls.append((step, dict(data))) or log_to_wandb(data, step=step)
     logger.log(1, {"train/loss": 1.5, "train/lr": 0.1})
+    # What W&B holds, read through its public Run API: the redacted config; and the
+    # metrics as handed to Run.log.
+    sent = dict(logger.wandb_run.config)
+    assert sent["judge"] == {"api_key": "***"} and sent["training"] == {"lr": 0.1}
+    assert calls == [(1, {"train/loss": 1.5, "train/lr": 0.1})]
     logger.close()
-    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    assert runs, "no offline W&B run was written"
-    record = runs[0].read_bytes()  # the run's protobuf records, config included
-    assert b'api_key":"***"' in record and b'"lr":0.1' in record
     every_file = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
-    assert b"sk-SECRET" not in every_file
+    assert b"sk-SECRET" not in every_file  # nothing on disk holds the secret
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics == [{"step": 1, "train/loss": 1.5, "train/lr": 0.1}]

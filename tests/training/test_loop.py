@@ -1,6 +1,7 @@
 """The training loop: token-weighted loss across micro-batches, freezing, group learning rates."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -75,3 +76,89 @@ def test_frozen_groups_stay_fixed_and_group_lrs_apply(make_recipe):
         if group["name"].endswith("no_decay"):
             assert group["weight_decay"] == 0.0 and all(p.ndim < 2 for p in group["params"])
     recipe.cleanup()
+
+
+def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_path):
+    # Windows of 8 samples into 768-token rows: the epochs' plans hold 8 and 9 rows, and
+    # 3 micro-batches per step leave a partial last group in both epochs.
+    recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
+                         "collator.packing_window=8", "training.gradient_accumulation_steps=3",
+                         "training.epochs=2", "training.log_sample_ids=true",
+                         "training.gradient_checkpointing=false")  # faster; not what is tested
+    real = [recipe.data.rank_plan(epoch).real for epoch in range(2)]
+    assert len(set(real)) > 1, "the epochs' plans should differ in length"
+    assert recipe.steps_per_epoch == [-(-n // 3) for n in real]
+    assert recipe.total_steps == sum(recipe.steps_per_epoch)
+    recipe.train()
+    recipe.cleanup()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "sample_ids.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, recipe.total_steps + 1))
+    assert [r["epoch"] for r in rows] == [e for e, n in enumerate(recipe.steps_per_epoch) for _ in range(n)]
+    for epoch in range(2):
+        ids = [i for r in rows if r["epoch"] == epoch for mb in r["ranks"][0]["ids"] for i in mb]
+        assert len(ids) == len(set(ids)) == 32, epoch
+    # The last step of an epoch trains its real micro-batches; the fillers that complete it carry no ids.
+    last_of_epoch_0 = rows[recipe.steps_per_epoch[0] - 1]["ranks"][0]["ids"]
+    assert last_of_epoch_0[0] and [len(mb) > 0 for mb in last_of_epoch_0] == \
+        [True] * (real[0] - 3 * (recipe.steps_per_epoch[0] - 1)) + [False] * (3 * recipe.steps_per_epoch[0] - real[0])
+
+
+@pytest.mark.slow
+def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tmp_path):
+    # One epoch of 8 packed rows at 3 per step: the third step has 2 real micro-batches and a filler.
+    recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
+                         "collator.packing_window=8", "training.gradient_accumulation_steps=3",
+                         "training.max_grad_norm=null")
+    rp = recipe.data.rank_plan(0)
+    assert rp.real % 3 and rp.fillers == 3 - rp.real % 3
+    model = recipe.accelerator.unwrap_model(recipe.model)
+    reference = copy.deepcopy(model)
+    captured = []
+    inner_step = recipe.optimizer.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        # The gradient, and the weights it was computed at.
+        captured.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                         {n: p.detach().clone() for n, p in model.named_parameters()}))
+        return inner_step(*args, **kwargs)
+
+    recipe.optimizer.optimizer.step = capture_then_step
+    last = list(recipe.data.dataloader(0, start=3 * (rp.steps - 1)))
+    recipe.train()
+    recipe.cleanup()
+    assert len(captured) == rp.steps and [bool(m.get("filler")) for _, m in last].count(True) == rp.fillers
+    real_batches = [b for b, m in last if not m.get("filler")]
+    gradient, weights = captured[-1]
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(weights[name])
+    loss = sum(token_weighted_loss_sum(reference(**{k: b[k] for k in ("input_ids", "attention_mask", "position_ids",
+                                                                       "pixel_values")}, use_cache=False).logits, b["labels"])
+               for b in real_batches)
+    (loss / sum(int(b["num_loss_tokens"]) for b in real_batches)).backward()
+    for name, param in reference.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(gradient[name], param.grad, rtol=1e-4, atol=1e-6)
+    # The gradient norm is logged even without clipping.
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["train/grad_norm"]
+    assert logged == pytest.approx(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in gradient.values()]))),
+                                   rel=1e-5)
+
+
+def test_in_training_evaluation_is_refused_under_multi_process_zero3():
+    from types import SimpleNamespace
+
+    from mmtune.training.loop import check_evaluation_layout
+
+    both = SimpleNamespace(eval_before=True, eval_after=True)
+    with pytest.raises(ValueError, match=r"training.eval_before and training.eval_after=true cannot run under "
+                                         r"DeepSpeed ZeRO-3 on 8 processes.*training.eval_before=false "
+                                         r"training.eval_after=false"):
+        check_evaluation_layout(both, zero_stage=3, num_processes=8)
+    with pytest.raises(ValueError, match="training.eval_after=true cannot"):
+        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), zero_stage=3, num_processes=2)
+    # Full weights on every rank (DDP, ZeRO-2), a single ZeRO-3 process, or no evaluation: allowed.
+    check_evaluation_layout(both, zero_stage=2, num_processes=8)
+    check_evaluation_layout(both, zero_stage=0, num_processes=8)
+    check_evaluation_layout(both, zero_stage=3, num_processes=1)
+    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero_stage=3, num_processes=8)

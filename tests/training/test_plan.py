@@ -210,3 +210,20 @@ def test_cli_plans_an_evaluation_row_as_an_evaluation(env, capsys):
     assert main(["experiment=table5_baseline_2k"]) == 0
     out = capsys.readouterr().out
     assert "== evaluation table5_baseline_2k" in out and "window      2048" in out
+
+
+def test_plan_counts_steps_as_the_training_loop(tmp_path, synthetic_dir, tiny_overrides):
+    # Padded batches make the plan's micro-batch count exact, so the step counts must agree.
+    from mmtune.training.config import to_sft_config
+    from mmtune.training.demo import compose_sft_config
+    from mmtune.training.loop import SFTRecipe
+
+    extra = ("collator.batch_size=3", "training.gradient_accumulation_steps=4", "training.epochs=3")
+    overrides = tiny_overrides(tmp_path / "run", synthetic_dir, *extra)
+    planned = plan_run(overrides, num_gpus=1, gpu="h100")
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
+    recipe.setup()
+    # 32 samples in batches of 3: 11 micro-batches, 3 steps of 4 per epoch (the last one partial).
+    assert recipe.steps_per_epoch == [3, 3, 3]
+    assert planned.cost["optimizer_steps"] == recipe.total_steps == 9
+    recipe.cleanup()

@@ -22,11 +22,16 @@ Modes:
 - ``packing``: first-fit-decreasing of each window of ``packing_window`` samples into
   rows of ``max_length`` tokens (and at most ``max_images`` images per batch), then
   ``batch_size`` rows per batch.
+
+Ranks: :func:`rank_plan` deals an epoch's batches round-robin and tops every rank up to
+the same whole number of optimizer steps with filler batches (trained with no loss
+token), so ranks stay in step; :func:`steps_per_epoch` is the resulting step count.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -39,6 +44,9 @@ __all__ = [
     "plan_packing",
     "build_plan",
     "shard_plan",
+    "steps_per_epoch",
+    "RankPlan",
+    "rank_plan",
     "plan_stats",
     "PlannedBatchSampler",
 ]
@@ -219,6 +227,8 @@ def shard_plan(plan: Plan, rank: int, world_size: int) -> Plan:
 
     When the plan does not divide evenly, the first batches are reused to fill the last
     round (as ``DistributedSampler`` repeats samples), so no rank waits at a collective.
+    The training data module uses :func:`rank_plan` instead, which repeats no sample
+    and also evens out gradient-accumulation groups.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -227,6 +237,64 @@ def shard_plan(plan: Plan, rank: int, world_size: int) -> Plan:
     per_rank = -(-len(plan) // world_size)
     padded = list(plan) + [plan[i % len(plan)] for i in range(per_rank * world_size - len(plan))]
     return padded[rank::world_size]
+
+
+def steps_per_epoch(num_batches: int, world_size: int = 1, accumulation: int = 1) -> int:
+    """Optimizer steps of an epoch whose (global) plan has ``num_batches`` micro-batches.
+
+    Every step takes ``accumulation`` micro-batches on each of ``world_size`` ranks; the
+    last step of an epoch may be partial and still counts (see :func:`rank_plan`). The
+    training loop and ``mmtune plan`` both count with this function.
+    """
+    if world_size < 1 or accumulation < 1:
+        raise ValueError(f"world_size={world_size} and accumulation={accumulation} must be >= 1")
+    per_rank = -(-int(num_batches) // world_size)
+    return -(-per_rank // accumulation)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's micro-batches of one epoch.
+
+    ``batches[:real]`` are this rank's share of the epoch's plan; ``batches[real:]`` are
+    fillers: copies of a real batch that the loader serves with every label masked, so
+    they run forward and backward (keeping collectives in step) but carry no loss token
+    and add exactly nothing to the gradient.
+    """
+
+    batches: Plan
+    real: int
+    steps: int
+
+    @property
+    def fillers(self) -> int:
+        return len(self.batches) - self.real
+
+
+def rank_plan(plan: Plan, rank: int, world_size: int, accumulation: int = 1) -> RankPlan:
+    """This rank's share of an epoch's ``plan``, padded so that all ranks stay in step.
+
+    Rank ``r`` takes batches ``r, r + world_size, ...`` (every batch on exactly one rank,
+    so every sample is seen once per epoch). Each rank then gets the same number of
+    micro-batches, ``steps_per_epoch(len(plan), world_size, accumulation) * accumulation``:
+    ranks short of it (an uneven last round, a partial last accumulation group) are
+    topped up with filler batches at the end of the epoch. The rule is deterministic and
+    depends only on the plan, the rank layout and the accumulation, so it is the same on
+    every rank and on resume.
+
+    The final, partial accumulation group is therefore trained, not dropped: its real
+    micro-batches are weighted by their loss tokens like any other step's.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    steps = steps_per_epoch(len(plan), world_size, accumulation)
+    own = list(plan[rank::world_size])
+    # A filler repeats this rank's last batch (or, for a rank without any, one of the
+    # plan's): a shape the rank already handles, so no new memory peak.
+    filler = own[-1] if own else (plan[rank % len(plan)] if plan else None)
+    real = len(own)
+    own += [filler] * (steps * accumulation - real)
+    return RankPlan(batches=own, real=real, steps=steps)
 
 
 def plan_stats(plan: Plan, lengths: Sequence[int], row_length: int | None = None) -> dict[str, float]:

@@ -2,11 +2,15 @@
 
 It owns the dataset and the collate function (as litgpt's data modules do) and gets
 the settings known only once the model is built through one :meth:`SFTDataModule.connect`
-call: the adapter (tokenizer, template, image token count), the training window and the
-rank layout.
+call: the adapter (tokenizer, template, image token count), the training window, the
+rank layout and the gradient accumulation.
+
+Every epoch has its own plan, dealt to the ranks and padded with filler micro-batches
+to the same whole number of optimizer steps on every rank
+(:func:`~mmtune.data.batching.rank_plan`).
 
 Exact resume: each epoch's batch plan is a pure function of (data config, seed,
-epoch, lengths, collator settings, world size). The training loop records how many
+epoch, lengths, collator settings, world size, accumulation). The training loop records how many
 micro-batches of the epoch it consumed; resuming rebuilds the plan and starts the
 DataLoader at that micro-batch, without loading the skipped ones. A hash of the plan
 is stored with the checkpoint and checked on resume, so a changed data or collator
@@ -15,10 +19,11 @@ config fails loudly instead of silently training on a different order.
 Example::
 
     dm = SFTDataModule(cfg.data, cfg.collator, seed=42)
-    dm.connect(adapter, max_length=8192, rank=0, world_size=1)
+    dm.connect(adapter, max_length=8192, rank=0, world_size=1, gradient_accumulation_steps=4)
     dm.setup()
+    dm.steps_in_epoch(0)  # optimizer steps of epoch 0 (the same on every rank)
     for batch, meta in dm.dataloader(epoch=0, start=0):
-        meta["ids"]      # dialogue ids in the batch
+        meta["ids"]      # dialogue ids in the batch ([] for a filler)
         meta["tokens"]   # real (non-padding) tokens
 """
 
@@ -33,6 +38,7 @@ import torch
 from mmtune.models.base import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.batching import RankPlan
     from mmtune.data.collator import CollatorConfig
     from mmtune.data.config import DataConfig
     from mmtune.models.base import ModelAdapter
@@ -81,23 +87,25 @@ class SFTDataModule:
         self.seed = seed
         self.num_workers = num_workers
         self.adapter: Optional["ModelAdapter"] = None
-        self.rank, self.world_size = 0, 1
-        self._plans: dict[int, list] = {}
+        self.rank, self.world_size, self.accumulation = 0, 1, 1
+        self._plans: dict[int, "RankPlan"] = {}
+        self._steps: dict[int, int] = {}
         self.skipped_items: list[dict[str, Any]] = []
         """Samples dropped while loading on this rank (see :meth:`note_skipped`)."""
 
     def connect(self, adapter: "ModelAdapter", *, max_length: Optional[int] = None, rank: int = 0,
-                world_size: int = 1) -> None:
-        """Late settings: the adapter, the training window (overrides ``collator.max_length``)
-        and this process's rank among ``world_size``."""
+                world_size: int = 1, gradient_accumulation_steps: int = 1) -> None:
+        """Late settings: the adapter, the training window (overrides ``collator.max_length``),
+        this process's rank among ``world_size`` and the micro-batches per optimizer step
+        (every rank's epoch is padded to whole steps, see :func:`~mmtune.data.batching.rank_plan`)."""
         self.adapter = adapter
         if max_length is not None:
             self.collator_config = replace(self.collator_config, max_length=int(max_length))
         self.rank, self.world_size = rank, world_size
+        self.accumulation = int(gradient_accumulation_steps)
 
     def setup(self) -> None:
         """Load the sources (through the cache), compute exact lengths, build the dataset."""
-        from mmtune.data.batching import PlannedBatchSampler
         from mmtune.data.collator import MultiImageDataset
         from mmtune.data.loss_report import DataLossReport, lengths_per_source
         from mmtune.data.mixture import build_mixture
@@ -109,7 +117,7 @@ class SFTDataModule:
         cfg = self.collator_config
         cfg.validate()
         self.mixture = build_mixture(self.data_config)
-        # The plan is built over all ranks' samples and then sharded by batch (not by
+        # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)
         self.lengths, per_source = lengths_per_source(
@@ -121,10 +129,8 @@ class SFTDataModule:
             raise ValueError(self.loss_report.why_empty())
         self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, cfg)
         self.collate = CollateWithMeta(self.dataset.collator())
-        self.batch_sampler = PlannedBatchSampler(
-            self.order.global_order, self.lengths.lengths, cfg, num_images=self.lengths.num_images,
-            rank=self.rank, world_size=self.world_size,
-        )
+        self._plans = {}
+        self._steps: dict[int, int] = {}
 
     def note_skipped(self, meta: dict[str, Any]) -> int:
         """Keep the samples a batch dropped while loading (``meta["skipped"]``); returns how many.
@@ -141,18 +147,40 @@ class SFTDataModule:
             self.loss_report.add_skipped(items)
 
     # -- plans -------------------------------------------------------------------------------
-    def plan(self, epoch: int) -> list[list]:
-        """This rank's micro-batches of ``epoch`` (lists of dataset keys), cached."""
+    def rank_plan(self, epoch: int) -> "RankPlan":
+        """This rank's micro-batches of ``epoch`` (real ones, then fillers), cached.
+
+        Packed and token-budget plans differ from epoch to epoch (the order changes how
+        samples fit), so every epoch has its own plan and its own number of steps.
+        """
+        from mmtune.data.batching import build_plan, rank_plan
+
         if epoch not in self._plans:
-            self.batch_sampler.set_epoch(epoch)
-            self._plans = {epoch: list(iter(self.batch_sampler))}  # keep one epoch in memory
+            plan = build_plan(list(self.order.global_order(epoch)), self.lengths.lengths.tolist(),
+                              self.collator_config, num_images=self.lengths.num_images.tolist())
+            self._plans = {epoch: rank_plan(plan, self.rank, self.world_size, self.accumulation)}  # one in memory
+            self._steps[epoch] = self._plans[epoch].steps
         return self._plans[epoch]
 
+    def plan(self, epoch: int) -> list[list]:
+        """This rank's micro-batches of ``epoch`` as DataLoader batches (lists of dataset keys)."""
+        packed = self.collator_config.batching == "packing"
+        return [[(i, r) for r, row in enumerate(batch) for i in row] if packed else [row[0] for row in batch]
+                for batch in self.rank_plan(epoch).batches]
+
     def num_micro_batches(self, epoch: int) -> int:
-        return len(self.plan(epoch))
+        """Micro-batches of ``epoch`` on this rank, fillers included (the same on every rank)."""
+        return len(self.rank_plan(epoch).batches)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps of ``epoch`` (the same on every rank)."""
+        if epoch not in self._steps:
+            self.rank_plan(epoch)
+        return self._steps[epoch]
 
     def plan_hash(self, epoch: int) -> str:
-        return hashlib.sha1(repr(self.plan(epoch)).encode()).hexdigest()[:16]
+        rp = self.rank_plan(epoch)
+        return hashlib.sha1(repr((rp.batches, rp.real)).encode()).hexdigest()[:16]
 
     def state_dict(self, epoch: int, consumed: int) -> dict[str, Any]:
         """Data position to store with a checkpoint."""
@@ -165,25 +193,35 @@ class SFTDataModule:
         if state.get("world_size") != self.world_size:
             problems.append(f"it was saved with {state.get('world_size')} ranks, this run has {self.world_size}")
         elif state.get("plan_hash") != self.plan_hash(int(state["epoch"])):
-            problems.append("the batch plan differs (data files, data/collator config, window or seed changed)")
+            problems.append("the batch plan differs (data files, data/collator config, window, seed or "
+                            "gradient accumulation changed)")
         if problems:
             raise ValueError("cannot resume exactly: " + "; ".join(problems)
                              + ". Resume with the same configuration, or start a new output_dir")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, epoch: int = 0) -> dict[str, Any]:
+        """Sample counts, truncation and the token utilisation of this rank's real batches of ``epoch``."""
         from mmtune.data.batching import plan_stats
 
-        plan = self.plan(0)
+        rp = self.rank_plan(epoch)
         out = {"samples": int(len(self.lengths)), "skipped_by_truncation": int((self.lengths.lengths == 0).sum()),
                **{f"truncation/{k}": v for k, v in self.lengths.stats.items()}}
         row = self.collator_config.max_length if self.collator_config.batching == "packing" else None
-        plan = [tuple(tuple(k[0] for k in b) if b and isinstance(b[0], tuple) else tuple((k,) for k in b)) for b in plan]
-        out.update({f"plan/{k}": v for k, v in plan_stats(plan, self.lengths.lengths.tolist(), row).items()})
+        out.update({f"plan/{k}": v for k, v in plan_stats(rp.batches[:rp.real], self.lengths.lengths.tolist(),
+                                                          row).items()})
+        out["plan/filler_batches"] = rp.fillers
         return out
 
     # -- loading -------------------------------------------------------------------------------
     def dataloader(self, epoch: int, *, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[dict, dict]]:
-        """Micro-batches ``start:stop`` of this rank's plan for ``epoch`` as ``(batch, meta)``."""
+        """Micro-batches ``start:stop`` of this rank's plan for ``epoch`` as ``(batch, meta)``.
+
+        Filler micro-batches come with every label set to the ignore index, zero loss
+        tokens and ``meta["ids"] == []``: they cost a forward and backward, train nothing
+        and count as no sample.
+        """
+        rp = self.rank_plan(epoch)
+        first = start
         batches = self.plan(epoch)[start:stop]
         if not batches:
             return iter(())
@@ -193,4 +231,13 @@ class SFTDataModule:
             self.dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers,
             generator=generator, persistent_workers=False, pin_memory=torch.cuda.is_available(),
         )
-        return iter(loader)
+        return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
+
+
+def _as_filler(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from mmtune.models.base import IGNORE_INDEX
+
+    batch, _ = item
+    batch = {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX),
+             "num_loss_tokens": torch.zeros_like(batch["num_loss_tokens"])}
+    return batch, {"ids": [], "tokens": 0, "images": 0, "filler": True}

@@ -9,11 +9,17 @@ Layout under ``<output_dir>``::
                                   loadable with ``ModelConfig(path=...)``) + mmtune_run.json
     final/adapter/                LoRA runs: the peft adapter + non-LoRA trained weights
 
-Atomicity: everything is written to ``checkpoints/.tmp-step-<N>`` and only then renamed
-to ``step-<N>`` (``os.replace`` of a directory is atomic on POSIX file systems). A crash
-mid-write leaves a ``.tmp-*`` directory that :func:`latest_checkpoint` ignores and the
-next save removes, so the previous checkpoint stays the one resumed from. Multi-node
-runs need ``output_dir`` on a shared file system (every rank writes its RNG state).
+Safe saves: write aside, swap by rename, delete last. Every save (a resumable
+checkpoint or ``final/``) is written to ``.tmp-<name>``, whose marker file
+(``trainer_state.json`` or ``mmtune_run.json``) is written last. Only then does an
+existing ``<name>`` move aside to ``.old-<name>``, the new copy take its place (both
+``os.replace``, atomic on POSIX file systems), and the old copy get deleted; pruning of
+older checkpoints comes after that. A process killed at any point therefore leaves a
+complete copy: ``<name>`` itself, or, between the two renames, ``.old-<name>`` next to
+a complete ``.tmp-<name>``. :func:`latest_checkpoint` finds it either way and
+:func:`recover_interrupted_saves` (run at start-up and before each save) puts it back
+in place. Multi-node runs need ``output_dir`` on a shared file system (every rank
+writes its RNG state).
 """
 
 from __future__ import annotations
@@ -23,18 +29,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
-__all__ = ["TRAINER_STATE", "RUN_METADATA", "CheckpointManager", "latest_checkpoint", "read_trainer_state",
-           "save_final", "write_json_atomic"]
+__all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "CheckpointManager", "latest_checkpoint",
+           "read_trainer_state", "recover_interrupted_saves", "save_final", "write_json_atomic"]
 
 TRAINER_STATE = "trainer_state.json"
 RUN_METADATA = "mmtune_run.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^(\.tmp-|\.old-)?step-(\d+)$")
+# The points a save passes, in order; ``on_save_point`` callbacks receive these names
+# (tests use them to interrupt a save at each point).
+SAVE_POINTS = ("written", "old_moved_aside", "new_in_place", "old_deleted", "pruned")
+SavePointHook = Optional[Callable[[str], None]]
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
@@ -48,22 +58,85 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-def _complete_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+def _aside(path: Path, kind: str) -> Path:
+    return path.with_name(f".{kind}-{path.name}")
+
+
+def _swap_into_place(tmp: Path, final: Path, on_save_point: SavePointHook = None) -> None:
+    """Put the complete ``tmp`` at ``final``: old copy aside, new one in, old one deleted."""
+    reached = on_save_point or (lambda point: None)
+    reached("written")
+    old = _aside(final, "old")
+    if final.exists():
+        if old.exists():  # left by an earlier interrupted save; ``final`` is complete
+            shutil.rmtree(old)
+        os.replace(final, old)
+        reached("old_moved_aside")
+    os.replace(tmp, final)
+    reached("new_in_place")
+    if old.exists():
+        shutil.rmtree(old)
+    reached("old_deleted")
+
+
+def _recover(final: Path, marker: str) -> None:
+    tmp, old = _aside(final, "tmp"), _aside(final, "old")
+    if not final.exists():
+        if (tmp / marker).is_file():  # interrupted between the two renames: the new copy is complete
+            os.replace(tmp, final)
+        elif (old / marker).is_file():
+            os.replace(old, final)
+    if (final / marker).is_file() and old.exists():
+        shutil.rmtree(old)
+
+
+def recover_interrupted_saves(output_dir: str | os.PathLike) -> None:
+    """Finish saves that a killed process left between their two renames (main process only).
+
+    Puts a complete ``.tmp-<name>`` (else ``.old-<name>``) back at ``<name>`` for every
+    checkpoint and ``final/`` whose own directory is missing, and drops leftover
+    ``.old-*`` copies. Incomplete ``.tmp-*`` directories stay for the next save to clear.
+    """
+    output_dir = Path(output_dir)
+    _recover(output_dir / "final", RUN_METADATA)
+    checkpoints = output_dir / "checkpoints"
+    if checkpoints.is_dir():
+        steps = {int(m.group(2)) for m in map(_STEP_DIR.match, os.listdir(checkpoints)) if m}
+        for step in sorted(steps):
+            _recover(checkpoints / f"step-{step}", TRAINER_STATE)
+
+
+def _complete_checkpoints(checkpoints_dir: Path, *, aside: bool = False) -> list[tuple[int, Path]]:
+    """Complete ``step-<N>`` directories; with ``aside``, also a complete ``.tmp-``/``.old-``
+    copy of a step whose own directory a killed save left missing."""
     if not checkpoints_dir.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
+    left_aside: dict[int, list[tuple[str, Path]]] = {}
     for child in checkpoints_dir.iterdir():
         match = _STEP_DIR.match(child.name)
-        # trainer_state.json is written last inside the temporary directory, so a
-        # renamed directory without it cannot exist; the check guards against copies.
-        if match and (child / TRAINER_STATE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+        # The marker file is written last inside the temporary directory, so a directory
+        # without it is an interrupted write.
+        if not match or not (child / TRAINER_STATE).is_file():
+            continue
+        step = int(match.group(2))
+        if match.group(1) is None:
+            found[step] = child
+        elif aside:
+            left_aside.setdefault(step, []).append((match.group(1), child))
+    for step, copies in left_aside.items():
+        if step not in found and not (checkpoints_dir / f"step-{step}").exists():
+            found[step] = max(copies, key=lambda c: c[0] == ".tmp-")[1]  # the new copy if complete
+    return sorted(found.items())
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Optional[Path]:
-    """The complete ``checkpoints/step-<N>`` with the highest N, or ``None``."""
-    found = _complete_checkpoints(Path(output_dir) / "checkpoints")
+    """The complete checkpoint with the highest step, or ``None``.
+
+    Normally ``checkpoints/step-<N>``; if a save was killed between its two renames, the
+    complete copy it left aside (see the module docstring).
+    """
+    found = _complete_checkpoints(Path(output_dir) / "checkpoints", aside=True)
     return found[-1][1] if found else None
 
 
@@ -75,9 +148,11 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
 class CheckpointManager:
     """Writes and prunes resumable checkpoints for one run directory."""
 
-    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2):
-        self.checkpoints_dir = Path(output_dir) / "checkpoints"
+    def __init__(self, output_dir: str | os.PathLike, keep_last: int = 2, *, on_save_point: SavePointHook = None):
+        self.output_dir = Path(output_dir)
+        self.checkpoints_dir = self.output_dir / "checkpoints"
         self.keep_last = keep_last
+        self.on_save_point = on_save_point
 
     def save(self, accelerator: "Accelerator", step: int, trainer_state: dict[str, Any]) -> Path:
         """Save a resumable checkpoint for optimizer step ``step`` (call on every rank).
@@ -89,6 +164,7 @@ class CheckpointManager:
         tmp = self.checkpoints_dir / f".tmp-step-{step}"
         if accelerator.is_main_process:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            recover_interrupted_saves(self.output_dir)
             for stale in self.checkpoints_dir.glob(".tmp-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write
         accelerator.wait_for_everyone()
@@ -98,10 +174,10 @@ class CheckpointManager:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
-            if final.exists():  # re-saving the same step (e.g. final step after a periodic one)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            _swap_into_place(tmp, final, self.on_save_point)
             self._prune()
+            if self.on_save_point is not None:
+                self.on_save_point("pruned")
         accelerator.wait_for_everyone()
         return final
 
@@ -122,12 +198,14 @@ def _is_zero3(accelerator: "Accelerator") -> bool:
 
 
 def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os.PathLike, *,
-               save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool = True) -> Path:
+               save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool = True,
+               on_save_point: SavePointHook = None) -> Path:
     """Write ``out_dir`` as a normal HF checkpoint (call on every rank).
 
     ``accelerator.get_state_dict`` gathers ZeRO-3 shards into full tensors on the main
     process, so the result is ``from_pretrained``-able, not a DeepSpeed shard folder.
-    For a peft model, ``out_dir/adapter`` holds the adapter plus
+    A re-save never deletes the old copy before the new one is complete (see the module
+    docstring). For a peft model, ``out_dir/adapter`` holds the adapter plus
     ``non_lora_trainables.safetensors`` (every trained non-LoRA weight, e.g. the
     projector), and ``out_dir`` the merged model when ``merge_lora``.
 
@@ -139,9 +217,11 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
     from mmtune.training.peft_setup import is_peft_model, merged_model
 
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = _aside(out_dir, "tmp")
+    if accelerator.is_main_process:
+        _recover(out_dir, RUN_METADATA)
+        if tmp.exists():
+            shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3
     unwrapped = accelerator.unwrap_model(model)
@@ -164,9 +244,7 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         for extra_obj in save_pretrained_extras:
             extra_obj.save_pretrained(tmp)
-        write_json_atomic(tmp / RUN_METADATA, metadata)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete
+        _swap_into_place(tmp, out_dir, on_save_point)
     accelerator.wait_for_everyone()
     return out_dir

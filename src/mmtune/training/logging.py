@@ -1,8 +1,10 @@
 """Run logging: Weights & Biases, a tqdm progress line, metrics.jsonl, and an MFU estimate.
 
-Only the main process logs. The resolved config goes to W&B with every value whose key
-looks secret (``key``, ``token``, ``secret``, ``password``) replaced by ``"***"``, so an
-API key passed through an override never leaves the machine.
+Only the main process logs. The resolved config goes to W&B with the value of every key
+that holds a secret (``api_key``, ``hub_token``, ``db_password``, ``client_secret``, see
+:func:`is_secret_key`) replaced by ``"***"``, so an API key passed through an override
+never leaves the machine; names of environment variables, cache keys and special tokens
+stay readable.
 
 MFU (model FLOPs utilisation) = achieved training FLOPs / peak FLOPs, with training
 FLOPs ~ 6 x N x tokens/s (forward 2N, backward 4N per token, N = parameters in the
@@ -21,9 +23,18 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.config import LoggingConfig
 
-__all__ = ["SECRET_KEY", "redact", "peak_flops", "mfu", "RunLogger"]
+__all__ = ["is_secret_key", "redact", "peak_flops", "mfu", "cut_jsonl_after", "RunLogger"]
 
-SECRET_KEY = re.compile(r"key|token|secret|password", re.IGNORECASE)
+# A key names a secret *value* when its last word is one of these ...
+_SECRET_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "apikey", "credential", "credentials"})
+# ... or it ends in "key"/"token" after a word that makes it a credential ("api_key",
+# "hub_token"); "cache_key", "pad_token" or "image_token" are not. Keys that name where a
+# secret lives ("api_key_env", "token_file") end in another word and are kept.
+_CREDENTIAL_QUALIFIERS = frozenset({
+    "api", "access", "auth", "bearer", "client", "hf", "hub", "huggingface", "openai", "anthropic", "azure",
+    "wandb", "github", "gh", "private", "secret", "session", "refresh", "service", "signing", "encryption",
+    "license", "account", "subscription", "personal", "oauth", "id", "judge",
+})
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 _PEAK_BF16 = (
@@ -41,15 +52,32 @@ _PEAK_BF16 = (
 )
 
 
-def redact(value: Any) -> Any:
-    """A copy of a nested dict/list with the values of secret-looking keys replaced by ``***``.
+def is_secret_key(name: Any) -> bool:
+    """Whether a config key holds a secret value (an API key, token or password).
 
-    Counting keys (``max_tokens``, ``num_loss_tokens``) hold numbers, not secrets; only
-    string values are redacted.
+    Only the key's last words count: ``api_key``, ``hub_token``, ``db_password`` and
+    ``client_secret`` do; ``api_key_env`` (the *name* of an environment variable),
+    ``cache_key``, ``max_tokens``, ``pad_token`` and ``tokenizer`` do not.
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name)).lower()) if w]
+    if not words:
+        return False
+    last = words[-1]
+    if last in _SECRET_WORDS:
+        return True
+    if last in ("key", "token"):
+        return len(words) == 1 and last == "token" or (len(words) > 1 and words[-2] in _CREDENTIAL_QUALIFIERS)
+    return False
+
+
+def redact(value: Any) -> Any:
+    """A copy of a nested dict/list with the values of secret keys (:func:`is_secret_key`) replaced by ``***``.
+
+    Only non-empty strings are replaced: a secret is a string, and counts such as
+    ``max_tokens`` stay readable.
     """
     if isinstance(value, dict):
-        return {k: ("***" if SECRET_KEY.search(str(k)) and isinstance(v, str) and v else redact(v))
-                for k, v in value.items()}
+        return {k: ("***" if is_secret_key(k) and isinstance(v, str) and v else redact(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     return value
@@ -69,6 +97,34 @@ def mfu(num_params: int, tokens_per_s: float, device_name: str, num_devices: int
     if not peak or tokens_per_s <= 0:
         return None
     return 6.0 * num_params * tokens_per_s / (peak * num_devices)
+
+
+def cut_jsonl_after(path: str | os.PathLike, step: int) -> int:
+    """Drop the rows of a per-step JSONL log whose ``step`` is after ``step``; returns how many.
+
+    Used on resume: the interrupted attempt logged steps past its last checkpoint, and
+    the resumed run logs them again. A torn last line (the process was killed while
+    writing it) is dropped too. The file is replaced atomically.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 class RunLogger:

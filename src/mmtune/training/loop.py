@@ -20,6 +20,9 @@ must get exactly right are awkward to reach inside ``Trainer``.
    micro-batch's *summed* loss is scaled by ``world_size * accum / global_tokens``.
    accelerate (or DeepSpeed) divides by ``accum`` and DDP/ZeRO average gradients over
    ``world_size`` ranks, so the gradient is exactly that of the token-weighted mean.
+   Every rank runs exactly ``accum`` micro-batches per step: where an epoch's plan runs
+   out (an uneven last round, a partial last step) the data module tops ranks up with
+   filler micro-batches that have no loss token, so they add nothing to either sum.
 
 accelerate still does what it does well: device placement, mixed precision, DDP and
 DeepSpeed wrapping, ``no_sync`` during accumulation, ZeRO-3 gathering on save, and
@@ -43,11 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from mmtune.models.base import IGNORE_INDEX
-from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, save_final
+from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, recover_interrupted_saves, save_final
 from mmtune.training.config import SFTConfig
-from mmtune.training.logging import RunLogger, mfu
+from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 
-__all__ = ["SFTRecipe", "token_weighted_loss_sum", "seed_everything", "generate_synthetic_data"]
+__all__ = ["SFTRecipe", "token_weighted_loss_sum", "seed_everything", "generate_synthetic_data",
+           "check_evaluation_layout"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
 
@@ -78,6 +82,29 @@ def generate_synthetic_data(syn: Any) -> None:
         return
     generate_synthetic(syn.out_dir, n_train=syn.n_train, n_test=syn.n_test, n_llava=syn.n_llava, seed=syn.seed,
                        image_size=syn.image_size, **dict(syn.options))
+
+
+def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: int) -> None:
+    """Refuse in-training evaluation where it cannot work: ZeRO-3 on several processes.
+
+    Evaluation during training generates on the main process while the other ranks wait.
+    Under ZeRO-3 each rank holds only a shard of every weight, and gathering a layer for
+    one rank's forward is a collective the waiting ranks never join, so the job would
+    hang (or generate from empty shards). ZeRO-0/1/2 and DDP keep full weights on every
+    rank and are fine, as is ZeRO-3 on a single process.
+
+    Raises:
+        ValueError: naming the keys to change, at start-up rather than after training.
+    """
+    asked = [key for key in ("eval_before", "eval_after") if getattr(training, key)]
+    if zero_stage == 3 and num_processes > 1 and asked:
+        raise ValueError(
+            f"training.{' and training.'.join(asked)}=true cannot run under DeepSpeed ZeRO-3 on {num_processes} "
+            "processes: in-training evaluation generates on the main process alone, which cannot gather ZeRO-3's "
+            "sharded weights. Set " + " ".join(f"training.{k}=false" for k in asked)
+            + " and evaluate the saved final/ checkpoint with recipes/evaluate.py (mmtune evaluate), or train with "
+            "ZeRO-2 (launch/accelerate/*zero2*.yaml)"
+        )
 
 
 def _launched_with_deepspeed() -> bool:
@@ -143,7 +170,12 @@ class SFTRecipe:
         self.is_deepspeed = acc.state.deepspeed_plugin is not None
         if self.is_deepspeed:
             self._fill_deepspeed_auto_values()
+        check_evaluation_layout(t, zero_stage=acc.state.deepspeed_plugin.zero_stage if self.is_deepspeed else 0,
+                                num_processes=acc.num_processes)
         seed_everything(t.seed)
+        if acc.is_main_process:
+            recover_interrupted_saves(self.output_dir)  # a save killed between its renames
+        acc.wait_for_everyone()
         self._check_output_dir()
 
         # Model. Random-weight models are seeded identically on every rank.
@@ -180,28 +212,22 @@ class SFTRecipe:
         self.optim_groups = param_groups(model, groups, t)
         optimizer = build_optimizer(self.optim_groups, t)
 
-        # Data: the plan is per rank; steps per epoch follow from it.
+        # Data: every epoch has its own plan (packing and token budgets differ from epoch to
+        # epoch), padded per rank to whole optimizer steps, so no step straddles two epochs
+        # and every rank runs the same micro-batches per step and the same steps.
         if cfg.synthetic.enabled:
             if acc.is_main_process:
                 generate_synthetic_data(cfg.synthetic)
             acc.wait_for_everyone()
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=cfg.context.max_length,
-                          rank=acc.process_index, world_size=acc.num_processes)
+        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index,
+                          world_size=acc.num_processes, gradient_accumulation_steps=t.gradient_accumulation_steps)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.data.loss_report.write(str(self.output_dir / "data_report.json"))
         acc.print(self.data.loss_report.render())
-        self.steps_per_epoch = self.data.num_micro_batches(0) // t.gradient_accumulation_steps
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"each rank gets {self.data.num_micro_batches(0)} micro-batches per epoch, fewer than "
-                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}: add data or lower it"
-            )
-        self.total_steps = self.steps_per_epoch * t.epochs
-        if t.max_steps is not None:
-            self.total_steps = min(self.total_steps, t.max_steps)
+        self.total_steps = self._count_steps()
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
         scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=self.total_steps)
@@ -220,6 +246,11 @@ class SFTRecipe:
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
             self.micro_batches_done = int(state["micro_batches_done"])
             self.data.check_state(state["data"])
+            if acc.is_main_process:
+                # Steps after the checkpoint were logged by the interrupted attempt and are
+                # about to be trained again: drop their rows so each step appears once.
+                for log in ("metrics.jsonl", "sample_ids.jsonl"):
+                    cut_jsonl_after(self.output_dir / log, self.step)
             acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
                       f"micro-batch {self.micro_batches_done} of the epoch")
         self.logger = RunLogger(cfg.logging, output_dir=str(self.output_dir), resolved_config=self.resolved_config,
@@ -227,11 +258,26 @@ class SFTRecipe:
                                 run_name=cfg.logging.run_name or cfg.run_name)
         acc.print(
             f"model: {self.num_params / 1e6:.2f}M parameters, {self.num_trainable / 1e6:.2f}M trainable; "
-            f"{self.total_steps} optimizer steps ({self.steps_per_epoch}/epoch) on {acc.num_processes} process(es); "
+            f"{self.total_steps} optimizer steps ({'/'.join(map(str, self.steps_per_epoch))} per epoch) "
+            f"on {acc.num_processes} process(es); "
             f"window {self.max_length} tokens"
             + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
                if self.context_extension else "")
         )
+
+    def _count_steps(self) -> int:
+        """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
+        t = self.cfg.training
+        self.steps_per_epoch: list[int] = []
+        for epoch in range(t.epochs):
+            if t.max_steps is not None and sum(self.steps_per_epoch) >= t.max_steps:
+                break  # later epochs are never reached; no need to plan them
+            self.steps_per_epoch.append(self.data.steps_in_epoch(epoch))
+        total = sum(self.steps_per_epoch)
+        if total == 0:
+            raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
+                             "(see the truncation stats) or the sources have no records")
+        return min(total, t.max_steps) if t.max_steps is not None else total
 
     def _fill_deepspeed_auto_values(self) -> None:
         # Our batches vary in size (token budgets, packing), so the micro-batch size DeepSpeed
@@ -252,11 +298,14 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        """Micro-batches from the resume position onwards, epoch after epoch."""
+        """Micro-batches from the resume position onwards, epoch after epoch.
+
+        Every epoch's plan holds whole steps (see ``SFTDataModule.rank_plan``), so a step
+        never mixes two epochs.
+        """
         epoch, start = self.epoch, self.micro_batches_done
-        usable = self.steps_per_epoch * self.cfg.training.gradient_accumulation_steps
         while True:
-            for index, item in enumerate(self.data.dataloader(epoch, start=start, stop=usable), start=start):
+            for index, item in enumerate(self.data.dataloader(epoch, start=start), start=start):
                 self.epoch, self.micro_batches_done = epoch, index + 1
                 yield item
             epoch, start = epoch + 1, 0
@@ -292,8 +341,13 @@ class SFTRecipe:
                             # same modules called on every rank); its value is exactly 0.
                             summed = summed + self.adapter.vision_dummy_loss(self.model)
                     acc.backward(summed * scale)
-                    if acc.sync_gradients and t.max_grad_norm and not self.is_deepspeed:
-                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    if acc.sync_gradients and not self.is_deepspeed:
+                        # Without clipping (max_grad_norm unset) this only measures the norm.
+                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm or math.inf)
+                    elif acc.sync_gradients and self.is_deepspeed:
+                        # The engine stepped (and clipped) inside backward at the boundary and
+                        # kept the global norm it computed before clipping.
+                        self.grad_norm = _deepspeed_grad_norm(self.model)
                     self.optimizer.step()
                     if acc.sync_gradients:
                         # Also under DeepSpeed: a torch scheduler is not handed to the engine
@@ -308,14 +362,14 @@ class SFTRecipe:
             stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens, images], device=acc.device), reduction="sum")
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
-                self._log_sample_ids([meta["ids"] for _, meta in micro])
+                self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 tokens_per_s = float(stats[1]) / elapsed
                 metrics = {
                     "train/loss": float(stats[0]) / max(global_tokens, 1),
                     "train/lr": self.scheduler.get_last_lr()[0],
                     "train/loss_tokens": global_tokens,
-                    "train/epoch": self.epoch + self.micro_batches_done / max(1, self.steps_per_epoch * accum),
+                    "train/epoch": self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/images_per_s": float(stats[2]) / elapsed,
                     "perf/step_time_s": elapsed,
@@ -346,13 +400,14 @@ class SFTRecipe:
             self.data.loss_report.write(str(self.output_dir / "data_report.json"))
             acc.print(self.data.loss_report.render_skipped())
 
-    def _log_sample_ids(self, ids_per_micro_batch: list[list[str]]) -> None:
+    def _log_sample_ids(self, ids_per_micro_batch: list[list[str]], *, epoch: int) -> None:
         from accelerate.utils import gather_object
 
         gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
         if self.accelerator.is_main_process:
             with open(self.output_dir / "sample_ids.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step, "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
+                f.write(json.dumps({"step": self.step, "epoch": epoch,
+                                    "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Path:
@@ -415,6 +470,13 @@ class SFTRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         self.accelerator.end_training()
+
+
+def _deepspeed_grad_norm(engine: Any) -> Optional[float]:
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    if norm is None:
+        return None
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
 def _to_dict(cfg: SFTConfig) -> dict[str, Any]:

@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mmtune.data.batching import steps_per_epoch
+
 __all__ = [
     "GPU_TYPES",
     "GpuType",
@@ -740,8 +742,9 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
 
     Micro-batches per epoch: ``samples / batch_size`` for padding batches; for packing
     and token budgets, ``tokens / row capacity`` (a lower bound: packing reaches ~98%
-    fill, budgets less). Tokens per micro-batch (for memory) is the worst case the
-    collator allows.
+    fill, budgets less). Steps follow from them with the training loop's own
+    :func:`~mmtune.data.batching.steps_per_epoch` (a partial last step per epoch counts).
+    Tokens per micro-batch (for memory) is the worst case the collator allows.
     """
     col = cfg.collator
     max_len = window
@@ -760,7 +763,7 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
         desc = f"{col.batching}: {col.batch_size} sample(s) per micro-batch, each <= {max_len} tokens"
         micro = math.ceil(data.samples_per_epoch / col.batch_size) if data else 0
     per_step = accum * num_gpus
-    steps = math.ceil(micro / per_step) * epochs if data else 0
+    steps = steps_per_epoch(micro, num_gpus, accum) * epochs if data else 0  # the loop's own count
     if cfg.training.max_steps:
         steps = min(steps, cfg.training.max_steps) if steps else cfg.training.max_steps
     desc += f" x {accum} accumulation x {num_gpus} GPU(s) = {per_step} micro-batches per step, {epochs} epoch(s)"
@@ -829,7 +832,8 @@ def plan_run(
     if params is not None and data is not None:
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
-            full = math.ceil(batching["micro_batches_per_epoch"] / batching["per_step"]) * cfg.training.epochs
+            full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
+                                   cfg.training.gradient_accumulation_steps) * cfg.training.epochs
             train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
         cost = estimate_cost(
             params,
