@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmtune.evaluation.config import JudgeConfig
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge import JudgeCache, JudgeClient, JudgeRequest
 
 KEY = "sk-test-SECRET-4f7a9c"

@@ -4,7 +4,7 @@ import pytest
 
 from mmtune.evaluation.common import TurnPrediction, load_mmdu_dialogues
 from mmtune.evaluation.config import JudgeConfig, MMDUConfig
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge import JudgeClient
 from mmtune.evaluation.mmdu import TurnScore, aggregate, parse_scores
 
