@@ -315,7 +315,9 @@ class MDIBenchmark(Benchmark):
     def dialogues(self, items, sub):
         from mmtune.data.dialogue import Dialogue, Image, Turn
 
-        return [Dialogue(i.id, "mdi", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (build_prompt(i),)),))
+        # the generator answers (user, assistant) exchanges: the reference slot stays empty
+        return [Dialogue(i.id, "mdi", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (build_prompt(i),)),
+                                       Turn("assistant", ("",))))
                 for i in items]
 
     def load_predictions(self, path, items, sub):

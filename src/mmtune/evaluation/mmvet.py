@@ -494,7 +494,9 @@ class MMVetBenchmark(Benchmark):
     def dialogues(self, items, sub):
         from mmtune.data.dialogue import Dialogue, Image, Turn
 
-        return [Dialogue(i.id, "mmvet", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (i.question,)),))
+        # the generator answers (user, assistant) exchanges: the reference slot stays empty
+        return [Dialogue(i.id, "mmvet", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (i.question,)),
+                                         Turn("assistant", ("",))))
                 for i in items]
 
     def load_predictions(self, path, items, sub):
