@@ -185,15 +185,13 @@ class LmmsEvalBenchmark(Benchmark):
         problems = []
         if not sub.tasks:
             problems.append("eval.lmms_eval.tasks is empty; list lmms-eval task names such as mmmu_val")
-        if not sub.results_path and not lmms_eval_installed():
-            problems.append("eval.lmms_eval: " + _NOT_INSTALLED)
         return problems
 
     def preflight(self, ctx: RunContext) -> list[str]:
         sub = ctx.cfg.lmms_eval
         if sub.results_path:
             return []
-        problems = []
+        problems = [] if lmms_eval_installed() else ["eval.lmms_eval: " + _NOT_INSTALLED]
         if not ctx.lmms_pretrained:
             problems.append("eval.lmms_eval needs a model: set `checkpoint` or `model.path` (or eval.lmms_eval.results_path)")
         model_type = sub.model_type or MODEL_TYPES.get(ctx.family or "")
