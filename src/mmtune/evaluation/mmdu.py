@@ -21,6 +21,7 @@ Where mmtune deliberately differs from the official script:
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -282,6 +283,8 @@ def score_mmdu(
     meta["judge_model"] = getattr(judge, "model", None)
     meta["send_images"] = bool(getattr(getattr(judge, "config", None), "send_images", False))
     meta["prompt_file"] = cfg.prompt_file or "builtin:mmdu_judge.txt"
+    meta["prompt"] = {"name": Path(cfg.prompt_file).name if cfg.prompt_file else "builtin:mmdu_judge.txt",
+                      "sha256": hashlib.sha256(template.strip().encode("utf-8")).hexdigest()}
     result = BenchmarkResult(run, model, "mmdu", metrics, counts, meta, context_length)
     return result, turns
 
@@ -313,4 +316,7 @@ class MMDUBenchmark(DialogueBenchmark):
             plots.append(_plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
                                     xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)"))
             lines += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
+        prompt = result.meta.get("prompt") or {}
+        lines += ["", f"Judge {result.meta.get('judge_model')!s} ({'with' if result.meta.get('send_images') else 'without'} "
+                      f"images), prompt {prompt.get('name')} (sha256 {str(prompt.get('sha256', ''))[:12]})"]
         return lines, plots

@@ -79,6 +79,9 @@ def run_benchmarks(
     problems = [p for b in benchmarks for p in b.preflight(ctx)]
     if problems:
         raise ValueError("this evaluation cannot run to the end:\n  - " + "\n  - ".join(problems))
+    if any(b.uses_judge for b in benchmarks):
+        ctx.judge  # noqa: B018 - build the judge now: a missing model name fails before hours of generation, and the
+        # start-up line says which endpoint and credentials source are used
     results: dict[str, BenchmarkResult] = {}
     sections: dict[str, Any] = {}
     try:
