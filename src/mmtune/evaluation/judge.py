@@ -457,11 +457,13 @@ class JudgeClient:
             if hit is not None:
                 self.cache.release(key, self._owner)
                 return self._hit(hit)
+        response = None
         try:
-            return self._send(request, key)
+            response = self._send(request, key)
+            return response
         finally:
-            if self.cache is not None:
-                self.cache.release(key, self._owner)
+            if self.cache is not None and (response is None or not response.ok):
+                self.cache.release(key, self._owner)  # a stored reply already dropped the claim
 
     def _send(self, request: JudgeRequest, key: str) -> JudgeResponse:
         limit = self.config.stop_after_failures
