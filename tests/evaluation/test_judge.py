@@ -212,6 +212,7 @@ def test_judge_answering_401_fails_the_command_with_the_cause(tmp_path, monkeypa
     assert "3 of 3 judge calls failed" in err and "HTTP 401" in err
     assert "likely cause: the API key is wrong" in err and "$MMTUNE_JUDGE_API_KEY" in err
     assert KEY not in err
+    assert "judge: model 'gpt-4o' at http://127.0.0.1" in err and "key from $MMTUNE_JUDGE_API_KEY" in err  # start-up line
     # results, per-turn errors and the report are written before the exit; the key is nowhere
     details = [json.loads(line) for line in (tmp_path / "out" / "details" / "mmdu.jsonl").read_text().splitlines()]
     assert [d["status"] for d in details] == ["failed"] * 3
@@ -306,3 +307,18 @@ def test_a_failed_owner_releases_its_claim(tmp_path):
     assert cache.claim("k", "owner-2", stale_after=60)
     # a claim older than stale_after is taken over
     assert cache.claim("k", "owner-3", stale_after=-1)
+
+
+def test_missing_judge_model_stops_before_generation(tmp_path, monkeypatch):
+    from mmtune.evaluation.config import EvalConfig
+    from mmtune.evaluation.judge import JudgeError
+    from mmtune.evaluation.runner import run_benchmarks
+
+    monkeypatch.delenv("MMTUNE_JUDGE_MODEL", raising=False)
+    cfg = EvalConfig(benchmarks=["mmdu"], progress=False)
+    cfg.mmdu.data_path = str(_mmdu_files(tmp_path))
+    generated = []
+    with pytest.raises(JudgeError, match="no judge model"):
+        run_benchmarks(cfg, output_dir=str(tmp_path / "out"), run_name="r", model_label="m",
+                       make_generator=lambda: generated.append(1))
+    assert generated == []
