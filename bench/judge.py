@@ -10,9 +10,14 @@ from the cache and should make no calls.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# The loopback judge server is test tooling (tests/support/), not part of the installed
+# package: make the repository root importable so `tests.support` resolves.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -23,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from mmtune.evaluation.config import JudgeConfig
-    from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+    from tests.support.fake_judge import FakeJudgeServer, Scripted
     from mmtune.evaluation.judge import JudgeClient, JudgeRequest
 
     reply = '{"Creativity": 5, "Richness": 5, "Visual Perception": 5, "Logical Coherence": 5, "Answer Accuracy": 5, "Image Relationship Understanding": 5, "Overall Score": 5}'

@@ -1,7 +1,7 @@
 import json
 
 from mmtune.evaluation.cli import main
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 
 
 def test_score_mmvet_results_json_without_images(tmp_path, monkeypatch, capsys):
@@ -18,7 +18,7 @@ def test_score_mmvet_results_json_without_images(tmp_path, monkeypatch, capsys):
         assert code == 0 and len(server.requests) == 4  # 2 items x 2 runs
     result = json.loads((tmp_path / "out" / "mmvet.json").read_text())
     assert result["metrics"]["total"] == 50.0 and result["metrics"]["ocr"] == 100.0 and result["metrics"]["rec"] == 0.0
-    assert (tmp_path / "out" / "mmvet-cap-score-2runs.csv").exists() and (tmp_path / "out" / "report.md").exists()
+    assert (tmp_path / "out" / "external_judge-cap-score-2runs.csv").exists() and (tmp_path / "out" / "report.md").exists()
     assert "mmvet:" in capsys.readouterr().out
 
 

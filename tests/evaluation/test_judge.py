@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmtune.evaluation.config import JudgeConfig
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge import JudgeCache, JudgeClient, JudgeRequest
 
 KEY = "sk-test-SECRET-4f7a9c"
@@ -201,3 +201,137 @@ def test_only_image_files_are_ever_sent(tmp_path):
             client.judge(JudgeRequest("q", images=(str(secret),)))
     assert all("PRIVATE KEY" not in json.dumps(r) for r in server.requests)
     assert not server.requests
+
+
+def _mmdu_files(tmp_path, turns=3):
+    conversations = []
+    for t in range(turns):
+        conversations += [{"from": "user", "value": f"Q{t}?"}, {"from": "assistant", "value": f"R{t}"}]
+    (tmp_path / "bench.json").write_text(json.dumps([{"id": "d0", "image": [], "conversations": conversations}]))
+    return tmp_path / "bench.json"
+
+
+def test_judge_answering_401_fails_the_command_with_the_cause(tmp_path, monkeypatch, capsys):
+    from mmtune.evaluation.cli import main
+
+    bench = _mmdu_files(tmp_path)
+    with FakeJudgeServer(lambda body: Scripted(status=401, content=f"Incorrect API key provided: {KEY}")) as server:
+        monkeypatch.setenv("MMTUNE_JUDGE_BASE_URL", server.base_url)
+        monkeypatch.setenv("MMTUNE_JUDGE_API_KEY", KEY)
+        code = main(["score", "mmdu", "--data", str(bench), "--predictions", str(bench), "--out", str(tmp_path / "out"),
+                     "--judge-model", "gpt-4o", "--quiet"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "3 of 3 judge calls failed" in err and "HTTP 401" in err
+    assert "likely cause: the API key is wrong" in err and "$MMTUNE_JUDGE_API_KEY" in err
+    assert KEY not in err
+    assert "judge: model 'gpt-4o' at http://127.0.0.1" in err and "key from $MMTUNE_JUDGE_API_KEY" in err  # start-up line
+    # results, per-turn errors and the report are written before the exit; the key is nowhere
+    details = [json.loads(line) for line in (tmp_path / "out" / "details" / "mmdu.jsonl").read_text().splitlines()]
+    assert [d["status"] for d in details] == ["failed"] * 3
+    assert all(d["judge_error"]["status"] == 401 and "***" in d["judge_error"]["message"] for d in details)
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".md"):
+            assert KEY not in path.read_text()
+    result = json.loads((tmp_path / "out" / "mmdu.json").read_text())
+    assert result["meta"]["judge_stats"]["first_error"]["status"] == 401
+
+
+@pytest.mark.parametrize("status, cause", [(404, "model name or the base URL"), (429, "rate limit")])
+def test_likely_cause_is_named(tmp_path, status, cause):
+    with FakeJudgeServer(lambda body: Scripted(status=status)) as server:
+        client = make_client(server, tmp_path, max_retries=1)
+        client.judge(JudgeRequest("q"))
+    assert cause in client.stats.first_error["cause"] and cause in client.stats.summary()
+
+
+def test_connection_refused_names_the_server(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = JudgeConfig(model="m", max_retries=1, backoff_base_s=0.001, backoff_max_s=0.001, timeout_s=2.0)
+    client = JudgeClient(cfg, env={"MMTUNE_JUDGE_BASE_URL": f"http://127.0.0.1:{port}/v1"})
+    response = client.judge(JudgeRequest("q"))
+    assert not response.ok and "connection" in response.error.lower()
+    assert "connection refused" in client.stats.first_error["cause"] and "$MMTUNE_JUDGE_BASE_URL" in client.stats.first_error["cause"]
+
+
+def test_failed_share_threshold(tmp_path):
+    from mmtune.evaluation.judge import JudgeFailures, JudgeStats, check_failures
+
+    stats = JudgeStats(requests=100, failed=3, completed=97, first_error={"status": 500, "message": "x", "cause": "y"})
+    with pytest.raises(JudgeFailures, match="3 of 100 judge calls failed"):
+        check_failures(stats, JudgeConfig(), benchmark="mmdu")  # default: any failure
+    check_failures(stats, JudgeConfig(max_failed_share=0.05), benchmark="mmdu")
+    check_failures(JudgeStats(requests=10, completed=10), JudgeConfig(), benchmark="mmdu")
+
+
+def test_stops_sending_when_nothing_ever_succeeds(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(status=401)) as server:
+        client = make_client(server, tmp_path, stop_after_failures=3, concurrency=1)
+        replies = client.judge_many([JudgeRequest(f"q{i}") for i in range(10)])
+        assert len(server.requests) == 3
+    assert not any(r.ok for r in replies) and client.stats.failed == 10
+    assert all(r.status == 401 for r in replies) and "not sent" in replies[-1].error
+
+
+def test_openai_sdk_variables_are_the_fallback_and_the_source_is_named(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted("ok")) as server:
+        env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": KEY}
+        client = JudgeClient(JudgeConfig(model="m"), env=env)
+        assert client.judge(JudgeRequest("q")).ok
+        line = client.describe()
+        assert "$OPENAI_BASE_URL" in line and "$OPENAI_API_KEY" in line and KEY not in line
+        assert server.auth_headers[-1] == f"Bearer {KEY}"
+        # mmtune's own variables win when set
+        mine = JudgeClient(JudgeConfig(model="m"), env={**env, "MMTUNE_JUDGE_BASE_URL": server.base_url,
+                                                        "MMTUNE_JUDGE_API_KEY": "sk-other"})
+        assert mine.judge(JudgeRequest("q2")).ok and server.auth_headers[-1] == "Bearer sk-other"
+        assert "$MMTUNE_JUDGE_API_KEY" in mine.describe()
+
+
+def test_two_evaluations_sharing_a_cache_pay_once_for_a_request_in_flight(tmp_path):
+    """Two clients (two evaluations) on one cache file ask for the same reply at once:
+    the server sees one request; both get the reply."""
+    import threading
+
+    with FakeJudgeServer(lambda body: Scripted("shared reply", delay_s=0.5)) as server:
+        first = make_client(server, tmp_path)
+        second = make_client(server, tmp_path)
+        replies = {}
+        threads = [threading.Thread(target=lambda c=c, n=n: replies.__setitem__(n, c.judge(JudgeRequest("same"))))
+                   for n, c in (("first", first), ("second", second))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(server.requests) == 1
+    assert replies["first"].content == replies["second"].content == "shared reply"
+    assert sorted(r.cached for r in replies.values()) == [False, True]
+
+
+def test_a_failed_owner_releases_its_claim(tmp_path):
+    cache = JudgeCache(tmp_path / "c.sqlite")
+    assert cache.claim("k", "owner-1", stale_after=60)
+    assert not cache.claim("k", "owner-2", stale_after=60)
+    cache.release("k", "owner-1")
+    assert cache.claim("k", "owner-2", stale_after=60)
+    # a claim older than stale_after is taken over
+    assert cache.claim("k", "owner-3", stale_after=-1)
+
+
+def test_missing_judge_model_stops_before_generation(tmp_path, monkeypatch):
+    from mmtune.evaluation.config import EvalConfig
+    from mmtune.evaluation.judge import JudgeError
+    from mmtune.evaluation.runner import run_benchmarks
+
+    monkeypatch.delenv("MMTUNE_JUDGE_MODEL", raising=False)
+    cfg = EvalConfig(benchmarks=["mmdu"], progress=False)
+    cfg.mmdu.data_path = str(_mmdu_files(tmp_path))
+    generated = []
+    with pytest.raises(JudgeError, match="no judge model"):
+        run_benchmarks(cfg, output_dir=str(tmp_path / "out"), run_name="r", model_label="m",
+                       make_generator=lambda: generated.append(1))
+    assert generated == []

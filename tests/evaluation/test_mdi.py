@@ -9,6 +9,10 @@ OPTS = {"A": "1", "B": "2", "C": "3", "D": "4"}
 
 def test_parse_options():
     assert parse_options("A.1; B.2; C.3; D.4") == OPTS
+    # a missing separator before a letter still yields that option
+    assert parse_options("A.1; B.2 C.3; D.4") == OPTS
+    assert parse_options("A.1;B.2C.3;D.4") == OPTS
+    assert parse_options("A: red car, B: a bus，C: a bike") == {"A": "red car", "B": "a bus", "C": "a bike"}
     assert parse_options("A. a red car; B. a bus; C. a bike") == {"A": "a red car", "B": "a bus", "C": "a bike"}
 
 
@@ -17,10 +21,10 @@ def test_parse_options():
     [
         ("<Thought process>: <<two cars>> <Answer>: <<B>>", "B", "template"),
         ("<Thought process>: <<Answer A is wrong>> <Answer>: <<C. 3>>", "C", "template"),
-        ("I think it is two.\nAnswer: B", "B", "after-answer"),
-        ("The answer is (D).", "D", "after-answer"),
-        ("B", "B", "leading-option"),
-        ("(C)", "C", "leading-option"),
+        ("I think it is two.\nAnswer: B", "B", "after-label"),
+        ("The answer is (D).", "D", "after-label"),
+        ("B", "B", "only-option"),
+        ("(C)", "C", "only-option"),
         ("D. Because four people stand there.", "D", "leading-option"),
         ("3", "C", "option-text"),
         # the official pitfall: a sentence that starts with the article "A" is not option A
@@ -54,7 +58,10 @@ def test_score_final_and_breakdowns(tmp_path):
     assert m["score_final"] == pytest.approx(0.25 * 50 + 0.75 * 200 / 3)
     assert m["scenario/sport"] == pytest.approx(50.0) and m["scenario/housework"] == pytest.approx(100.0)
     assert m["age/old"] == pytest.approx(100.0) and m["age/young"] == 0.0 and m["age/mid"] == pytest.approx(50.0)
-    assert result.counts["no_option"] == 1
+    assert result.counts["unreadable"] == 1  # "A chart"
+    # the official rule reads "A chart" as A: item 2 stays wrong (answer B), so only the unreadable count differs
+    assert result.counts["official_unreadable"] == 0 and result.counts["rules_disagree"] == 1
+    assert m["official/score_final"] == pytest.approx(m["score_final"])
     assert "<Answer>: <<option letter>>" in build_prompt(loaded[0]) and "A.1; B.2" in build_prompt(loaded[0])
 
 
@@ -67,3 +74,31 @@ def test_bad_items_reported_together(tmp_path):
     with pytest.raises(ValueError) as err:
         load_items(str(path))
     assert "item 1: key 'level3-sport-old'" in str(err.value) and "item 2: answer 'E'" in str(err.value)
+
+
+def test_item_whose_answer_follows_no_separator_loads(tmp_path):
+    path = tmp_path / "mdi.json"
+    path.write_text(json.dumps([
+        {"question number": 7, "key": "level2-transport-young", "image_path": "x", "question": "q",
+         "option": "A.walk; B.bus C.train; D.car", "answer": "C", "response": "Answer: C"},
+    ]))
+    (item,) = load_items(str(path))
+    assert item.options == {"A": "walk", "B": "bus", "C": "train", "D": "car"} and item.answer == "C"
+
+
+def test_report_shows_official_and_ours_side_by_side(tmp_path):
+    from mmtune.evaluation.report import write_report
+
+    path = tmp_path / "mdi.json"
+    path.write_text(json.dumps([
+        {"question number": 1, "key": "level1-sport-old", "option": "A.1; B.2", "answer": "B", "response": "ANSWER: B"},
+        {"question number": 2, "key": "level2-sport-old", "option": "A.1; B.2", "answer": "A", "response": "A"},
+    ]))
+    items = load_items(str(path))
+    result, _ = score_mdi(items, {i.id: i.response for i in items}, run="r", model="m")
+    # the official rule reads "ANSWER: B" as A (no "Answer" in it, starts with a capital A)
+    assert result.metrics["score_final"] == 100.0 and result.metrics["official/score_final"] == 50.0
+    text = write_report([result], tmp_path)[0].read_text()
+    assert "| extraction | score_final | level1 | level2 | accuracy | unreadable |" in text
+    assert "| mmtune | 100.0 | 100.0 | 100.0 | 100.0 | 0 |" in text
+    assert "| official rule | 50.0 | 0.0 | 100.0 | 50.0 | 0 |" in text

@@ -4,7 +4,7 @@ import pytest
 
 from mmtune.evaluation.common import TurnPrediction, load_mmdu_dialogues
 from mmtune.evaluation.config import JudgeConfig, MMDUConfig
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge import JudgeClient
 from mmtune.evaluation.mmdu import TurnScore, aggregate, parse_scores
 
@@ -140,3 +140,14 @@ def test_placeholder_mismatch_is_reported_with_record_id(tmp_path):
     path.write_text(json.dumps([{"id": "x7", "image": ["a.png"], "conversations": [{"from": "user", "value": "no image"}, {"from": "assistant", "value": "r"}]}]))
     with pytest.raises(ValueError, match="record x7: 0 <ImageHere> placeholders but 1 image"):
         load_mmdu_dialogues(path)
+
+
+@pytest.mark.parametrize("value", ["8.5e1", "1e308", "7E0", "1e-1", "8.5.1"])
+def test_numbers_are_read_whole(value):
+    """A value with an exponent is never cut to its leading digits (8.5e1 is not 8.5)."""
+    others = "Creativity: 7\nRichness: 7\nVisual Perception: 7\nLogical Coherence: 7\nAnswer Accuracy: 7\nImage Relationship Understanding: 7\n"
+    assert not parse_scores(others + f"Overall Score: {value}").ok
+    as_json = '{"Creativity": 7, "Richness": 7, "Visual Perception": 7, "Logical Coherence": 7, "Answer Accuracy": 7, ' \
+              f'"Image Relationship Understanding": 7, "Overall Score": "{value}"}}'
+    assert not parse_scores(as_json).ok
+    assert parse_scores(others + "Overall Score: 8.").scores["Overall"] == 8.0

@@ -182,3 +182,20 @@ def test_raw_lmms_eval_results_fill_table3(tmp_path: Path):
     assert rows["xc2"]["chartqa"]["ours"] == pytest.approx(23.4)
     assert rows["xc2"]["chartqa"]["delta"] == pytest.approx(23.4 - 62.6)
     assert rows["xc2"]["mmdu"]["ours"] is None
+
+
+def test_mmvet_prompt_and_comparability_are_marked(tmp_path: Path):
+    path = tmp_path / "t3" / "mmvet.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({
+        "run": "table3_llava15_7b", "model": "m", "benchmark": "mmvet", "context_length": None,
+        "metrics": {"total": 30.5, "total_std": 0.2}, "counts": {},
+        "meta": {"judge_model": "gpt-4o", "prompt": {"name": "builtin:mmvet_judge.txt", "sha256": "ab" * 32},
+                 "comparable_with_published": False,
+                 "comparability_notes": ["judge model 'gpt-4o' is not the paper's gpt-4-0613"]},
+    }))
+    results = collect_results([tmp_path])
+    table = fill_table(TABLE3, results)
+    assert any("mmvet: not comparable with the published figure: judge model 'gpt-4o'" in n for n in table.notes)
+    text = report_tables.render_markdown([table], results, {})
+    assert "prompt builtin:mmvet_judge.txt (sha256 abababababab), comparable with published: no" in text

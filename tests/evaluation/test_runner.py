@@ -5,7 +5,7 @@ import torch
 
 from mmtune.data.synthetic import generate_synthetic
 from mmtune.evaluation.config import EvalConfig, GenerationConfig, JudgeConfig
-from mmtune.evaluation.fake_judge import FakeJudgeServer, Scripted
+from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.results import read_result
 from mmtune.evaluation.runner import evaluate_checkpoint
 from mmtune.models.config import ModelConfig

@@ -9,7 +9,9 @@
     mmtune evaluate report eval/
 
 Judge settings come from the environment (MMTUNE_JUDGE_BASE_URL, MMTUNE_JUDGE_API_KEY,
-MMTUNE_JUDGE_MODEL) or ``--judge-model``. For a full Hydra config use recipes/evaluate.py.
+MMTUNE_JUDGE_MODEL; OPENAI_BASE_URL / OPENAI_API_KEY when those are unset) or
+``--judge-model``. A judge call that still fails after retries makes the command exit
+non-zero (``--max-failed-share`` to allow some). For a full Hydra config use recipes/evaluate.py.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def _eval_config(args: argparse.Namespace, benchmark: str) -> EvalConfig:
     cfg.allow_absolute_image_paths = args.allow_absolute_paths
     if args.concurrency is not None:
         cfg.judge.concurrency = args.concurrency
+    if args.max_failed_share is not None:
+        cfg.judge.max_failed_share = args.max_failed_share
+    if benchmark == "mmvet" and args.bard_subset:
+        cfg.mmvet.bard_subset = args.bard_subset
     return cfg
 
 
@@ -62,7 +68,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, help="judge calls in flight")
     parser.add_argument("--runs", type=int, help="MM-Vet judge runs (default 5)")
     parser.add_argument("--alpha", type=float, help="MDI Score_final weight of level 1 (default 0.5)")
-    parser.add_argument("--prompt-file", help="replacement judge prompt (MMDU / MM-Vet)")
+    parser.add_argument("--prompt-file", help="judge prompt: a template (MMDU / MM-Vet) or MM-Vet's official prompt "
+                                              "saved to a file (reports record its name and hash)")
+    parser.add_argument("--bard-subset", help="MM-Vet: evaluate only the items of this bard_set.json")
+    parser.add_argument("--max-failed-share", type=float,
+                        help="share of judge calls allowed to fail before exiting non-zero (default 0: any failure)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

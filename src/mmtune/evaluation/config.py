@@ -73,7 +73,16 @@ class JudgeConfig:
     base_url_env: str = "MMTUNE_JUDGE_BASE_URL"
     """Environment variable with the OpenAI-compatible base URL (unset = api.openai.com)."""
     api_key_env: str = "MMTUNE_JUDGE_API_KEY"
-    """Environment variable with the API key. The key is never logged or written anywhere."""
+    """Environment variable with the API key. The key is never logged or written anywhere.
+    When this variable and ``base_url_env`` are unset, the openai SDK's own
+    ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` are used (the start-up line names the source)."""
+    max_failed_share: float = 0.0
+    """Largest share of judge calls allowed to fail (after retries) before the evaluation
+    exits with an error. 0.0 = any failed call is an error: a judge that fails must never
+    look like a model that scored zero. Results and details are written first either way."""
+    stop_after_failures: int = 20
+    """Stop sending once this many calls failed and none succeeded (bad key, wrong URL,
+    server down): the remaining items fail at once instead of paying retries each."""
     concurrency: int = 8
     """Judge calls in flight at once. Raise it for a local vLLM server; lower it on 429s."""
     timeout_s: float = 120.0
@@ -123,13 +132,23 @@ class MMVetConfig:
     image_root: Optional[str] = None
     """Directory of MM-Vet's images."""
     predictions: Optional[str] = None
-    """Official results JSON ``{"v1_0": "answer", ...}`` to score instead of generating."""
+    """Answers to score instead of generating: MM-Vet results JSON ``{"v1_0": "answer", ...}``
+    or LLaVA-style answer JSONL (``question_id`` / ``text`` per line)."""
     runs: int = 5
     """Judge runs; totals are reported as mean and std over runs (the paper uses 5)."""
     max_tries: int = 5
     """Tries per item and run; each unparsable reply raises the temperature by 0.5."""
+    judge_model: Optional[str] = None
+    """MM-Vet's own judge model (the paper: ``gpt-4-0613``); ``None`` = ``eval.judge``'s model.
+    MM-Vet is always judged text-only, whatever ``judge.send_images`` says."""
+    max_tokens: int = 3
+    """Reply budget of a judge call: the reply is one number (the official grader allows 3 tokens)."""
     prompt_file: Optional[str] = None
-    """Replacement few-shot prompt with ``{question}``, ``{answer}``, ``{prediction}``."""
+    """The official evaluator's prompt saved to a file (no placeholders: the row is appended
+    as the official script does), or a template with ``{question}``, ``{answer}``,
+    ``{prediction}``. ``None`` = mmtune's own prompt (figures not comparable with published ones)."""
+    bard_subset: Optional[str] = None
+    """MM-Vet's ``bard_set.json``: evaluate only those items (file names get ``bardset_``)."""
     limit: Optional[int] = None
     """Evaluate only the first N items."""
 
@@ -237,11 +256,15 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
 
 
 def validate_eval_config(cfg: EvalConfig) -> None:
-    """Collect every problem of ``cfg`` and raise once with all of them."""
+    """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
+    from mmtune.evaluation.benchmarks import get_benchmark, registered_names
+
     problems = []
     for name in cfg.benchmarks:
-        if name not in BENCHMARKS:
-            problems.append(f"eval.benchmarks: unknown benchmark {name!r}; choose from {list(BENCHMARKS)}")
+        try:
+            problems += get_benchmark(name).check(cfg)
+        except ValueError:
+            problems.append(f"eval.benchmarks: unknown benchmark {name!r}; choose from {list(registered_names())}")
     gen = cfg.generation
     if gen.overflow not in ("drop_oldest", "stop"):
         problems.append(f"eval.generation.overflow={gen.overflow!r}: use 'drop_oldest' or 'stop'")
@@ -249,16 +272,10 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         problems.append(f"eval.generation.max_new_tokens={gen.max_new_tokens}: must be >= 1")
     if gen.batch_size < 1:
         problems.append(f"eval.generation.batch_size={gen.batch_size}: must be >= 1")
+    if not 0.0 <= cfg.judge.max_failed_share <= 1.0:
+        problems.append(f"eval.judge.max_failed_share={cfg.judge.max_failed_share}: must be within [0, 1]")
     if cfg.judge.concurrency < 1:
         problems.append(f"eval.judge.concurrency={cfg.judge.concurrency}: must be >= 1")
-    if cfg.mmvet.runs < 1:
-        problems.append(f"eval.mmvet.runs={cfg.mmvet.runs}: must be >= 1")
-    if not 0.0 <= cfg.mdi.alpha <= 1.0:
-        problems.append(f"eval.mdi.alpha={cfg.mdi.alpha}: must be within [0, 1]")
-    for name in ("mmdu", "mmvet", "mdi", "synthetic"):
-        sub = getattr(cfg, name)
-        if name in cfg.benchmarks and not sub.data_path and not sub.predictions:
-            problems.append(f"eval.{name}: set data_path (to generate) or predictions (to score a file)")
     if problems:
         raise ValueError("invalid evaluation config:\n  - " + "\n  - ".join(problems))
 

@@ -21,17 +21,20 @@ Where mmtune deliberately differs from the official script:
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
+from mmtune.evaluation.benchmarks import DialogueBenchmark, register
 from mmtune.evaluation.common import TurnPrediction, fill_prompt, load_prompt, question_text
 from mmtune.evaluation.config import MMDUConfig
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["DIMENSIONS", "DIMENSION_NAMES", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu"]
+__all__ = ["DIMENSIONS", "DIMENSION_NAMES", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu", "MMDUBenchmark"]
 
 DIMENSIONS = ("C", "R", "VP", "LC", "AA", "IRU", "Overall")
 DIMENSION_NAMES = {
@@ -53,7 +56,9 @@ _KEY_PATTERNS = {
     "Overall": r"overall(?:[\s_-]*score)?",
 }
 _KEY_RE = "|".join(f"(?P<{k}>{p})" for k, p in _KEY_PATTERNS.items())
-_VALUE_RE = r"(?P<value>N\s*/\s*A|NA|\d+(?:\.\d+)?)"
+# A number is read whole, exponent included, so that "8.5e1" or "1e308" is rejected as a
+# value outside 1..10 instead of being read as 8.5 or 1.
+_VALUE_RE = r"(?P<value>N\s*/\s*A|NA|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?![\w.]*\d))"
 # "Key": 7 | 'Key': '7' | **Key**: 7 | - Key = 7/10 ; key matched case-insensitively.
 _PAIR = re.compile(
     rf"[\"'*]*\b(?:{_KEY_RE})\b[\"'*]*\s*[:=：]\s*[\"'*]*\s*{_VALUE_RE}", re.IGNORECASE
@@ -166,6 +171,8 @@ class TurnScore:
     scores: dict[str, Optional[float]] = field(default_factory=dict)
     na: list[str] = field(default_factory=list)
     detail: str = ""
+    judge_error: Optional[dict[str, Any]] = None
+    """``{"status", "message"}`` of a failed judge call (key redacted)."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -263,7 +270,7 @@ def score_mmdu(
     turns: list[TurnScore] = []
     for (dialogue_id, t), reply in zip(keys, replies):
         if not reply.ok:
-            turns.append(TurnScore(dialogue_id, t, "failed", detail=reply.error or ""))
+            turns.append(TurnScore(dialogue_id, t, "failed", detail=reply.error or "", judge_error=reply.error_record()))
             continue
         parsed = parse_scores(reply.content)
         if parsed.ok:
@@ -276,5 +283,40 @@ def score_mmdu(
     meta["judge_model"] = getattr(judge, "model", None)
     meta["send_images"] = bool(getattr(getattr(judge, "config", None), "send_images", False))
     meta["prompt_file"] = cfg.prompt_file or "builtin:mmdu_judge.txt"
+    meta["prompt"] = {"name": Path(cfg.prompt_file).name if cfg.prompt_file else "builtin:mmdu_judge.txt",
+                      "sha256": hashlib.sha256(template.strip().encode("utf-8")).hexdigest()}
     result = BenchmarkResult(run, model, "mmdu", metrics, counts, meta, context_length)
     return result, turns
+
+
+@register
+class MMDUBenchmark(DialogueBenchmark):
+    """MMDU: the LLM judge scores every turn in seven dimensions."""
+
+    name = "mmdu"
+    uses_judge = True
+
+    def score(self, items, predictions, ctx, sub):
+        return score_mmdu(items, predictions, ctx.judge, sub, run=ctx.run, model=ctx.model,
+                          context_length=ctx.context_length, progress=ctx.cfg.progress)
+
+    def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
+        from mmtune.evaluation.report import _plot_bars, _plot_line, markdown_table
+
+        m = result.metrics
+        tag = f"context{result.context_length}" if result.context_length else ""
+        lines = [markdown_table(["turns", *DIMENSIONS], [["all", *[m[d] for d in DIMENSIONS]],
+                                                        ["valid", *[m[f"valid/{d}"] for d in DIMENSIONS]]])]
+        plots = [_plot_bars(out / f"mmdu{tag}_dimensions.png", "MMDU scores (x10)",
+                            {"all turns": {d: m[d] for d in DIMENSIONS},
+                             "valid turns": {d: m[f"valid/{d}"] for d in DIMENSIONS}}, "score")]
+        per_turn = result.meta.get("per_turn_index", {})
+        if per_turn:
+            xs = sorted(int(k) for k in per_turn)
+            plots.append(_plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
+                                    xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)"))
+            lines += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
+        prompt = result.meta.get("prompt") or {}
+        lines += ["", f"Judge {result.meta.get('judge_model')!s} ({'with' if result.meta.get('send_images') else 'without'} "
+                      f"images), prompt {prompt.get('name')} (sha256 {str(prompt.get('sha256', ''))[:12]})"]
+        return lines, plots

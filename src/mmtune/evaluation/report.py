@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
 
@@ -69,8 +69,16 @@ def _plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: s
     return path
 
 
-def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, title: str = "Evaluation report") -> tuple[Path, list[Path]]:
-    """Write ``report.md`` (+ PNG plots) for ``results``; return its path and the plots."""
+def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, title: str = "Evaluation report",
+                 sections: Optional[dict[str, Any]] = None) -> tuple[Path, list[Path]]:
+    """Write ``report.md`` (+ PNG plots) for ``results``; return its path and the plots.
+
+    Each result's section comes from its benchmark (:meth:`Benchmark.report_section`);
+    ``sections`` maps a result's name to the benchmark that produced it (lmms-eval tasks
+    and unknown names get a plain metric table).
+    """
+    from mmtune.evaluation.benchmarks import Benchmark, get_benchmark
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots: list[Path] = []
@@ -80,43 +88,22 @@ def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, tit
     for result in results:
         ctx = f" (context {result.context_length})" if result.context_length else ""
         parts += [f"## {result.benchmark}{ctx}", ""]
-        m = result.metrics
-        if result.benchmark == "mmdu":
-            from mmtune.evaluation.mmdu import DIMENSIONS
-
-            parts.append(markdown_table(["turns", *DIMENSIONS], [["all", *[m[d] for d in DIMENSIONS]],
-                                                                 ["valid", *[m[f"valid/{d}"] for d in DIMENSIONS]]]))
-            plots.append(_plot_bars(out / f"mmdu{ctx.strip(' ()').replace(' ', '')}_dimensions.png", "MMDU scores (x10)",
-                                    {"all turns": {d: m[d] for d in DIMENSIONS},
-                                     "valid turns": {d: m[f"valid/{d}"] for d in DIMENSIONS}}, "score"))
-            per_turn = result.meta.get("per_turn_index", {})
-            if per_turn:
-                xs = sorted(int(k) for k in per_turn)
-                plots.append(_plot_line(out / f"mmdu{ctx.strip(' ()').replace(' ', '')}_by_turn.png", "MMDU Overall by turn index",
-                                        xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)"))
-                parts += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
-        elif result.benchmark == "synthetic":
-            turns = sorted(int(k.split("/")[1]) for k in m if k.startswith("turn/"))
-            parts.append(markdown_table(["metric", "value"], [["exact_match", m["exact_match"]]] + [[f"turn {t}", m[f"turn/{t}"]] for t in turns]))
-            if turns:
-                plots.append(_plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
-                                        [m[f"turn/{t}"] for t in turns], "exact match (%)"))
-        elif result.benchmark == "mmvet":
-            caps = [k for k in ("rec", "ocr", "know", "gen", "spat", "math") if k in m]
-            parts.append(markdown_table([*caps, "total", "std"], [[*[m[c] for c in caps], m["total"], m["total_std"]]]))
-            ints = sorted(k for k in m if k.startswith("int/"))
-            parts += ["", markdown_table([k[4:] for k in ints], [[m[k] for k in ints]])]
-            plots.append(_plot_bars(out / "mmvet_capabilities.png", "MM-Vet by capability", {"score": {c: m[c] for c in caps}}, "score"))
-        elif result.benchmark == "mdi":
-            keys = ["score_final", "level1", "level2", "accuracy"]
-            parts.append(markdown_table(keys, [[m[k] for k in keys]]))
-            groups = sorted(k for k in m if k.count("/") == 1)
-            parts += ["", markdown_table(["group", "accuracy"], [[k, m[k]] for k in groups])]
-            plots.append(_plot_bars(out / "mdi_groups.png", "MDI accuracy", {"accuracy": {k: m[k] for k in groups}}, "accuracy (%)"))
-        else:
-            parts.append(markdown_table(["metric", "value"], [[k, v] for k, v in m.items()]))
+        bench = (sections or {}).get(result.benchmark)
+        if bench is None:
+            try:
+                bench = get_benchmark(result.benchmark)
+            except ValueError:
+                bench = Benchmark()
+        lines, section_plots = bench.report_section(result, out)
+        parts += lines
+        plots += section_plots
         if result.counts:
             parts += ["", "Counts: " + ", ".join(f"{k}={v}" for k, v in result.counts.items())]
+        stats = result.meta.get("judge_stats") or {}
+        if stats.get("failed"):
+            first = stats.get("first_error") or {}
+            parts += ["", f"**Judge failures: {stats['failed']} of {stats.get('requests')} calls** (scored 0). "
+                          f"First error: {first.get('message')}; likely cause: {first.get('cause')}"]
         parts.append("")
     for plot in plots:
         parts.append(f"![{plot.stem}]({plot.name})")

@@ -229,6 +229,10 @@ def fill_table(spec: TableSpec, results: ResultSet, row_runs: Optional[dict[str,
     filled = FilledTable(spec=spec, rows=[])
     for row in spec.rows:
         chosen = _pick(results.records, row, row_runs.get(row.key, row.runs), filled.notes, spec.key)
+        for bench, rec in sorted(chosen.items()):
+            if rec.meta.get("comparable_with_published") is False:
+                filled.notes.append(f"{spec.key} row {row.key!r}, {bench}: not comparable with the published figure: "
+                                    + "; ".join(rec.meta.get("comparability_notes") or []))
         cells: dict[str, Cell] = {}
         for column, paper in zip(spec.columns, row.paper):
             if column.mean_of:
@@ -276,9 +280,21 @@ def render_markdown(tables: Sequence[FilledTable], results: ResultSet, images: d
     return "\n".join(lines)
 
 
+def _prompt_note(meta: dict[str, Any]) -> str:
+    """Which judge prompt (name and hash) and judge made a result, when one did."""
+    prompt = meta.get("prompt")
+    if not isinstance(prompt, dict):
+        return ""
+    note = f", judge {meta.get('judge_model')}, prompt {prompt.get('name')} (sha256 {str(prompt.get('sha256', ''))[:12]})"
+    if "comparable_with_published" in meta:
+        note += ", comparable with published: " + ("yes" if meta["comparable_with_published"] else "no")
+    return note
+
+
 def _provenance_md(results: ResultSet) -> list[str]:
     out = ["## Result files", ""]
-    out += [f"- `{r.path}`: run `{r.run}`, {r.benchmark}, context {r.context_length}" for r in results.records]
+    out += [f"- `{r.path}`: run `{r.run}`, {r.benchmark}, context {r.context_length}{_prompt_note(r.meta)}"
+            for r in results.records]
     if not results.records:
         out.append("- none found")
     if results.problems:

@@ -20,12 +20,12 @@ Output layout under ``output_dir``::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.benchmarks import RunContext, get_benchmark
 from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
@@ -33,154 +33,6 @@ from mmtune.models.config import ModelConfig
 __all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks"]
 
 log = logging.getLogger(__name__)
-
-
-def _write_details(out: Path, name: str, rows: list[Any]) -> None:
-    path = out / "details" / f"{name}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(dataclasses.asdict(row) if dataclasses.is_dataclass(row) else row, ensure_ascii=False, default=str) + "\n")
-
-
-class _Context:
-    """Lazily built shared pieces: the generator (loads the model) and the judge client."""
-
-    def __init__(self, cfg: EvalConfig, out: Path, make_generator: Optional[Callable[[], Any]],
-                 run_name: str = "eval", model_label: str = "model"):
-        self.cfg, self.out, self._make_generator = cfg, out, make_generator
-        self.run_name, self.model_label = run_name, model_label
-        self._generator = None
-        self._judge = None
-
-    @property
-    def generator(self):
-        if self._generator is None:
-            if self._make_generator is None:
-                raise ValueError(
-                    "a benchmark needs generation but no model was given: set `checkpoint` / `model.path`, or set "
-                    "the benchmark's `predictions` file to score existing answers"
-                )
-            self._generator = self._make_generator()
-        return self._generator
-
-    @property
-    def judge(self):
-        if self._judge is None:
-            from mmtune.evaluation.judge import JudgeClient
-
-            judge_cfg = self.cfg.judge
-            cache = judge_cfg.cache_path or str(self.out / "judge_cache.sqlite")
-            self._judge = JudgeClient(judge_cfg, cache_path=cache)
-        return self._judge
-
-    def generate(self, name: str, dialogues: list[Dialogue]):
-        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
-                                       progress=self.cfg.progress, run_key=self.run_key(name))
-
-    def run_key(self, name: str) -> dict[str, Any]:
-        """What a benchmark's answers depend on besides decoding: the model and the data file."""
-        import time
-
-        from mmtune.evaluation.fingerprint import file_identity
-
-        sub = getattr(self.cfg, name)
-        checkpoint = self.model_label
-        if Path(checkpoint).is_dir():  # the run dir and its final/ name the same weights
-            directory = Path(checkpoint).resolve()
-            if (directory / "final").is_dir() and not (directory / "config.json").exists():
-                directory = directory / "final"
-            checkpoint = str(directory)
-        return {
-            "checkpoint": checkpoint,
-            "data": file_identity(sub.data_path),
-            "image_root": sub.image_root,
-            "about": {"run": self.run_name, "model": self.model_label, "started": time.strftime("%Y-%m-%d %H:%M:%S")},
-        }
-
-    def close(self) -> None:
-        if self._judge is not None:
-            self._judge.close()
-
-
-def _turn_predictions(records) -> dict:
-    from mmtune.evaluation.common import TurnPrediction
-
-    return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
-            for r in records if r.answer is not None}
-
-
-def _run_synthetic_or_mmdu(name: str, ctx: _Context, run: str, model: str, context_length: Optional[int]) -> BenchmarkResult:
-    from mmtune.evaluation.common import load_mmdu_dialogues, load_turn_predictions
-
-    sub = getattr(ctx.cfg, name)
-    if not sub.data_path:
-        raise ValueError(f"eval.{name}.data_path is required: it holds the questions and reference answers")
-    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit,
-                                    allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
-    if sub.predictions:
-        predictions = load_turn_predictions(sub.predictions)
-    else:
-        predictions = _turn_predictions(ctx.generate(name, dialogues))
-    if name == "synthetic":
-        from mmtune.evaluation.synthetic import score_synthetic
-
-        result, rows = score_synthetic(dialogues, predictions, run=run, model=model, context_length=context_length)
-    else:
-        from mmtune.evaluation.mmdu import score_mmdu
-
-        result, rows = score_mmdu(dialogues, predictions, ctx.judge, sub, run=run, model=model,
-                                  context_length=context_length, progress=ctx.cfg.progress)
-    _write_details(ctx.out, result.benchmark, rows)
-    return result
-
-
-def _run_mmvet(ctx: _Context, run: str, model: str, context_length: Optional[int]) -> BenchmarkResult:
-    from mmtune.evaluation.common import load_json_or_jsonl
-    from mmtune.evaluation.mmvet import load_items, score_mmvet, write_official_csvs
-
-    sub = ctx.cfg.mmvet
-    if not sub.data_path:
-        raise ValueError("eval.mmvet.data_path is required: mm-vet.json holds the questions and ground truths")
-    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit,
-                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
-    if sub.predictions:
-        predictions = load_json_or_jsonl(sub.predictions)
-        if not isinstance(predictions, dict):
-            raise ValueError(f"{sub.predictions}: expected MM-Vet's results JSON {{\"v1_0\": \"answer\", ...}}")
-    else:
-        dialogues = [Dialogue(i.id, "mmvet", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (i.question,)),))
-                     for i in items]
-        predictions = {r.dialogue_id: r.answer or "" for r in ctx.generate("mmvet", dialogues)}
-        (ctx.out / "mmvet_results.json").write_text(json.dumps(predictions, indent=2, ensure_ascii=False))
-    result, runs = score_mmvet(items, predictions, ctx.judge, sub, run=run, model=model,
-                               context_length=context_length, progress=ctx.cfg.progress)
-    write_official_csvs(result, str(ctx.out), model=model)
-    _write_details(ctx.out, "mmvet", [s for r in runs for s in r])
-    return result
-
-
-def _run_mdi(ctx: _Context, run: str, model: str, context_length: Optional[int]) -> BenchmarkResult:
-    from mmtune.evaluation.mdi import build_prompt, load_items, score_mdi
-
-    sub = ctx.cfg.mdi
-    source = sub.predictions or sub.data_path
-    if not source:
-        raise ValueError("eval.mdi: set data_path (to generate) or predictions (items with a 'response')")
-    items = load_items(source, image_root=sub.image_root, limit=sub.limit,
-                       allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
-    if sub.predictions:
-        missing = [i.id for i in items if i.response is None]
-        if missing:
-            raise ValueError(f"{sub.predictions}: items {missing[:10]} have no 'response' field")
-        responses = {i.id: i.response for i in items}
-    else:
-        dialogues = [Dialogue(i.id, "mdi", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (build_prompt(i),)),))
-                     for i in items]
-        responses = {r.dialogue_id: r.answer for r in ctx.generate("mdi", dialogues) if r.answer is not None}
-    result, rows = score_mdi(items, responses, alpha=sub.alpha, run=run, model=model, context_length=context_length)
-    _write_details(ctx.out, "mdi", rows)
-    return result
 
 
 def run_benchmarks(
@@ -193,13 +45,25 @@ def run_benchmarks(
     checkpoint: Optional[str] = None,
     family: Optional[str] = None,
     wandb_run: Any = None,
+    model_config: Optional[ModelConfig] = None,
+    lmms_pretrained: Optional[str] = None,
+    lmms_is_adapter: bool = False,
+    command_runner: Optional[Callable[..., Any]] = None,
 ) -> dict[str, BenchmarkResult]:
     """Run ``cfg.benchmarks``; write one result JSON each, details and the report.
+
+    Every benchmark is checked before any of them runs, so a run that cannot finish
+    refuses at start-up. Judge failures above ``eval.judge.max_failed_share`` raise
+    :class:`~mmtune.evaluation.judge.JudgeFailures` after that benchmark's results,
+    details and the report are written.
 
     Args:
         make_generator: builds the :class:`DialogueGenerator` on first need (not called
             when every benchmark scores a predictions file).
-        checkpoint, family: the exported HF directory and model family, for lmms-eval.
+        checkpoint, family: the evaluated directory and model family.
+        model_config: how the model is loaded (lmms-eval's ``mmtune`` model loads it the same way).
+        lmms_pretrained: what lmms-eval loads (defaults to ``checkpoint``).
+        command_runner: runs external commands (``subprocess.run``); dry runs record them instead.
         wandb_run: an active W&B run to log metrics and plots to (or None).
 
     Returns:
@@ -208,47 +72,50 @@ def run_benchmarks(
     validate_eval_config(cfg)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ctx = _Context(cfg, out, make_generator, run_name=run_name, model_label=model_label)
-    context_length = cfg.generation.context_length
+    ctx = RunContext(cfg, out, make_generator, run=run_name, model=model_label, checkpoint=checkpoint, family=family,
+                     model_config=model_config, lmms_pretrained=lmms_pretrained or checkpoint,
+                     lmms_is_adapter=lmms_is_adapter, command_runner=command_runner)
+    benchmarks = [get_benchmark(name) for name in cfg.benchmarks]
+    problems = [p for b in benchmarks for p in b.preflight(ctx)]
+    if problems:
+        raise ValueError("this evaluation cannot run to the end:\n  - " + "\n  - ".join(problems))
+    if any(b.uses_judge for b in benchmarks):
+        ctx.judge  # noqa: B018 - build the judge now: a missing model name fails before hours of generation, and the
+        # start-up line says which endpoint and credentials source are used
     results: dict[str, BenchmarkResult] = {}
+    sections: dict[str, Any] = {}
     try:
-        for name in cfg.benchmarks:
-            if name in ("synthetic", "mmdu"):
-                found = [_run_synthetic_or_mmdu(name, ctx, run_name, model_label, context_length)]
-            elif name == "mmvet":
-                found = [_run_mmvet(ctx, run_name, model_label, context_length)]
-            elif name == "mdi":
-                found = [_run_mdi(ctx, run_name, model_label, context_length)]
-            else:
-                from mmtune.evaluation.lmms_eval import run_lmms_eval
-
-                if not checkpoint and not cfg.lmms_eval.results_path:
-                    raise ValueError("lmms_eval needs an exported checkpoint directory (`checkpoint`) or eval.lmms_eval.results_path")
-                found = run_lmms_eval(checkpoint or "", cfg.lmms_eval, family=family or "llava",
-                                      output_path=str(out / "lmms_eval"), run=run_name, model=model_label)
-            for result in found:
-                if ctx._judge is not None and result.benchmark in ("mmdu", "mmvet"):
-                    result.meta["judge_stats"] = ctx._judge.stats.to_dict()
-                if ctx._generator is not None and result.benchmark in ("synthetic", "mmdu", "mmvet", "mdi"):
+        for bench in benchmarks:
+            for result in bench.evaluate(ctx):
+                if bench.uses_judge and ctx.has_judge:
+                    result.meta["judge_stats"] = ctx.judge.stats.to_dict()
+                if bench.generates and ctx.has_generator:
                     result.meta["generation"] = dataclasses.asdict(cfg.generation)
                     # the window actually applied (the model's own when context_length is null)
-                    result.meta["context_window"] = ctx._generator.context_length
+                    result.meta["context_window"] = ctx.generator.context_length
                 write_result(result, out)
                 results[result.benchmark] = result
+                sections[result.benchmark] = bench
                 log.info("%s: %s", result.benchmark, {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k})
+            if bench.uses_judge and ctx.has_judge:
+                from mmtune.evaluation.judge import check_failures
+
+                stats = ctx.judge.stats
+                if stats.failed:
+                    print(stats.summary(), file=sys.stderr, flush=True)
+                check_failures(stats, cfg.judge, benchmark=bench.name)
     finally:
         ctx.close()
-    plots = []
-    if cfg.report and results:
-        from mmtune.evaluation.report import write_report
+        if cfg.report and results:
+            from mmtune.evaluation.report import write_report
 
-        _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}")
-    if wandb_run is not None:
-        flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
-        import wandb
+            _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
+            if wandb_run is not None:
+                flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
+                import wandb
 
-        flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
-        wandb_run.log(flat)
+                flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
+                wandb_run.log(flat)
     return results
 
 
@@ -272,6 +139,7 @@ def evaluate_model(
             cfg, output_dir=output_dir, run_name=run_name, model_label=model_label,
             make_generator=lambda: DialogueGenerator(adapter, model, cfg.generation),
             checkpoint=checkpoint, family=getattr(adapter, "family", None), wandb_run=wandb_run,
+            model_config=getattr(adapter, "config", None),
         )
     finally:
         model.train(was_training)  # the trainer may continue after a mid-run evaluation
@@ -286,9 +154,15 @@ def evaluate_checkpoint(
     model_config: Optional[ModelConfig] = None,
     wandb: bool = False,
     wandb_project: str = "mmtune",
+    command_runner: Optional[Callable[..., Any]] = None,
+    make_generator: Optional[Callable[[], Any]] = None,
 ) -> dict[str, BenchmarkResult]:
     """Load ``checkpoint`` (a run dir, ``final/``, a LoRA adapter dir or ``None`` for
     ``model_config``) only if a benchmark needs generation, then run ``cfg``'s benchmarks.
+
+    Args:
+        command_runner: runs external commands (lmms-eval); ``subprocess.run`` by default.
+        make_generator: replaces loading the model (tests, dry runs).
 
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
@@ -299,19 +173,15 @@ def evaluate_checkpoint(
     cfg = cfg or EvalConfig()
     model_config = model_config or ModelConfig()
     family = model_config.family
-    hf_dir = None
+    lmms_pretrained, is_adapter = model_config.path, False  # baseline rows: the base model itself
     if checkpoint:
         resolved, peft_dir = resolve_checkpoint(checkpoint, model_config)
         family = resolved.family
-        hf_dir = resolved.path if peft_dir is None else None
-        if peft_dir is not None and "lmms_eval" in cfg.benchmarks and not cfg.lmms_eval.results_path:
-            raise ValueError(
-                f"{checkpoint} is a LoRA adapter without merged weights; lmms-eval needs a full HF checkpoint. "
-                "Evaluate the run's final/ saved with peft.merge_on_save=true, or merge the adapter with peft first"
-            )
+        model_config = resolved if peft_dir is None else model_config
+        lmms_pretrained, is_adapter = (resolved.path, False) if peft_dir is None else (checkpoint, True)
     label = checkpoint or model_config.path or f"random:{model_config.family}"
 
-    def make_generator():
+    def load_generator():
         adapter, model, _ = load_for_evaluation(checkpoint, model_config, device=cfg.generation.device)
         return DialogueGenerator(adapter, model, cfg.generation)
 
@@ -324,8 +194,9 @@ def evaluate_checkpoint(
                                    config={"eval": dataclasses.asdict(cfg), "checkpoint": checkpoint})
     try:
         return run_benchmarks(cfg, output_dir=output_dir, run_name=run_name, model_label=label,
-                              make_generator=make_generator, checkpoint=hf_dir or checkpoint, family=family,
-                              wandb_run=wandb_run)
+                              make_generator=make_generator or load_generator, checkpoint=checkpoint, family=family,
+                              wandb_run=wandb_run, model_config=model_config, lmms_pretrained=lmms_pretrained,
+                              lmms_is_adapter=is_adapter, command_runner=command_runner)
     finally:
         if wandb_run is not None:
             wandb_run.finish()

@@ -11,14 +11,16 @@ turn index (``turn/<i>``) to show whether later turns degrade.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
 from mmtune.data.synthetic import is_correct
+from mmtune.evaluation.benchmarks import DialogueBenchmark, register
 from mmtune.evaluation.common import TurnPrediction
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["score_synthetic"]
+__all__ = ["score_synthetic", "SyntheticBenchmark"]
 
 
 def score_synthetic(
@@ -54,3 +56,25 @@ def score_synthetic(
     }
     meta = {"per_turn_index_n": {str(t): len(v) for t, v in sorted(by_turn.items())}}
     return BenchmarkResult(run, model, "synthetic", metrics, counts, meta, context_length), records
+
+
+@register
+class SyntheticBenchmark(DialogueBenchmark):
+    """Exact match on the synthetic held-out split (no judge)."""
+
+    name = "synthetic"
+
+    def score(self, items, predictions, ctx, sub):
+        return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
+
+    def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
+        from mmtune.evaluation.report import _plot_line, markdown_table
+
+        m = result.metrics
+        turns = sorted(int(k.split("/")[1]) for k in m if k.startswith("turn/"))
+        lines = [markdown_table(["metric", "value"], [["exact_match", m["exact_match"]]] + [[f"turn {t}", m[f"turn/{t}"]] for t in turns])]
+        plots = []
+        if turns:
+            plots.append(_plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
+                                    [m[f"turn/{t}"] for t in turns], "exact match (%)"))
+        return lines, plots

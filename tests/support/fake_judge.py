@@ -1,5 +1,9 @@
 """A loopback OpenAI-compatible chat server with scripted replies, for tests and benchmarks.
 
+Test tooling, deliberately outside the installed package. Tests import it as
+``tests.support.fake_judge``; scripts under ``bench/`` put the repository root on
+``sys.path`` first.
+
 It implements ``POST /v1/chat/completions`` only. A ``responder`` callable maps each
 request body to a :class:`Scripted` reply (content, HTTP status, raw garbage body,
 delay), so tests can inject 429s, 500s, timeouts and malformed bodies and count calls.
