@@ -348,15 +348,37 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
     head, reason = output_head(head_module)
     if head is None:
         raise ValueError(f"training.loss_impl={impl} cannot read the output head: {reason}")
+    if impl not in ("chunked", "fused"):
+        raise ValueError(f"unknown loss implementation {impl!r}; use one of {', '.join(LOSS_IMPLS[1:])}")
     targets = shifted_targets(labels.to(hidden.device)).reshape(-1)
-    flat = hidden.reshape(-1, hidden.size(-1))
-    with gathered(head.params):
-        weight, bias = head.build()
-        if impl == "chunked":
-            return chunked_linear_cross_entropy(flat, weight, targets, bias=bias, chunk_size=chunk_size, head=head)
-        if impl == "fused":
+
+    def loss_of(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.size(-1))
+        with gathered(head.params):
+            weight, bias = head.build()
+            if impl == "chunked":
+                return chunked_linear_cross_entropy(flat, weight, targets, bias=bias, chunk_size=chunk_size, head=head)
             return _liger_sum(flat, weight, bias, targets)
-    raise ValueError(f"unknown loss implementation {impl!r}; use one of {', '.join(LOSS_IMPLS[1:])}")
+
+    return _call_as_forward(head.module, loss_of, hidden)
+
+
+def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` run as ``module``'s forward, so the hooks on ``module`` bracket it.
+
+    DeepSpeed ZeRO-3 gathers a module's parameters in hooks around its forward *and* its
+    backward, and autograd accumulates a parameter's gradient right after the node that
+    produced it, while the parameter is still gathered. A custom autograd function that
+    reads ``lm_head.weight`` outside those hooks returns a full-size gradient for a
+    parameter that is an empty shard by then, and accumulating it fails. Called through
+    the module, the loss's backward runs inside the module's backward hooks like
+    ``nn.Linear``'s would. Without hooks (DDP, one device) this is a plain call.
+    """
+    module.forward = fn  # an instance attribute shadows the class's forward for this call only
+    try:
+        return module(*args)
+    finally:
+        del module.forward
 
 
 def _liger_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
