@@ -230,10 +230,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.numel(), chunk_size):
                 idx = rows[start:start + chunk_size]
                 logits = _chunk_logits(hidden, idx, w, b, compute_dtype)
-                chunk_lse = torch.logsumexp(logits, dim=-1)
-                lse[start:start + chunk_size] = chunk_lse
                 picked = logits.gather(1, targets[idx].unsqueeze(1)).squeeze(1)
+                # log-sum-exp in place: torch.logsumexp would allocate a second chunk of logits.
+                top = logits.amax(dim=1)
+                chunk_lse = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top)
+                lse[start:start + chunk_size] = chunk_lse
                 total += (chunk_lse - picked).sum()
+                del logits
         ctx.save_for_backward(hidden, targets, rows, lse)
         ctx.chunk_size, ctx.compute_dtype, ctx.head = chunk_size, compute_dtype, head
         ctx.weight, ctx.bias = weight, bias  # re-read in backward: ZeRO-3 swaps .data back to a shard
