@@ -8,8 +8,8 @@ a fresh process so one case's allocator state cannot flatter the next:
 
 * inputs: final hidden states ``[tokens, hidden]`` and a trainable output weight
   ``[vocab, hidden]``, fp32 on CPU, bf16 hidden + fp32 weight under bf16 autocast on GPU;
-  every position has a label (the worst case for the chunked path, which skips ignored
-  rows);
+  by default every position has a label (the worst case for the chunked path, which
+  skips ignored rows; ``--label-fraction`` sets the share);
 * measured: peak memory above what the process held with the inputs allocated (CPU:
   resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), and
   the wall time of ``loss.backward()`` including the forward.
@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO / "src"))
 GiB = 1024**3
 
 
-def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, device: str) -> dict:
+def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, device: str,
+          label_fraction: float) -> dict:
     """Run one case in this process and return its measurements."""
     import psutil
     import torch
@@ -53,6 +54,8 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
     hidden_states = (torch.randn(tokens, hidden, device=device) * 0.5).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (1, tokens), device=device)
+    # The first (1 - label_fraction) of the row is prompt/image tokens, as in a dialogue.
+    labels[:, : int(tokens * (1 - label_fraction))] = -100
     targets = shifted_targets(labels).reshape(-1)
 
     def run():
@@ -149,6 +152,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--label-fraction", type=float, default=1.0,
+                        help="share of positions with a label (1.0: every position, the chunked path's worst case)")
     parser.add_argument("--max-case-seconds", type=float, default=600.0)
     parser.add_argument("--memory-fraction", type=float, default=0.6,
                         help="run a case only if its estimated need is below this share of free memory")
@@ -159,7 +164,7 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.case:
         tokens, vocab, hidden, impl = int(args.case[0]), int(args.case[1]), int(args.case[2]), args.case[3]
-        print(json.dumps(_case(tokens, vocab, hidden, impl, args.chunk_size, device)))
+        print(json.dumps(_case(tokens, vocab, hidden, impl, args.chunk_size, device, args.label_fraction)))
         return
 
     from mmtune.training.loss import fused_available
@@ -167,7 +172,8 @@ def main() -> None:
     impls = ["materialized", "chunked"] + (["fused"] if device == "cuda" and fused_available() else [])
     gflops = _matmul_gflops(device)
     print(f"device {device}, {torch.get_num_threads()} threads, matmul ~{gflops:.0f} GFLOP/s; hidden {args.hidden}, "
-          f"chunk {args.chunk_size} rows, {'bf16 autocast' if device == 'cuda' else 'fp32'}; "
+          f"chunk {args.chunk_size} rows, {'bf16 autocast' if device == 'cuda' else 'fp32'}, "
+          f"{args.label_fraction:.0%} of positions labelled; "
           f"memory = {'max_memory_allocated' if device == 'cuda' else 'peak RSS'} above the inputs")
     header = f"{'tokens':>6} {'vocab':>6} {'path':>12} {'extra GiB':>9} {'working GiB':>11} {'time s':>7}"
     header += f" {'extra vs mat':>12} {'time vs mat':>11}"
@@ -182,7 +188,8 @@ def main() -> None:
                     print(f"{tokens:>6} {vocab:>6} {impl:>12}  {reason}", flush=True)
                     continue
                 cmd = [sys.executable, __file__, "--case", str(tokens), str(vocab), str(args.hidden), impl,
-                       "--chunk-size", str(args.chunk_size), "--device", device]
+                       "--chunk-size", str(args.chunk_size), "--device", device,
+                       "--label-fraction", str(args.label_fraction)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     print(f"{tokens:>6} {vocab:>6} {impl:>12}  failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -270,9 +270,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[idx] = (grad_logits @ w).to(grad_h.dtype)
                 if grad_w is not None:
-                    chunk_grad_w = grad_logits.t() @ hidden[idx].to(dtype)
-                    grad_w += chunk_grad_w  # fp32 accumulation across chunks
-                    del chunk_grad_w
+                    h = hidden[idx].to(dtype)
+                    if grad_w.dtype == dtype:
+                        grad_w.addmm_(grad_logits.t(), h)  # in place: no second [V, H] tensor
+                    else:
+                        grad_w += grad_logits.t() @ h  # 16-bit product, fp32 accumulation across chunks
                 del grad_logits, logits
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
