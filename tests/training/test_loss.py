@@ -293,6 +293,17 @@ def test_training_loss_runs_the_head_on_one_position_only(family):
     assert seen == [(1, 1, hidden_size), (1, labels.shape[1], hidden_size)]
 
 
+def test_hidden_state_hook_keeps_nothing_outside_the_loss_call(family):
+    adapter, model = family
+    loss_fn = TrainingLoss(adapter, model, impl="chunked")
+    inputs, labels = _packed([_sample(adapter, model, seed=8)])
+    first = loss_fn(model, inputs, labels)
+    with torch.no_grad():
+        model(**inputs)  # e.g. evaluation between steps: the persistent hook must not hold its output
+    assert loss_fn._captured == []
+    torch.testing.assert_close(loss_fn(model, inputs, labels), first)
+
+
 def test_materialized_helper_equals_the_model_loss(family):
     adapter, model = family
     inputs, labels = _packed([_sample(adapter, model, seed=7)])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -392,10 +393,13 @@ def _liger_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     dtype = _compute_dtype(hidden)
+    extra = {}
+    if "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        extra["accum_dtype"] = torch.float32  # fp32 weight-gradient accumulation (newer Liger releases)
     with torch.autocast(hidden.device.type, enabled=False):
         loss = liger_fused_linear_cross_entropy(
-            hidden.to(dtype), weight.to(dtype), targets, bias=None if bias is None else bias.to(dtype),
-            ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)
+            hidden.to(dtype).contiguous(), weight.to(dtype), targets, bias=None if bias is None else bias.to(dtype),
+            ignore_index=IGNORE_INDEX, reduction="sum", **extra)
     return loss.float()
 
 
@@ -441,9 +445,11 @@ class TrainingLoss:
         self.requested = impl
         self.impl = resolve_loss_impl(impl, device)
         self.reason = ""
+        self._captured: list[torch.Tensor] = []
+        self._tap, self._tapped, self._armed = None, None, False
         if self.impl != "materialized":
             try:
-                _, head_module = adapter.loss_modules(model)
+                _, head_module = adapter.loss_modules(getattr(model, "_orig_mod", model))
             except NotImplementedError as err:
                 head, self.reason = None, str(err)
             else:
@@ -461,19 +467,26 @@ class TrainingLoss:
         if self.impl == "materialized":
             logits = model(**inputs, use_cache=False).logits
             return materialized_cross_entropy_sum(logits, labels)
-        body, head_module = self.adapter.loss_modules(model)
-        captured: list[torch.Tensor] = []
-
-        def keep(_module, _args, output):
-            captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
-
-        handle = body.register_forward_hook(keep)
+        # A torch.compile'd model keeps the real module tree under _orig_mod.
+        body, head_module = self.adapter.loss_modules(getattr(model, "_orig_mod", model))
+        if self._tapped is not body:
+            # One persistent hook (not one per step): compiled graphs guard on a module's hooks.
+            if self._tap is not None:
+                self._tap.remove()
+            self._tap, self._tapped = body.register_forward_hook(self._keep), body
+        self._captured.clear()
+        self._armed = True  # the hook stays registered but keeps nothing outside this call (evaluation)
         try:
             # logits_to_keep=1: the head runs on one position per row (wrappers still see a normal forward).
             model(**inputs, use_cache=False, logits_to_keep=1)
         finally:
-            handle.remove()
-        if len(captured) != 1:
-            raise RuntimeError(f"expected one call of {type(body).__name__} per forward, saw {len(captured)}")
-        return linear_cross_entropy_sum(captured[0], head_module, labels.to(captured[0].device),
+            self._armed = False
+        if len(self._captured) != 1:
+            raise RuntimeError(f"expected one call of {type(body).__name__} per forward, saw {len(self._captured)}")
+        hidden = self._captured.pop()
+        return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device),
                                         impl=self.impl, chunk_size=self.chunk_size)
+
+    def _keep(self, _module: nn.Module, _args: tuple, output) -> None:
+        if self._armed:
+            self._captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
