@@ -278,6 +278,18 @@ def test_lora_dropout_on_the_output_head_falls_back_with_a_reason(family):
     assert "dropout" in loss_fn.reason and "fallback" in loss_fn.description
 
 
+def test_lora_output_head_under_zero3_falls_back_with_a_reason():
+    from peft import LoraConfig, get_peft_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.0, target_modules=["0"]))
+    lora_head = peft_model.base_model.model[0]
+    assert output_head(lora_head)[0].kind == "lora"
+    lora_head.lora_B["default"].weight.ds_id = 7  # what deepspeed.zero.Init leaves on a parameter
+    head, reason = output_head(lora_head)
+    assert head is None and "ZeRO-3" in reason
+
+
 def test_training_loss_runs_the_head_on_one_position_only(family):
     adapter, model = family
     _, head = adapter.loss_modules(model)

@@ -154,6 +154,10 @@ def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
             problems.append("DoRA on the output head")
         if module.merged:
             problems.append("merged adapter weights")
+        if any(hasattr(p, "ds_id") for p in module.parameters()):
+            # ZeRO-3 hooks gather only a module's own parameters; a LoRA layer has none of its own,
+            # so the factors saved for the effective weight's backward would be empty shards.
+            problems.append("DeepSpeed ZeRO-3 parameters")
         if problems:
             return None, "LoRA output head with " + "; ".join(problems)
         name = active[0]
