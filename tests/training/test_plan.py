@@ -147,7 +147,7 @@ def test_training_estimate_matches_the_stated_formula():
     assert cost.memory_gib["gradients"] == pytest.approx(2 * 110 / 4 / gib)
     assert cost.memory_gib["optimizer"] == pytest.approx(12 * 110 / 4 / gib)
     assert cost.memory_gib["activations"] == pytest.approx((2 * 64 * 8 * 2 + 34 * 64 * 8) / gib)
-    assert cost.memory_gib["logits"] == pytest.approx(6 * 64 * 32 / gib)
+    assert cost.memory_gib["logits"] == pytest.approx(14 * 64 * 32 / gib)  # materialised by default
 
 
 def test_missing_images_fail_early_with_the_report(env, tmp_path, capsys):
@@ -227,3 +227,25 @@ def test_plan_counts_steps_as_the_training_loop(tmp_path, synthetic_dir, tiny_ov
     assert recipe.steps_per_epoch == [3, 3, 3]
     assert planned.cost["optimizer_steps"] == recipe.total_steps == 9
     recipe.cleanup()
+
+
+def test_logits_term_follows_the_loss_implementation():
+    params = ParamCounts(total=7_000_000_000, vision=300_000_000, projector=20_000_000, language_model=6_700_000_000,
+                         trainable=6_700_000_000, trainable_language_model=6_700_000_000, lora=0, hidden_size=4096,
+                         num_layers=32, vocab_size=92544, image_tokens=576, source="test")
+    common = dict(train_tokens=10**6, train_images=10, mean_sample_tokens=4000, micro_batch_tokens=8192,
+                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, zero_stage=3,
+                  offload_optimizer=False, offload_params=False, num_gpus=8, gpu=GPU_TYPES["a100-80g"],
+                  utilization=0.35)
+    gib = 1024**3
+    s, V, d = 8192, 92544, 4096
+    terms = {impl: estimate_cost(params, loss_impl=impl, loss_chunk_size=1024, **common)
+             for impl in ("materialized", "chunked", "fused")}
+    assert terms["materialized"].memory_gib["logits"] == pytest.approx(14 * s * V / gib)
+    assert terms["chunked"].memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d + 4 * V * d) / gib)
+    # Liger's chunk: 8192 rows / ceil(92544 / 4096) = 23 -> 357 -> next power of two 512
+    assert terms["fused"].memory_gib["logits"] == pytest.approx((2 * 512 * V + 2 * s * d + 4 * V * d) / gib)
+    assert terms["chunked"].memory_gib["logits"] < 0.35 * terms["materialized"].memory_gib["logits"]
+    assert "training.loss_impl=chunked" in terms["chunked"].formula
+    frozen_head = estimate_cost(params, loss_impl="chunked", loss_chunk_size=1024, head_trains=False, **common)
+    assert frozen_head.memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d) / gib)

@@ -316,6 +316,15 @@ class AutoAdapter(ModelAdapter):
             language += [m for m in top.children() if m is not inner]
         return ModuleGroups(vision=vision, projector=projector, language_model=language)
 
+    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
+        """transformers' ``model`` attribute (the multimodal body) and the output embeddings."""
+        top = _unwrap(model)
+        body = getattr(top, "model", None)
+        head = top.get_output_embeddings()
+        if body is None or head is None:
+            raise NotImplementedError(f"{type(top).__name__} has no `model` body or no output embeddings")
+        return body, head
+
     def text_config(self, config: Any) -> Any:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 

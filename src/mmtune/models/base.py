@@ -168,6 +168,15 @@ class ModelAdapter(ABC):
     def text_config(self, config: Any) -> Any:
         """The (nested) config object that holds the language model's RoPE settings."""
 
+    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
+        """``(body, head)`` of ``model`` (possibly wrapped): ``body``'s output carries the final,
+        normed hidden states as ``last_hidden_state`` and ``head`` maps them to logits.
+
+        The training loss reads these two instead of full-vocabulary logits
+        (:mod:`mmtune.training.loss`); families that do not say fall back to logits.
+        """
+        raise NotImplementedError(f"the {self.family} adapter does not name its hidden-state body and output head")
+
     @abstractmethod
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
         """A zero-valued scalar that runs the vision tower (and projector) on a dummy image.

@@ -1303,6 +1303,11 @@ class InternLMXComposer2Adapter(PieceAdapter):
         inner = unwrap_model(model)
         return ModuleGroups(vision=[inner.vit], projector=[inner.vision_proj], language_model=[inner.model, inner.output])
 
+    def loss_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """The InternLM2 decoder (``model``, output normed) and the output head (``output``)."""
+        inner = unwrap_model(model)
+        return inner.model, inner.output
+
     def text_config(self, config: Any) -> Any:
         return getattr(config, "text_config", config)
 

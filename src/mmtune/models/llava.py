@@ -618,6 +618,11 @@ class LlavaAdapter(PieceAdapter):
     def text_config(self, config: Any) -> Any:
         return config.text_config
 
+    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
+        """``LlavaModel`` (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
+        inner = unwrap_model(model)
+        return inner.model, inner.lm_head
+
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
         """Run the vision tower and projector on one blank image and return 0 * their output.
 

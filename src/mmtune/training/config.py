@@ -49,6 +49,7 @@ __all__ = [
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 PEFT_METHODS = ("none", "lora", "qlora")
+LOSS_IMPLS = ("auto", "chunked", "fused", "materialized")  # mmtune.training.loss (imports torch)
 SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
 
 
@@ -138,6 +139,15 @@ class TrainingConfig:
     """Evaluate the ``eval`` benchmarks on the final checkpoint."""
     compile: bool = False
     """``torch.compile`` the model (GPU runs; adds start-up time)."""
+    loss_impl: str = "auto"
+    """How the loss meets the output head. ``chunked``: pure-PyTorch linear cross-entropy
+    that never holds more than ``loss_chunk_size`` rows of logits (any device); ``fused``:
+    Liger's fused kernel (CUDA, ``pip install 'mmtune[liger]'``); ``materialized``: full
+    fp32 logits (1 GB at 8k tokens for a 32k vocabulary, 3 GB for InternLM2's 92k);
+    ``auto``: ``fused`` when available, else ``chunked``."""
+    loss_chunk_size: int = 1024
+    """Loss rows per chunk of the ``chunked`` loss: larger is faster, smaller holds fewer
+    logits (``rows x vocab`` fp32 per chunk; 1024 x 92,544 = 380 MB)."""
     ddp_find_unused_parameters: Optional[bool] = None
     """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
     the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
@@ -278,6 +288,10 @@ def validate(cfg: SFTConfig) -> None:
             problems.append(f"training.{key}={value} must be >= 1 (or null)")
     if not 0.0 <= t.warmup_ratio < 1.0:
         problems.append(f"training.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    if t.loss_impl not in LOSS_IMPLS:
+        problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
+    if t.loss_chunk_size < 1:
+        problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
     if t.lr <= 0:
         problems.append(f"training.lr={t.lr} must be > 0")
     for name in ("vision", "projector", "language_model"):

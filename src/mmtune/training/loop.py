@@ -49,6 +49,7 @@ from mmtune.models.base import IGNORE_INDEX
 from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, recover_interrupted_saves, save_final
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
+from mmtune.training.loss import TrainingLoss
 
 __all__ = ["SFTRecipe", "token_weighted_loss_sum", "seed_everything", "generate_synthetic_data",
            "check_evaluation_layout"]
@@ -232,6 +233,9 @@ class SFTRecipe:
         scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=self.total_steps)
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
+                                 device=acc.device)
+        acc.print(f"loss: {self.loss.description}")
         if t.compile:
             self.model = torch.compile(self.model)
 
@@ -334,8 +338,7 @@ class SFTRecipe:
                 with acc.accumulate(self.model):
                     inputs = {k: batch[k].to(acc.device) if batch.get(k) is not None else None for k in _MODEL_INPUTS}
                     with acc.autocast():
-                        logits = self.model(**inputs, use_cache=False).logits
-                        summed = token_weighted_loss_sum(logits, batch["labels"])
+                        summed = self.loss(self.model, inputs, batch["labels"])
                         if inputs["pixel_values"] is None:
                             # Text-only batch: still run the vision tower (ZeRO-3 must see the
                             # same modules called on every rank); its value is exactly 0.

@@ -33,7 +33,9 @@ Cost model (stated in the output as well; see :func:`estimate_cost`):
   FlashAttention/SDPA so no ``s²`` score matrix): ``34·s·d``
   bytes per layer for ``s`` tokens in a micro-batch (Korthikanti et al., 2022); with
   gradient checkpointing ``2·s·d`` per layer plus one layer's ``34·s·d``. Logits:
-  ``6·s·V`` bytes (16-bit logits + fp32 log-softmax). Plus 1.5 GiB for the CUDA context
+  the loss's working memory per ``training.loss_impl`` (materialised ``14·s·V`` bytes; the
+  chunked and fused linear cross-entropy hold one chunk of logits: see
+  :func:`estimate_cost`). Plus 1.5 GiB for the CUDA context
   and allocator slack.
 """
 
@@ -568,8 +570,26 @@ def estimate_cost(
     gpu: GpuType,
     utilization: float,
     vision_trains: bool = False,
+    loss_impl: str = "materialized",
+    loss_chunk_size: int = 1024,
+    head_trains: bool = True,
 ) -> CostEstimate:
-    """Compute and memory estimate (formulas in the module docstring)."""
+    """Compute and memory estimate (formulas in the module docstring).
+
+    ``loss_impl`` (``training.loss_impl``; ``auto`` counts as ``fused`` when Liger is
+    installed, else ``chunked``) decides the logits term, the loss's peak working memory
+    at the start of the backward pass for a micro-batch of ``s`` tokens:
+
+    * ``materialized``: ``14·s·V`` B (16-bit logits, their fp32 copy, the fp32
+      log-softmax kept for backward, and its fp32 gradient in backward);
+    * ``chunked``: ``10·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
+      (fp32 logits, turned into their gradient in place, plus a 16-bit copy and the
+      chunk's 16-bit weight gradient ``2·V·d``), plus ``4·V·d`` for the fp32
+      weight-gradient accumulator when the head trains in 16-bit;
+    * ``fused`` (Liger): ``2·c·V`` B with Liger's chunk ``c = 2^ceil(log2(s / ceil(V/d)))``
+      plus the gradients it computes in the forward pass and holds until backward,
+      ``2·s·d + 4·V·d`` B.
+    """
     n_lm, n_train_lm = params.language_model, params.trainable_language_model
     d, L, V = params.hidden_size, params.num_layers, params.vocab_size
     per_token = 2 * n_lm + 2 * n_lm + 2 * n_train_lm
@@ -603,7 +623,19 @@ def estimate_cost(
     gathered = wbytes * min(params.total, ZERO3_LIVE_PARAMETERS) if zero_stage >= 3 else 0.0
     s = micro_batch_tokens
     act = (2 * s * d * L + 34 * s * d) if gradient_checkpointing else 34 * s * d * L
-    logits = 6 * s * V
+    if loss_impl == "auto":
+        import importlib.util
+
+        loss_impl = "fused" if importlib.util.find_spec("liger_kernel") is not None else "chunked"
+    head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
+    if loss_impl == "chunked":
+        c = min(s, max(1, loss_chunk_size))
+        logits = 10 * c * V + 2 * V * d + head_grad_fp32
+    elif loss_impl == "fused":
+        c = min(s, 2 ** math.ceil(math.log2(max(1.0, s / math.ceil(V / d)))))
+        logits = 2 * c * V + 2 * s * d + (4 * V * d if head_trains else 0)
+    else:
+        logits = 14 * s * V
     gib = 1024**3
     mem = {
         "weights": weights / gib,
@@ -620,7 +652,9 @@ def estimate_cost(
         "(2|6)·N_vision·patches; GPU-h = FLOPs / (peak·utilization) / 3600. "
         "Memory = weights + grads + AdamW (8 or 12 B/param) sharded by ZeRO stage (+1e9 gathered params "
         "under ZeRO-3) + activations "
-        "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits 6·s·V B + 1.5 GiB."
+        "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
+        + {"chunked": "10·c·V + 2·V·d [+4·V·d fp32 head grad] B, c = loss_chunk_size rows",
+           "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
     )
     return CostEstimate(
         gpu=gpu.name, num_gpus=G, utilization=utilization, zero_stage=zero_stage,
@@ -851,6 +885,9 @@ def plan_run(
             gpu=GPU_TYPES[gpu],
             utilization=utilization,
             vision_trains=cfg.training.vision.train,
+            loss_impl=cfg.training.loss_impl,
+            loss_chunk_size=cfg.training.loss_chunk_size,
+            head_trains=cfg.training.language_model.train and cfg.peft.method == "none",
         )
     ev = cfg.eval
     return RunPlan(

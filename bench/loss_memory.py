@@ -1,0 +1,211 @@
+"""Peak memory and time of the loss alone (forward + backward): linear cross-entropy vs materialised logits.
+
+    python bench/loss_memory.py                                   # the full grid (needs a GPU to be quick)
+    python bench/loss_memory.py --hidden 256 --max-case-seconds 120   # what a small CPU box can run
+
+For every (tokens, vocabulary) pair the same inputs go through each loss path, each in
+a fresh process so one case's allocator state cannot flatter the next:
+
+* inputs: final hidden states ``[tokens, hidden]`` and a trainable output weight
+  ``[vocab, hidden]``, fp32 on CPU, bf16 hidden + fp32 weight under bf16 autocast on GPU;
+  by default every position has a label (the worst case for the chunked path, which
+  skips ignored rows; ``--label-fraction`` sets the share);
+* measured: peak memory above what the process held with the inputs allocated (CPU:
+  resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), and
+  the wall time of ``loss.backward()`` including the forward.
+
+The extra memory includes the two gradients every path must return (``hidden.grad`` and
+``weight.grad``); the "working" column subtracts them, leaving what the loss itself
+holds. Materialised cases whose logits cannot fit in the memory this machine has free
+are skipped and say so; so are cases whose estimated run time exceeds
+``--max-case-seconds`` (the estimate uses this machine's measured matmul speed).
+
+Goal at 8k tokens: chunked extra memory <= 10% of materialised, time <= 1.3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+GiB = 1024**3
+
+
+def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, device: str,
+          label_fraction: float) -> dict:
+    """Run one case in this process and return its measurements."""
+    import psutil
+    import torch
+    import torch.nn.functional as F
+
+    from mmtune.training.loss import _liger_sum, chunked_linear_cross_entropy, shifted_targets
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden_states = (torch.randn(tokens, hidden, device=device) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), device=device)
+    # The first (1 - label_fraction) of the row is prompt/image tokens, as in a dialogue.
+    labels[:, : int(tokens * (1 - label_fraction))] = -100
+    targets = shifted_targets(labels).reshape(-1)
+
+    def run():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            if impl == "materialized":
+                logits = hidden_states @ weight.t() if device == "cpu" else F.linear(hidden_states, weight)
+                loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+            elif impl == "chunked":
+                loss = chunked_linear_cross_entropy(hidden_states, weight, targets, chunk_size=chunk_size)
+            else:
+                loss = _liger_sum(hidden_states, weight, None, targets)
+        loss.backward()
+        return loss
+
+    grads_bytes = hidden_states.numel() * hidden_states.element_size() + weight.numel() * 4
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        loss = run()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        process = psutil.Process()
+        base = process.memory_info().rss
+        peak = [base]
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        started = time.perf_counter()
+        loss = run()
+        seconds = time.perf_counter() - started
+        stop.set()
+        thread.join()
+        peak[0] = max(peak[0], process.memory_info().rss)
+        extra = peak[0] - base
+    return {"extra": extra, "working": max(extra - grads_bytes, 0), "seconds": seconds, "loss": float(loss)}
+
+
+def _matmul_gflops(device: str) -> float:
+    import torch
+
+    a = torch.randn(1024, 2048, device=device)
+    b = torch.randn(2048, 4096, device=device)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(3):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 3 * 2 * 1024 * 2048 * 4096 / (time.perf_counter() - started) / 1e9
+
+
+def _free_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _skip_reason(tokens, vocab, hidden, impl, chunk_size, device, gflops, args) -> str | None:
+    logits_bytes = tokens * vocab * 4
+    inputs = (tokens + 2 * vocab) * hidden * 4 + tokens * hidden * 4  # inputs + gradients
+    if impl == "materialized":
+        need = 3 * logits_bytes + inputs  # logits, log-softmax and the logits' gradient
+    else:
+        need = 2 * min(tokens, chunk_size) * vocab * 4 + inputs
+    free = _free_bytes(device)
+    if need > args.memory_fraction * free:
+        return f"skipped: needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
+    matmuls = 3 if impl == "materialized" else 4
+    estimate = matmuls * 2 * tokens * vocab * hidden / (gflops * 1e9)
+    if estimate > args.max_case_seconds:
+        return f"skipped: ~{estimate:.0f} s estimated > --max-case-seconds {args.max_case_seconds:g}"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32064, 92544])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--label-fraction", type=float, default=1.0,
+                        help="share of positions with a label (1.0: every position, the chunked path's worst case)")
+    parser.add_argument("--max-case-seconds", type=float, default=600.0)
+    parser.add_argument("--memory-fraction", type=float, default=0.6,
+                        help="run a case only if its estimated need is below this share of free memory")
+    parser.add_argument("--case", nargs=4, metavar=("TOKENS", "VOCAB", "HIDDEN", "IMPL"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.case:
+        tokens, vocab, hidden, impl = int(args.case[0]), int(args.case[1]), int(args.case[2]), args.case[3]
+        print(json.dumps(_case(tokens, vocab, hidden, impl, args.chunk_size, device, args.label_fraction)))
+        return
+
+    from mmtune.training.loss import fused_available
+
+    impls = ["materialized", "chunked"] + (["fused"] if device == "cuda" and fused_available() else [])
+    gflops = _matmul_gflops(device)
+    print(f"device {device}, {torch.get_num_threads()} threads, matmul ~{gflops:.0f} GFLOP/s; hidden {args.hidden}, "
+          f"chunk {args.chunk_size} rows, {'bf16 autocast' if device == 'cuda' else 'fp32'}, "
+          f"{args.label_fraction:.0%} of positions labelled; "
+          f"memory = {'max_memory_allocated' if device == 'cuda' else 'peak RSS'} above the inputs")
+    header = f"{'tokens':>6} {'vocab':>6} {'path':>12} {'extra GiB':>9} {'working GiB':>11} {'time s':>7}"
+    header += f" {'extra vs mat':>12} {'time vs mat':>11}"
+    print(header)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for tokens in args.tokens:
+        for vocab in args.vocabs:
+            reference = None
+            for impl in impls:
+                reason = _skip_reason(tokens, vocab, args.hidden, impl, args.chunk_size, device, gflops, args)
+                if reason:
+                    print(f"{tokens:>6} {vocab:>6} {impl:>12}  {reason}", flush=True)
+                    continue
+                cmd = [sys.executable, __file__, "--case", str(tokens), str(vocab), str(args.hidden), impl,
+                       "--chunk-size", str(args.chunk_size), "--device", device,
+                       "--label-fraction", str(args.label_fraction)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    print(f"{tokens:>6} {vocab:>6} {impl:>12}  failed: {proc.stderr.strip().splitlines()[-1:]}")
+                    continue
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                line = (f"{tokens:>6} {vocab:>6} {impl:>12} {r['extra'] / GiB:>9.3f} {r['working'] / GiB:>11.3f} "
+                        f"{r['seconds']:>7.2f}")
+                if impl == "materialized":
+                    reference = r
+                elif reference is not None:
+                    line += (f" {r['extra'] / max(reference['extra'], 1):>11.1%} "
+                             f"{r['seconds'] / reference['seconds']:>10.2f}x")
+                    if abs(r["loss"] - reference["loss"]) > 1e-3 * abs(reference["loss"]):
+                        line += f"  LOSS MISMATCH {r['loss']:.4f} vs {reference['loss']:.4f}"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
