@@ -15,6 +15,12 @@ from pathlib import Path
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
+# Each shape stands for a topic with its own vocabulary, as real corpus categories have.
+TOPICS = {
+    "circle": ("astronomy", "planet", "a planet seen through a telescope, its round disc against the night sky"),
+    "square": ("architecture", "building", "a modern office building facade with square windows"),
+    "triangle": ("mountaineering", "mountain", "a steep alpine mountain peak above the tree line"),
+}
 
 
 def _draw(shape: str, rgb: tuple[int, int, int], size: int, rng: random.Random):
@@ -48,11 +54,12 @@ def generate_corpus(out_dir: str | Path, entries: int = 24, images_per_entry: in
             name = f"images/e{i:04d}_{k}.png"
             _draw(shape, COLOURS[colour], image_size, rng).save(out / name)
             paths.append(name)
-            captions.append(f"a {colour} {shape} drawn on a white background, view {k + 1}")
+            captions.append(f"{TOPICS[shape][2]}, tinted {colour} ({shape}), photo {k + 1}")
+        topic, noun, _ = TOPICS[shape]
         lines.append({
             "id": f"e{i:04d}", "images": paths, "captions": captions,
-            "tags": [f"shape {shape}", f"colour {colour}", f"{colour} {shape}s"],
-            "text": f"Entry {i} shows a {colour} {shape}. " * 3,
+            "tags": [topic, f"{colour} {noun}s", f"{topic} pictures"],
+            "text": f"Entry {i} is about a {colour} {noun} in the {topic} collection; it is drawn as a {shape}.",
         })
     path = out / "corpus.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -204,6 +205,22 @@ class SetGenerator:
     def __init__(self, cfg: BuildConfig, client, prompts: Prompts):
         self.cfg, self.client, self.prompts = cfg, client, prompts
         self.checker = ImageChecker("exists")
+        # An entry's images can land in several sets in flight at once: one summary call per
+        # entry, the other sets wait for it (the reply cache alone would not stop the race).
+        self._summary_locks: dict[str, threading.Lock] = {}
+        self._summaries: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _summary(self, image) -> Optional[str]:
+        with self._lock:
+            lock = self._summary_locks.setdefault(image.entry_id, threading.Lock())
+        with lock:
+            if image.entry_id not in self._summaries:
+                reply = self._ask(self.prompts.summarize(image.text, image.tags), [])
+                if reply is None:
+                    return None
+                self._summaries[image.entry_id] = reply.strip()
+            return self._summaries[image.entry_id]
 
     def _ask(self, prompt: str, images) -> Optional[str]:
         reply = self.client.judge(request(prompt, images, self.cfg.teacher))
@@ -218,10 +235,9 @@ class SetGenerator:
                 continue
             text = image.text
             if limit and len(text) > limit:
-                summary = self._ask(self.prompts.summarize(text, image.tags), [])
-                if summary is None:
+                text = self._summary(image)
+                if text is None:
                     return SetOutcome(s.id, "failed", reason="teacher_failed")
-                text = summary.strip()
             texts[image.entry_id] = text
         per_image: list[list[QA]] = []
         if self.cfg.prompts.per_image_pairs > 0:
