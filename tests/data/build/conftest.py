@@ -57,7 +57,7 @@ class FakeTeacher:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                status, payload = teacher._answer(body, dict(self.headers))
+                status, payload = teacher._answer(body, self.headers)
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -76,7 +76,7 @@ class FakeTeacher:
     def env(self, model: str = "fake-teacher") -> dict[str, str]:
         return {"MMTUNE_TEACHER_BASE_URL": self.base_url, "MMTUNE_TEACHER_MODEL": model}
 
-    def _answer(self, body: dict, headers: dict) -> tuple[int, dict]:
+    def _answer(self, body: dict, headers) -> tuple[int, dict]:
         if self.latency_s:
             time.sleep(self.latency_s)
         msg = body["messages"][-1]["content"]

@@ -79,3 +79,16 @@ def test_auto_uses_faiss_only_above_the_size_threshold():
 
 def test_size_histogram_buckets():
     assert size_histogram([[0, 1], [0, 1, 2], [0] * 4, [0] * 5, [0] * 17]) == {"2": 1, "3-4": 2, "5-8": 1, "17-32": 1}
+
+
+def test_blocked_neighbours_above_threshold_match_brute_force_on_both_paths():
+    x, _ = _planted(seed=4)
+    sims = x @ x.T
+    expect = -np.sort(-sims, axis=1)[:, :6]
+    expect = np.where(expect >= 0.5, expect, -np.inf)
+    for k, block in ((6, 7), (6, 1000)):  # sparse path (few pairs pass) and the top-k fallback
+        nb = neighbours_blocked(x, k=k, threshold=0.5, block_size=block)
+        np.testing.assert_allclose(nb.score, expect, rtol=1e-5, atol=1e-6)
+        assert ((nb.index >= 0) == np.isfinite(expect)).all()
+    dense = neighbours_blocked(x, k=2, threshold=-1.0, block_size=7)  # everything passes: fallback
+    np.testing.assert_allclose(dense.score, -np.sort(-sims, axis=1)[:, :2], rtol=1e-5, atol=1e-6)

@@ -47,21 +47,34 @@ def _keep_above(index: np.ndarray, score: np.ndarray, threshold: float) -> Neigh
 
 
 def neighbours_blocked(emb: np.ndarray, k: int, threshold: float, block_size: int = 2048) -> Neighbours:
-    """Exact top-k cosine neighbours by blocks of rows (``emb`` rows must be unit length)."""
+    """Exact top-k cosine neighbours above ``threshold``, by blocks of rows (rows must be unit length).
+
+    Most pairs of a real corpus are far below the threshold, so each block keeps only the
+    pairs above it and sorts those; a block where too many pass (a low threshold, a
+    near-duplicate corpus) takes a per-row top-k partition instead, bounding memory.
+    """
     n = emb.shape[0]
     k = min(k, n)
     out_i = np.full((n, k), -1, dtype=np.int64)
     out_s = np.full((n, k), -np.inf, dtype=np.float32)
     for start in range(0, n, block_size):
         sims = emb[start : start + block_size] @ emb.T  # (b, n)
-        if k < n:
-            part = np.argpartition(-sims, k - 1, axis=1)[:, :k]
-        else:
-            part = np.broadcast_to(np.arange(n), sims.shape)
+        b = sims.shape[0]
+        rows, cols = np.nonzero(sims >= threshold)
+        if rows.size <= 8 * b * k:
+            vals = sims[rows, cols]
+            order = np.lexsort((cols, -vals, rows))  # by row, then similarity descending
+            rows, cols, vals = rows[order], cols[order], vals[order]
+            rank = np.arange(rows.size) - np.searchsorted(rows, rows, side="left")
+            keep = rank < k
+            out_i[start + rows[keep], rank[keep]] = cols[keep]
+            out_s[start + rows[keep], rank[keep]] = vals[keep]
+            continue
+        part = np.argpartition(-sims, k - 1, axis=1)[:, :k] if k < n else np.broadcast_to(np.arange(n), sims.shape)
         top = np.take_along_axis(sims, part, axis=1)
         order = np.argsort(-top, axis=1, kind="stable")
-        out_i[start : start + len(sims)] = np.take_along_axis(part, order, axis=1)
-        out_s[start : start + len(sims)] = np.take_along_axis(top, order, axis=1)
+        out_i[start : start + b] = np.take_along_axis(part, order, axis=1)
+        out_s[start : start + b] = np.take_along_axis(top, order, axis=1)
     return _keep_above(out_i, out_s, threshold)
 
 
