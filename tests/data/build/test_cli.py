@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mmtune.cli import main as mmtune
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,3 +75,42 @@ def test_built_dataset_trains_through_the_sft_recipe(monkeypatch, teacher, corpu
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["train/loss"] > 0 and m["train/loss_tokens"] > 0 for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_killed_build_resumes_without_repeating_cached_calls(teacher, corpus, tmp_path):
+    import signal
+    import sqlite3
+    import time
+
+    from mmtune.data.build.config import load_build_config
+    from mmtune.data.build.pipeline import load_or_make_plan
+
+    teacher.latency_s = 0.05
+    out = tmp_path / "built"
+    args = ["data", "build", "demo", f"corpus.path={corpus}", f"output.dir={out}", "embed.kind=hashing",
+            "teacher.concurrency=2", "--no-progress"]
+    env = {**os.environ, **teacher.env(), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "mmtune.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = out / "shards" / "0-of-1" / "dialogues.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoint.is_file() and checkpoint.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the build finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with sqlite3.connect(out / "shards" / "0-of-1" / "teacher_cache.sqlite") as db:
+        cached = db.execute("SELECT COUNT(*) FROM replies").fetchone()[0]
+    cfg = load_build_config("demo", [f"corpus.path={corpus}", f"output.dir={out}", "embed.kind=hashing"])
+    plan = load_or_make_plan(cfg)
+    needed = sum(len(s.images) * (cfg.prompts.per_image_pairs > 0) + 1 for s in plan.sets)
+    assert 0 < cached < needed
+    served = teacher.served
+    rc = subprocess.run([sys.executable, "-m", "mmtune.cli", *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    assert teacher.served - served == needed - cached  # only calls never answered are made
+    assert len(json.loads((out / "mmdu.json").read_text())) == len(plan.sets)
