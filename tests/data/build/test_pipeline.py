@@ -126,3 +126,14 @@ def test_shard_spec():
     for bad in ("4/4", "x", "1/0", "-1/2"):
         with pytest.raises(BuildError):
             parse_shard(bad)
+
+
+def test_merge_counts_the_calls_of_every_run_of_a_shard(make_cfg, teacher):
+    cfg = make_cfg()
+    plan = load_or_make_plan(cfg)
+    teacher.fail_after = 5
+    generate_shard(cfg, plan, env=teacher.env())
+    teacher.fail_after = None
+    generate_shard(cfg, plan, env=teacher.env())
+    merged = merge(cfg, 1)
+    assert merged["teacher"]["completed"] == teacher.served == _calls_needed(plan)

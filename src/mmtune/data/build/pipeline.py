@@ -347,7 +347,11 @@ def generate_shard(
         "outcomes": dict(counts), "repairs": dict(repairs), "dropped_pairs": dict(dropped),
         "teacher": client.stats.to_dict(), "wall_s": time.perf_counter() - t,
     }
-    (folder / "stats.json").write_text(json.dumps(stats, indent=1))
+    # Each run of a shard adds its counts; the merge sums them, so a resumed build still
+    # reports every call it paid for.
+    path = folder / "stats.json"
+    runs = json.loads(path.read_text()).get("runs", []) if path.is_file() else []
+    path.write_text(json.dumps({"runs": runs + [stats]}, indent=1))
     return stats
 
 

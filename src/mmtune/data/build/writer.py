@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mmtune.data.build.config import BuildConfig
-from mmtune.data.build.pipeline import BuildError, read_jsonl_tolerant, shard_of
+from mmtune.data.build.pipeline import BuildError, shard_of
 from mmtune.data.readers import MMDU_PLACEHOLDER
 
 
@@ -40,6 +40,22 @@ def _place_image(src: str, dst: Path, mode: str) -> None:
             shutil.copy2(src, dst)
     else:
         shutil.copy2(src, dst)
+
+
+def _scan_jsonl(path: Path):
+    """``(byte offset, record)`` of every complete line (a line cut off by a kill is skipped)."""
+    if not path.is_file():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict) and "id" in record:
+                yield offset, record
+            offset += len(line)
 
 
 def estimate_tokens(record: dict[str, Any], tokens_per_image: int) -> int:
@@ -85,7 +101,9 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
     plan_info = json.loads((plan_dir / "plan.json").read_text())
     order = [json.loads(line)["id"] for line in (plan_dir / "sets.jsonl").read_text().splitlines() if line.strip()]
     position = {sid: k for k, sid in enumerate(order)}
-    records: dict[str, dict] = {}
+    # Only ids and byte offsets are held: the dialogues are read back one at a time while
+    # the merged file is written, so a merge of any size needs memory for its ids alone.
+    where: dict[str, tuple[Path, int]] = {}
     rejected: Counter = Counter()
     shard_stats: list[dict] = []
     missing_shards = []
@@ -94,9 +112,9 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         if not folder.is_dir():
             missing_shards.append(i)
             continue
-        for r in read_jsonl_tolerant(folder / "dialogues.jsonl"):
-            records[r["id"]] = r
-        for r in read_jsonl_tolerant(folder / "rejected.jsonl"):
+        for offset, r in _scan_jsonl(folder / "dialogues.jsonl"):
+            where[r["id"]] = (folder / "dialogues.jsonl", offset)
+        for _, r in _scan_jsonl(folder / "rejected.jsonl"):
             rejected[r["reason"]] += 1
         if (folder / "stats.json").is_file():
             shard_stats.append(json.loads((folder / "stats.json").read_text()))
@@ -105,57 +123,63 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
             f"shard folder(s) {missing_shards} of {n_shards} are missing under {out / 'shards'}: run "
             f"`mmtune data build CONFIG --shard i/{n_shards}` for each, or merge with the shard count used"
         )
-    unfinished = len(order) - len(records) - sum(rejected.values())
+    unfinished = len(order) - len(where) - sum(rejected.values())
     if unfinished and not allow_incomplete:
         raise BuildError(f"{unfinished} image sets have no dialogue yet: re-run the shards (they resume) and merge again")
-    ordered = sorted(records.values(), key=lambda r: position.get(r["id"], len(position)))
+    ids = sorted(where, key=lambda sid: position.get(sid, len(position)))
 
     images_dir = out / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
-    final = []
-    for r in ordered:
-        names = []
-        for p in r["image"]:
-            name = _image_name(p)
-            _place_image(p, images_dir / name, cfg.output.images)
-            names.append(name)
-        final.append({**r, "image": names})
     tmp = out / "mmdu.json.tmp"
-    tmp.write_text(json.dumps(final, ensure_ascii=False, indent=1), encoding="utf-8")
-    os.replace(tmp, out / "mmdu.json")
-    (out / "data.yaml").write_text(
-        "# mmtune data check " + str(out / "data.yaml") + " --strict\n"
-        "# The dataset written by `mmtune data build`: MMDU format, images under images/.\n"
-        "mixture:\n  sources:\n"
-        f"    - name: built\n      format: mmdu\n      path: {json.dumps(str((out / 'mmdu.json').resolve()))}\n"
-        f"      image_root: {json.dumps(str(images_dir.resolve()))}\n"
-        "validation:\n  mode: strict\n  check_images: verify\n",
-        encoding="utf-8",
-    )
-
-    tokens = [estimate_tokens(r, cfg.output.tokens_per_image) for r in final]
-    per_cluster = Counter()
+    tokens: list[int] = []
+    n_images: list[int] = []
+    n_turns: list[int] = []
+    per_cluster: Counter = Counter()
     cluster_of = {}
     for line in (plan_dir / "sets.jsonl").read_text().splitlines():
         if line.strip():
             d = json.loads(line)
             cluster_of[d["id"]] = d["cluster"]
-    for r in final:
-        per_cluster[cluster_of.get(r["id"], -1)] += 1
+    handles: dict[Path, Any] = {}
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("[")
+            for k, sid in enumerate(ids):
+                path, offset = where[sid]
+                if path not in handles:
+                    handles[path] = open(path, "rb")
+                handles[path].seek(offset)
+                r = json.loads(handles[path].readline())
+                names = []
+                for p in r["image"]:
+                    name = _image_name(p)
+                    _place_image(p, images_dir / name, cfg.output.images)
+                    names.append(name)
+                r = {**r, "image": names}
+                f.write(("\n" if k == 0 else ",\n") + json.dumps(r, ensure_ascii=False))
+                tokens.append(estimate_tokens(r, cfg.output.tokens_per_image))
+                n_images.append(len(names))
+                n_turns.append(len(r["conversations"]) // 2)
+                per_cluster[cluster_of.get(sid, -1)] += 1
+            f.write("\n]\n")
+    finally:
+        for h in handles.values():
+            h.close()
+    os.replace(tmp, out / "mmdu.json")
     repairs: Counter = Counter()
     dropped: Counter = Counter()
     teacher: Counter = Counter()
-    for s in shard_stats:
+    for s in (run for shard in shard_stats for run in shard.get("runs", [])):
         repairs.update(s.get("repairs", {}))
         dropped.update(s.get("dropped_pairs", {}))
         teacher.update({k: v for k, v in s.get("teacher", {}).items() if isinstance(v, (int, float))})
     stats = {
-        "dialogues": len(final),
+        "dialogues": len(ids),
         "sets_planned": len(order),
         "sets_rejected": dict(rejected),
         "sets_unfinished": unfinished,
-        "images_per_dialogue": _describe([len(r["image"]) for r in final]),
-        "turns_per_dialogue": _describe([len(r["conversations"]) // 2 for r in final]),
+        "images_per_dialogue": _describe(n_images),
+        "turns_per_dialogue": _describe(n_turns),
         "tokens_per_dialogue_estimate": _describe(tokens),
         "dialogues_per_cluster": _describe(list(per_cluster.values())),
         "clusters": plan_info.get("clusters", {}),
