@@ -137,3 +137,14 @@ def test_merge_counts_the_calls_of_every_run_of_a_shard(make_cfg, teacher):
     generate_shard(cfg, plan, env=teacher.env())
     merged = merge(cfg, 1)
     assert merged["teacher"]["completed"] == teacher.served == _calls_needed(plan)
+
+
+def test_an_image_gone_since_the_plan_fails_only_its_set(make_cfg, teacher):
+    import os
+
+    cfg = make_cfg()
+    plan = load_or_make_plan(cfg)
+    os.remove(plan.sets[0].images[0].path)
+    stats = generate_shard(cfg, plan, env=teacher.env())
+    assert stats["outcomes"]["failed:image_unreadable"] == 1
+    assert stats["outcomes"]["ok"] == len(plan.sets) - 1

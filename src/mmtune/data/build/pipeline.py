@@ -227,6 +227,13 @@ class SetGenerator:
         return reply.content if reply.ok else None
 
     def __call__(self, s: ImageSet) -> SetOutcome:
+        try:
+            return self._generate(s)
+        except OSError as e:  # an image moved or unreadable since the plan: this set only
+            log.warning("image set %s: %s", s.id, e)
+            return SetOutcome(s.id, "failed", reason="image_unreadable")
+
+    def _generate(self, s: ImageSet) -> SetOutcome:
         out = SetOutcome(s.id, "ok")
         texts: dict[str, str] = {}
         limit = self.cfg.prompts.summarize_chars
