@@ -34,6 +34,12 @@ def default_reply(prompt: str) -> str:
     return json.dumps({"qa": pairs})
 
 
+class _Server(ThreadingHTTPServer):
+    # The default listen backlog (5) drops connections when many clients connect at once.
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class FakeTeacher:
     """``/v1/chat/completions`` on 127.0.0.1 with scripted replies, latency and failures.
 
@@ -52,6 +58,8 @@ class FakeTeacher:
         teacher = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
             def log_message(self, *args):  # keep test output clean
                 pass
 
@@ -65,7 +73,7 @@ class FakeTeacher:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
