@@ -148,3 +148,14 @@ def test_an_image_gone_since_the_plan_fails_only_its_set(make_cfg, teacher):
     stats = generate_shard(cfg, plan, env=teacher.env())
     assert stats["outcomes"]["failed:image_unreadable"] == 1
     assert stats["outcomes"]["ok"] == len(plan.sets) - 1
+
+
+def test_images_can_be_symlinked_instead_of_copied(make_cfg, teacher):
+    cfg = make_cfg("output.images=symlink")
+    generate_shard(cfg, load_or_make_plan(cfg), env=teacher.env())
+    merge(cfg, 1)
+    from pathlib import Path
+
+    links = list((Path(cfg.output.dir) / "images").iterdir())
+    assert links and all(p.is_symlink() and p.resolve().is_file() for p in links)
+    assert "problems none" in verify_output(cfg)
