@@ -27,6 +27,10 @@ def test_build_end_to_end_reads_back_strictly(make_cfg, teacher):
     assert all(not p.startswith("/") for r in records for p in r["image"])  # relative to images/
     assert (pytest.importorskip("pathlib").Path(out) / "tokens_per_dialogue.png").is_file()
     assert "Built dataset" in open(f"{out}/stats.md").read()
+    from mmtune.data.config import load_data_config
+
+    source = load_data_config(f"{out}/data.yaml").mixture.sources[0]
+    assert source.format == "mmdu" and source.path.endswith("mmdu.json") and source.image_root.endswith("images")
 
 
 def test_interrupted_run_resumes_without_repeating_paid_calls(make_cfg, teacher):

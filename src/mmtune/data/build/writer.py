@@ -166,6 +166,15 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         for h in handles.values():
             h.close()
     os.replace(tmp, out / "mmdu.json")
+    (out / "data.yaml").write_text(
+        "# mmtune data check " + str(out / "data.yaml") + " --strict\n"
+        "# The dataset written by `mmtune data build`: MMDU format, images under images/.\n"
+        "mixture:\n  sources:\n"
+        f"    - name: built\n      format: mmdu\n      path: {json.dumps(str((out / 'mmdu.json').resolve()))}\n"
+        f"      image_root: {json.dumps(str(images_dir.resolve()))}\n"
+        "validation:\n  mode: strict\n  check_images: verify\n",
+        encoding="utf-8",
+    )
     repairs: Counter = Counter()
     dropped: Counter = Counter()
     teacher: Counter = Counter()
