@@ -10,7 +10,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "data": ("mmtune.data.check", "validate data sources and print a report (`mmtune data check CONFIG`)"),
+    "data": ("mmtune.data.check", "validate data (`mmtune data check CONFIG`) or build it (`mmtune data build CONFIG`)"),
     "demo": ("mmtune.training.demo", "generate synthetic data, train the tiny LLaVA on CPU, evaluate it"),
     "plan": ("mmtune.training.plan", "resolve a run or sweep without loading weights; print steps, tokens, cost"),
     "report": ("mmtune.evaluation.report_tables", "render the paper's tables with our numbers beside them"),
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
+    if name == "data" and rest[:1] == ["build"]:
+        from mmtune.data.build.cli import main as build_main
+
+        return int(build_main(rest[1:]) or 0)
     if name not in SUBCOMMANDS:
         print(f"mmtune: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2

@@ -1,0 +1,257 @@
+"""Merging shards into the final dataset, with its images, data config and stats report.
+
+The result reads as is: ``mmdu.json`` is MMDU format with image paths relative to
+``images/``; ``data.yaml`` is a data config for ``mmtune data check`` and the training
+recipes; the merged file is read back through the MMDU reader with every image
+verified before the merge reports success.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from mmtune.data.build.config import BuildConfig
+from mmtune.data.build.pipeline import BuildError, shard_of
+from mmtune.data.readers import MMDU_PLACEHOLDER
+
+
+def _image_name(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower() or ".img"
+    return hashlib.sha1(os.path.abspath(path).encode("utf-8")).hexdigest()[:16] + ext
+
+
+def _place_image(src: str, dst: Path, mode: str) -> None:
+    if dst.exists():
+        return
+    if mode == "symlink":
+        os.symlink(os.path.abspath(src), dst)
+    elif mode == "hardlink":
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system: copy instead
+            shutil.copy2(src, dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+def _scan_jsonl(path: Path):
+    """``(byte offset, record)`` of every complete line (a line cut off by a kill is skipped)."""
+    if not path.is_file():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict) and "id" in record:
+                yield offset, record
+            offset += len(line)
+
+
+def estimate_tokens(record: dict[str, Any], tokens_per_image: int) -> int:
+    """Characters / 4 plus ``tokens_per_image`` per image (no tokenizer needed)."""
+    chars = sum(len(m["value"].replace(MMDU_PLACEHOLDER, "")) for m in record["conversations"])
+    return chars // 4 + tokens_per_image * len(record["image"])
+
+
+def _describe(values: list[int]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    a = np.asarray(values)
+    return {"count": int(a.size), "mean": float(a.mean()), "min": int(a.min()), "p50": float(np.median(a)),
+            "p95": float(np.percentile(a, 95)), "max": int(a.max())}
+
+
+def _plot_tokens(tokens: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(tokens, bins=min(50, max(5, len(tokens) // 4)), color="#4477aa")
+    ax.set_xlabel("estimated tokens per dialogue (text chars / 4 + tokens per image)")
+    ax.set_ylabel("dialogues")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> dict[str, Any]:
+    """Merge ``n_shards`` shard folders into the dataset; returns the stats written to ``stats.json``.
+
+    Raises:
+        BuildError: no plan, a shard folder is missing, or (``allow_incomplete=False``)
+            sets are still unfinished.
+    """
+    out = Path(cfg.output.dir)
+    plan_dir = out / "plan"
+    if not (plan_dir / "sets.jsonl").is_file():
+        raise BuildError(f"{plan_dir} has no plan: run `mmtune data build CONFIG --stage plan` first")
+    plan_info = json.loads((plan_dir / "plan.json").read_text())
+    order = [json.loads(line)["id"] for line in (plan_dir / "sets.jsonl").read_text().splitlines() if line.strip()]
+    position = {sid: k for k, sid in enumerate(order)}
+    # Only ids and byte offsets are held: the dialogues are read back one at a time while
+    # the merged file is written, so a merge of any size needs memory for its ids alone.
+    where: dict[str, tuple[Path, int]] = {}
+    rejected: Counter = Counter()
+    shard_stats: list[dict] = []
+    missing_shards = []
+    for i in range(n_shards):
+        folder = out / "shards" / f"{i}-of-{n_shards}"
+        if not folder.is_dir():
+            missing_shards.append(i)
+            continue
+        for offset, r in _scan_jsonl(folder / "dialogues.jsonl"):
+            where[r["id"]] = (folder / "dialogues.jsonl", offset)
+        for _, r in _scan_jsonl(folder / "rejected.jsonl"):
+            rejected[r["reason"]] += 1
+        if (folder / "stats.json").is_file():
+            shard_stats.append(json.loads((folder / "stats.json").read_text()))
+    if missing_shards:
+        raise BuildError(
+            f"shard folder(s) {missing_shards} of {n_shards} are missing under {out / 'shards'}: run "
+            f"`mmtune data build CONFIG --shard i/{n_shards}` for each, or merge with the shard count used"
+        )
+    unfinished = len(order) - len(where) - sum(rejected.values())
+    if unfinished and not allow_incomplete:
+        raise BuildError(f"{unfinished} image sets have no dialogue yet: re-run the shards (they resume) and merge again")
+    ids = sorted(where, key=lambda sid: position.get(sid, len(position)))
+
+    images_dir = out / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out / "mmdu.json.tmp"
+    tokens: list[int] = []
+    n_images: list[int] = []
+    n_turns: list[int] = []
+    per_cluster: Counter = Counter()
+    cluster_of = {}
+    for line in (plan_dir / "sets.jsonl").read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            cluster_of[d["id"]] = d["cluster"]
+    handles: dict[Path, Any] = {}
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("[")
+            for k, sid in enumerate(ids):
+                path, offset = where[sid]
+                if path not in handles:
+                    handles[path] = open(path, "rb")
+                handles[path].seek(offset)
+                r = json.loads(handles[path].readline())
+                names = []
+                for p in r["image"]:
+                    name = _image_name(p)
+                    _place_image(p, images_dir / name, cfg.output.images)
+                    names.append(name)
+                r = {**r, "image": names}
+                f.write(("\n" if k == 0 else ",\n") + json.dumps(r, ensure_ascii=False))
+                tokens.append(estimate_tokens(r, cfg.output.tokens_per_image))
+                n_images.append(len(names))
+                n_turns.append(len(r["conversations"]) // 2)
+                per_cluster[cluster_of.get(sid, -1)] += 1
+            f.write("\n]\n")
+    finally:
+        for h in handles.values():
+            h.close()
+    os.replace(tmp, out / "mmdu.json")
+    (out / "data.yaml").write_text(
+        "# mmtune data check " + str(out / "data.yaml") + " --strict\n"
+        "# The dataset written by `mmtune data build`: MMDU format, images under images/.\n"
+        "mixture:\n  sources:\n"
+        f"    - name: built\n      format: mmdu\n      path: {json.dumps(str((out / 'mmdu.json').resolve()))}\n"
+        f"      image_root: {json.dumps(str(images_dir.resolve()))}\n"
+        "validation:\n  mode: strict\n  check_images: verify\n",
+        encoding="utf-8",
+    )
+    repairs: Counter = Counter()
+    dropped: Counter = Counter()
+    teacher: Counter = Counter()
+    for s in (run for shard in shard_stats for run in shard.get("runs", [])):
+        repairs.update(s.get("repairs", {}))
+        dropped.update(s.get("dropped_pairs", {}))
+        teacher.update({k: v for k, v in s.get("teacher", {}).items() if isinstance(v, (int, float))})
+    stats = {
+        "dialogues": len(ids),
+        "sets_planned": len(order),
+        "sets_rejected": dict(rejected),
+        "sets_unfinished": unfinished,
+        "images_per_dialogue": _describe(n_images),
+        "turns_per_dialogue": _describe(n_turns),
+        "tokens_per_dialogue_estimate": _describe(tokens),
+        "dialogues_per_cluster": _describe(list(per_cluster.values())),
+        "clusters": plan_info.get("clusters", {}),
+        "corpus": plan_info.get("corpus", {}),
+        "repairs": dict(repairs),
+        "dropped_pairs": dict(dropped),
+        "teacher": dict(teacher),
+    }
+    (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    (out / "stats.md").write_text(render_stats(stats))
+    if tokens:
+        _plot_tokens(tokens, out / "tokens_per_dialogue.png")
+    return stats
+
+
+def render_stats(stats: dict[str, Any]) -> str:
+    """The stats as a short Markdown report."""
+
+    def row(name: str, d: dict) -> str:
+        if not d.get("count"):
+            return f"| {name} | 0 | | | | | |"
+        return f"| {name} | {d['count']} | {d['mean']:.1f} | {d['min']} | {d['p50']:.0f} | {d['p95']:.0f} | {d['max']} |"
+
+    c = stats.get("clusters", {})
+    lines = [
+        "# Built dataset",
+        "",
+        f"dialogues {stats['dialogues']} of {stats['sets_planned']} image sets planned; "
+        f"rejected {sum(stats['sets_rejected'].values())}, unfinished {stats['sets_unfinished']}",
+        "",
+        "| per dialogue | n | mean | min | median | p95 | max |",
+        "|---|---|---|---|---|---|---|",
+        row("images", stats["images_per_dialogue"]),
+        row("turns (Q&A pairs)", stats["turns_per_dialogue"]),
+        row("tokens (estimate)", stats["tokens_per_dialogue_estimate"]),
+        "",
+        f"clusters {c.get('count', 0)} ({c.get('backend', '?')} search), entries clustered "
+        f"{c.get('entries_clustered', 0)}, left out {c.get('entries_unclustered', 0)}; size "
+        f"min {c.get('size_min', 0)} mean {c.get('size_mean', 0):.1f} max {c.get('size_max', 0)}",
+        "",
+        "cluster size histogram: " + ", ".join(f"{k}: {v}" for k, v in c.get("histogram", {}).items()),
+        "",
+        "rejected sets by reason: " + (", ".join(f"{k} {v}" for k, v in stats["sets_rejected"].items()) or "none"),
+        "dropped Q&A pairs by reason: " + (", ".join(f"{k} {v}" for k, v in stats["dropped_pairs"].items()) or "none"),
+        "repairs: " + (", ".join(f"{k} {v}" for k, v in stats["repairs"].items()) or "none"),
+        "teacher: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats["teacher"].items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def verify_output(cfg: BuildConfig, cache_dir: Optional[str] = None) -> str:
+    """Read the merged dataset back through the MMDU reader in strict mode (images verified).
+
+    Returns the validation report text. Raises what the reader raises on a problem.
+    """
+    from mmtune.data.config import SourceConfig
+    from mmtune.data.readers import load_source
+
+    out = Path(cfg.output.dir)
+    source = SourceConfig(name="built", format="mmdu", path=str(out / "mmdu.json"), image_root=str(out / "images"))
+    data = load_source(source, mode="strict", cache_dir=cache_dir or str(out / "cache"), check_images="verify",
+                       refresh=True)
+    return data.report.render()
+
+
+__all__ = ["merge", "render_stats", "estimate_tokens", "verify_output", "shard_of"]
