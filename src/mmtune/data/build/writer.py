@@ -172,7 +172,8 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         "mixture:\n  sources:\n"
         f"    - name: built\n      format: mmdu\n      path: {json.dumps(str((out / 'mmdu.json').resolve()))}\n"
         f"      image_root: {json.dumps(str(images_dir.resolve()))}\n"
-        "validation:\n  mode: strict\n  check_images: verify\n",
+        "validation:\n  mode: strict\n  check_images: verify\n"
+        + (_SYMLINK_NOTE if cfg.output.images == "symlink" else ""),
         encoding="utf-8",
     )
     repairs: Counter = Counter()
@@ -239,6 +240,13 @@ def render_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Linked images resolve outside images/, which the image path rule refuses unless allowed.
+_SYMLINK_NOTE = (
+    "# output.images=symlink: the links point at the corpus's own files, outside images/.\n"
+    "allow_absolute_image_paths: true\n"
+)
+
+
 def verify_output(cfg: BuildConfig, cache_dir: Optional[str] = None) -> str:
     """Read the merged dataset back through the MMDU reader in strict mode (images verified).
 
@@ -250,7 +258,7 @@ def verify_output(cfg: BuildConfig, cache_dir: Optional[str] = None) -> str:
     out = Path(cfg.output.dir)
     source = SourceConfig(name="built", format="mmdu", path=str(out / "mmdu.json"), image_root=str(out / "images"))
     data = load_source(source, mode="strict", cache_dir=cache_dir or str(out / "cache"), check_images="verify",
-                       refresh=True)
+                       refresh=True, allow_absolute_image_paths=cfg.output.images == "symlink")
     return data.report.render()
 
 
