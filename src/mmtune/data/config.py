@@ -239,8 +239,8 @@ def configs_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "configs"
 
 
-def resolve_data_config_path(name_or_path: str) -> Path:
-    """A YAML path as given, or ``configs/data/<name>.yaml`` for a bare config name.
+def resolve_group_config_path(group: str, name_or_path: str) -> Path:
+    """A YAML path as given, or ``configs/<group>/<name>.yaml`` for a bare config name.
 
     Raises:
         FileNotFoundError: neither exists; the message lists the available names.
@@ -248,14 +248,19 @@ def resolve_data_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    candidate = configs_dir() / "data" / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    candidate = configs_dir() / group / f"{name_or_path.removesuffix('.yaml')}.yaml"
     if candidate.is_file():
         return candidate
-    available = sorted(p.stem for p in (configs_dir() / "data").glob("*.yaml"))
+    available = sorted(p.stem for p in (configs_dir() / group).glob("*.yaml"))
     raise FileNotFoundError(
-        f"data config {name_or_path!r} is neither a file nor a name in {configs_dir() / 'data'} "
+        f"{group} config {name_or_path!r} is neither a file nor a name in {configs_dir() / group} "
         f"(available: {', '.join(available) or 'none'})"
     )
+
+
+def resolve_data_config_path(name_or_path: str) -> Path:
+    """A YAML path as given, or ``configs/data/<name>.yaml`` (see :func:`resolve_group_config_path`)."""
+    return resolve_group_config_path("data", name_or_path)
 
 
 def load_data_config(name_or_path: str, overrides: Optional[List[str]] = None) -> DataConfig:
@@ -298,6 +303,7 @@ __all__ = [
     "DataConfig",
     "default_cache_dir",
     "configs_dir",
+    "resolve_group_config_path",
     "resolve_data_config_path",
     "load_data_config",
 ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mmtune.data.config import ConfigError, configs_dir
+from mmtune.data.config import ConfigError, resolve_group_config_path
 
 IMAGE_CHECKS = ("verify", "exists")
 EMBEDDERS = ("sentence_transformers", "hashing")
@@ -193,17 +193,7 @@ class BuildConfig:
 
 def resolve_build_config_path(name_or_path: str) -> Path:
     """A YAML path as given, or ``configs/build/<name>.yaml``."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    candidate = configs_dir() / "build" / f"{name_or_path.removesuffix('.yaml')}.yaml"
-    if candidate.is_file():
-        return candidate
-    available = sorted(p.stem for p in (configs_dir() / "build").glob("*.yaml"))
-    raise FileNotFoundError(
-        f"build config {name_or_path!r} is neither a file nor a name in {configs_dir() / 'build'} "
-        f"(available: {', '.join(available) or 'none'})"
-    )
+    return resolve_group_config_path("build", name_or_path)
 
 
 def load_build_config(name_or_path: str, overrides: Optional[List[str]] = None) -> BuildConfig:
