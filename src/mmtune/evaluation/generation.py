@@ -32,11 +32,13 @@ import json
 import logging
 import os
 import re
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.batched_kv import BatchedKVCache
 from mmtune.evaluation.common import question_text
 from mmtune.evaluation.config import GenerationConfig
 from mmtune.models.base import ImageChunk, ModelAdapter
@@ -108,6 +110,37 @@ class _State:
     cached_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Slot:
+    """A row of the batched KV path: the dialogue it answers and its next exchange."""
+
+    state: _State
+    turn: int = 0
+
+
+# Compact the batched cache once more than this fraction of it is holes: a compaction
+# copies the cache once (about one decode step's memory traffic), holes cost memory and
+# attention time at every step.
+_COMPACT_HOLES = 0.25
+
+
+def _reusable_prefix(ids: list[int], cached: list[int], spans: list[tuple[int, int]]) -> int:
+    """How many leading tokens of ``ids`` a cache holding ``cached`` can keep.
+
+    The longest common prefix, less one (at least one token must be fed to get the
+    logits of the next position), moved back to an image's start if it ends inside one
+    (an image's features come in one piece)."""
+    common = 0
+    limit = min(len(ids), len(cached))
+    while common < limit and ids[common] == cached[common]:
+        common += 1
+    common = min(common, len(ids) - 1)
+    for start, end in spans:
+        if start < common < end:
+            common = start
+    return common
+
+
 _IMAGE_NAME = re.compile(r"\bimage\s*(\d+)\b", re.IGNORECASE)
 
 
@@ -142,7 +175,9 @@ class DialogueGenerator:
         if self.pad_id is None:
             self.pad_id = adapter.stop_token_ids[0]
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0}
+        # forward_tokens: real tokens run through the model; padding_tokens: pad positions
+        # fed alongside them (batching); forward_calls: model calls (kernel launches scale with it)
+        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0, "compactions": 0}
 
     # ------------------------------------------------------------------ prompts
     def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
@@ -222,10 +257,11 @@ class DialogueGenerator:
                 processors.append(TopPLogitsWarper(self.config.top_p))
         return processors
 
-    def _forward(self, ids, pixel_values, mask, positions, cache):
+    def _forward(self, ids, pixel_values, mask, positions, cache, keep: Any = 1):
         kwargs = {self._cache_kw: cache, "use_cache": True}
+        self.stats["forward_calls"] += 1
         out = self.model(
-            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kwargs
+            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **kwargs
         )
         return out.logits[:, -1, :].float()
 
@@ -260,6 +296,7 @@ class DialogueGenerator:
         fed = [len(r) for r in rows]
         history = torch.tensor([[self.pad_id] * p + c for p, c in zip([max(len(c) for c in contexts) - len(c) for c in contexts], contexts)], device=self.device)
         logits = self._forward(ids, pixel_values, mask, positions, cache)
+        self.stats["padding_tokens"] += sum(pads)
         last_pos = positions[:, -1]
         step = 0
         while True:
@@ -287,6 +324,7 @@ class DialogueGenerator:
             for b in range(B):
                 if not finish[b]:
                     fed[b] += 1
+            self.stats["padding_tokens"] += sum(1 for f in finish if f)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             history = torch.cat([history, feed.unsqueeze(1)], dim=1)
@@ -311,15 +349,7 @@ class DialogueGenerator:
         import torch
 
         with torch.inference_mode():
-            common = 0
-            limit = min(len(ids), len(state.cached_ids))
-            while common < limit and ids[common] == state.cached_ids[common]:
-                common += 1
-            # at least one token must be fed to get logits for the next position
-            common = min(common, len(ids) - 1)
-            for start, end in spans:  # never keep half an image: its features come in one piece
-                if start < common < end:
-                    common = start
+            common = _reusable_prefix(ids, state.cached_ids, spans)
             if state.cache is None or common == 0:
                 state.cache, common = self._new_cache(), 0
             else:
@@ -331,6 +361,139 @@ class DialogueGenerator:
         # the cache now holds the prompt and every generated token except the last one sampled
         state.cached_ids = ids + gen[: max(0, fed - (len(ids) - common))]
         return gen, finish, fed
+
+    # ------------------------------------------------------------------ batched KV path
+    def _next_tokens(self, processors, history, logits):
+        import torch
+
+        scores = processors(history, logits)
+        if self.config.do_sample:
+            probs = torch.softmax(scores, dim=-1).cpu()
+            return torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+        return scores.argmax(dim=-1)
+
+    def _decode_round(
+        self,
+        kv: BatchedKVCache,
+        feeds: list[list[int]],
+        image_paths: list[str],
+        max_new: list[int],
+        contexts: list[list[int]],
+    ) -> list[tuple[list[int], str, int]]:
+        """One turn of every row of ``kv``: prefill each row's new tokens (right-padded in one
+        step), then decode all rows together until each has stopped; a stopped row feeds a
+        masked pad until the others are done. Returns per row: generated ids (stop token
+        excluded), finish reason and the real tokens the row ran through the model."""
+        import torch
+
+        B, width = kv.batch_size, max(len(f) for f in feeds)
+        ids = torch.tensor([f + [self.pad_id] * (width - len(f)) for f in feeds], dtype=torch.long, device=self.device)
+        positions, last = kv.extend(feeds, width)
+        pixel_values = None
+        if image_paths:  # row-major order of their tokens: the order the model splices them in
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        processors = self._logits_processors()
+        stops = set(self.adapter.stop_token_ids)
+        generated: list[list[int]] = [[] for _ in range(B)]
+        finish = [""] * B
+        fed = [len(f) for f in feeds]
+        longest = max(len(c) for c in contexts)
+        history = torch.tensor([[self.pad_id] * (longest - len(c)) + c for c in contexts], dtype=torch.long, device=self.device)
+        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+        self.stats["padding_tokens"] += B * width - sum(fed)
+        while True:
+            next_ids = self._next_tokens(processors, history, logits)
+            for b, token in enumerate(next_ids.tolist()):
+                if finish[b]:
+                    continue
+                if token in stops:
+                    finish[b] = "stop"
+                else:
+                    generated[b].append(token)
+                    if len(generated[b]) >= max_new[b]:
+                        finish[b] = "length"
+            if all(finish):
+                break
+            step = [[] if finish[b] else [generated[b][-1]] for b in range(B)]
+            for b in range(B):
+                fed[b] += len(step[b])
+            self.stats["padding_tokens"] += sum(1 for f in finish if f)
+            feed = torch.tensor([s[0] if s else self.pad_id for s in step], dtype=torch.long, device=self.device)
+            positions, _ = kv.extend(step, 1)
+            history = torch.cat([history, feed.unsqueeze(1)], dim=1)
+            logits = self._forward(feed.unsqueeze(1), None, kv.mask, positions, kv.cache)
+        return [(generated[b], finish[b], fed[b]) for b in range(B)]
+
+    def _advance(self, slot: _Slot, done: dict, emit: Any, bar: Any) -> Optional[tuple]:
+        """Move ``slot`` to its next turn that needs the model and return that turn's prompt;
+        ``None`` when the dialogue has no such turn left. Turns already on disk are passed
+        over, turns the overflow policy skips are recorded on the way."""
+        state = slot.state
+        while slot.turn < len(state.answers):
+            if (state.dialogue.id, slot.turn) not in done:
+                prompt = self._prompt(state, slot.turn)
+                if prompt is not None:
+                    return prompt
+                emit(self._records_for(state, slot.turn, None, [], "", 0))
+                bar.update(1)
+            slot.turn += 1
+        return None
+
+    def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
+        """Continuous batching at dialogue granularity over ``batch_size`` slots.
+
+        Every round, each slot answers the next turn of its dialogue: it feeds only the
+        prompt tokens after the prefix its cache row still holds, then all slots decode
+        together. A slot whose dialogue has no turn left takes the next dialogue (its
+        cache row is forgotten, not freed: the holes go at the next compaction); when no
+        dialogue is left, the slot leaves the batch.
+        """
+        import torch
+
+        queue = deque(s for s in states if any((s.dialogue.id, t) not in done for t in range(len(s.answers))))
+        slots: list[Optional[_Slot]] = [None] * min(self.config.batch_size, len(queue))
+        if not slots:
+            return
+        # the cache bookkeeping edits tensors made under inference mode, so all of it runs there
+        with torch.inference_mode():
+            kv = BatchedKVCache(self._new_cache, len(slots), self.device)
+            while True:
+                requests: list[tuple[int, tuple]] = []
+                for row in range(len(slots)):
+                    prompt = self._advance(slots[row], done, emit, bar) if slots[row] else None
+                    while prompt is None and queue:
+                        slots[row] = _Slot(queue.popleft())
+                        kv.keep(row, 0)  # the new dialogue shares nothing with the old one
+                        prompt = self._advance(slots[row], done, emit, bar)
+                    if prompt is None:
+                        slots[row] = None
+                    else:
+                        requests.append((row, prompt))
+                if not requests:
+                    break
+                rows = [row for row, _ in requests]
+                if rows != list(range(kv.batch_size)):
+                    kv.select(rows)
+                    slots = [slots[r] for r in rows]
+                    requests = [(i, prompt) for i, (_, prompt) in enumerate(requests)]
+                feeds, image_paths, max_new, contexts = [], [], [], []
+                for row, (ids, images, spans, _) in requests:
+                    common = _reusable_prefix(ids, kv.ids[row], spans)
+                    kv.keep(row, common)
+                    feeds.append(ids[common:])
+                    image_paths += [img.path for img, (start, _) in zip(images, spans) if start >= common]
+                    max_new.append(self._max_new(len(ids)))
+                    contexts.append(ids)
+                if kv.holes() > _COMPACT_HOLES:
+                    kv.compact()
+                    self.stats["compactions"] += 1
+                outs = self._decode_round(kv, feeds, image_paths, max_new, contexts)
+                for (row, prompt), (gen, finish, fed) in zip(requests, outs):
+                    slot = slots[row]
+                    slot.state.answers[slot.turn] = self._answer_text(gen)
+                    emit(self._records_for(slot.state, slot.turn, prompt, gen, finish, fed))
+                    bar.update(1)
+                    slot.turn += 1
 
     # ------------------------------------------------------------------ driver
     def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
@@ -398,7 +561,9 @@ class DialogueGenerator:
         todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
         bar = tqdm(total=todo, desc="generating", disable=not progress)
         try:
-            if self.config.kv_reuse:
+            if self.config.kv_reuse and self.config.batch_size > 1:
+                self._generate_batched_kv(states, done, emit, bar)
+            elif self.config.kv_reuse:
                 for state in states:
                     for t in range(len(state.answers)):
                         if (state.dialogue.id, t) in done:
