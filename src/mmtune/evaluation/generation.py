@@ -11,9 +11,15 @@ generated, or the overflow policy dropped turns, the cache is cropped back to th
 common prefix (never into the middle of an image) and the rest is fed again. So both
 paths see exactly the same prompt ids; a test checks that their answers are identical.
 
-The re-encode path (``kv_reuse: false``) encodes the whole history every turn and
-batches ``batch_size`` dialogues per forward pass (left padding); the KV path runs one
-dialogue at a time, since the dialogues' caches would diverge in length every turn.
+``batch_size`` dialogues are answered together. On the KV path they share one batched
+cache (:class:`~mmtune.evaluation.batched_kv.BatchedKVCache`): every round, each row
+feeds only its turn's new tokens, right-padded within the step, with an attention mask
+that hides every other column and position ids that count the row's own tokens; then
+all rows decode together until each has stopped. A row whose dialogue is done takes
+the next dialogue (continuous batching at dialogue granularity). With greedy decoding
+the answers are those of one dialogue at a time, which a test checks on LLaVA and
+XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole history every
+turn, left-padded, ``batch_size`` dialogues per forward pass.
 
 Context overflow: when ``prompt + min_new_tokens`` exceeds the window, ``drop_oldest``
 drops the oldest exchanges (their images are carried into the first kept user turn when
@@ -41,6 +47,7 @@ from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.evaluation.batched_kv import BatchedKVCache
 from mmtune.evaluation.common import question_text
 from mmtune.evaluation.config import GenerationConfig
+from mmtune.evaluation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 
 __all__ = ["TurnRecord", "DialogueGenerator", "flatten", "read_generations"]
@@ -175,9 +182,12 @@ class DialogueGenerator:
         if self.pad_id is None:
             self.pad_id = adapter.stop_token_ids[0]
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        # forward_tokens: real tokens run through the model; padding_tokens: pad positions
-        # fed alongside them (batching); forward_calls: model calls (kernel launches scale with it)
-        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0, "compactions": 0}
+        self.batch_size = resolve_batch_size(config, sum(p.numel() for p in model.parameters()))
+        # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
+        # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
+        # had already ended; forward_calls: model calls; compactions: batched-cache compactions
+        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
+                      "idle_tokens": 0, "compactions": 0}
 
     # ------------------------------------------------------------------ prompts
     def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
@@ -325,6 +335,7 @@ class DialogueGenerator:
                 if not finish[b]:
                     fed[b] += 1
             self.stats["padding_tokens"] += sum(1 for f in finish if f)
+            self.stats["idle_tokens"] += sum(1 for f in finish if f)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             history = torch.cat([history, feed.unsqueeze(1)], dim=1)
@@ -418,6 +429,7 @@ class DialogueGenerator:
             for b in range(B):
                 fed[b] += len(step[b])
             self.stats["padding_tokens"] += sum(1 for f in finish if f)
+            self.stats["idle_tokens"] += sum(1 for f in finish if f)
             feed = torch.tensor([s[0] if s else self.pad_id for s in step], dtype=torch.long, device=self.device)
             positions, _ = kv.extend(step, 1)
             history = torch.cat([history, feed.unsqueeze(1)], dim=1)
@@ -451,7 +463,7 @@ class DialogueGenerator:
         import torch
 
         queue = deque(s for s in states if any((s.dialogue.id, t) not in done for t in range(len(s.answers))))
-        slots: list[Optional[_Slot]] = [None] * min(self.config.batch_size, len(queue))
+        slots: list[Optional[_Slot]] = [None] * min(self.batch_size, len(queue))
         if not slots:
             return
         # the cache bookkeeping edits tensors made under inference mode, so all of it runs there
@@ -561,7 +573,7 @@ class DialogueGenerator:
         todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
         bar = tqdm(total=todo, desc="generating", disable=not progress)
         try:
-            if self.config.kv_reuse and self.config.batch_size > 1:
+            if self.config.kv_reuse and self.batch_size > 1:
                 self._generate_batched_kv(states, done, emit, bar)
             elif self.config.kv_reuse:
                 for state in states:
@@ -577,7 +589,7 @@ class DialogueGenerator:
                         bar.update(1)
                     state.cache, state.cached_ids = None, []  # free the dialogue's KV memory
             else:
-                size = self.config.batch_size
+                size = self.batch_size
                 for start in range(0, len(states), size):
                     group = states[start : start + size]
                     for t in range(max((len(s.answers) for s in group), default=0)):
