@@ -143,6 +143,18 @@ def test_batched_kv_any_batch_size(llava, dialogues, batch_size):
     assert _fields(batched) == _fields(one)
 
 
+def test_batched_kv_lockstep_schedule_gives_the_same_answers(llava, dialogues):
+    """Rows starting turns together (after the longest answer) instead of as soon as they can."""
+    adapter, model = llava
+    one, _ = _run(adapter, model, dialogues, batch_size=1)
+    continuous, stats = _run(adapter, model, dialogues, batch_size=4)
+    gen = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8, batch_size=4))
+    gen.prefill_policy = "lockstep"
+    assert _fields(gen.generate(dialogues)) == _fields(one)
+    # waiting for the longest answer of the batch costs model calls
+    assert stats["forward_calls"] < gen.stats["forward_calls"] and gen.stats["idle_tokens"] > 0
+
+
 def test_batched_kv_overflow_stop_policy(llava, dialogues):
     adapter, model = llava
     one, _ = _run(adapter, model, dialogues, batch_size=1, overflow="stop")

@@ -119,10 +119,20 @@ class _State:
 
 @dataclass
 class _Slot:
-    """A row of the batched KV path: the dialogue it answers and its next exchange."""
+    """A row of the batched KV path: its dialogue, the exchange it answers and how far it got."""
 
     state: _State
     turn: int = 0
+    prompt: Optional[tuple] = None
+    """The turn's prompt (ids, images, spans, overflow info); ``None`` between turns."""
+    feed: Optional[list[int]] = None
+    """Prompt tokens still to prefill (``None`` once prefilled: the row is decoding)."""
+    image_paths: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0
+    max_new: int = 0
+    processors: Any = None
+    history: Any = None
 
 
 # Compact the batched cache once more than this fraction of it is holes: a compaction
@@ -159,6 +169,11 @@ class DialogueGenerator:
         model: the loaded model (``adapter.load_model()``), in eval mode.
         config: decoding, batching and overflow settings.
     """
+
+    prefill_policy = "continuous"
+    """Batched KV path: ``continuous`` (a row starts its next turn as soon as its answer
+    ends) or ``lockstep`` (rows start turns together, after the longest answer; slower
+    when answer lengths differ, kept to measure that)."""
 
     def __init__(self, adapter: ModelAdapter, model: Any, config: GenerationConfig):
         import torch
@@ -374,68 +389,6 @@ class DialogueGenerator:
         return gen, finish, fed
 
     # ------------------------------------------------------------------ batched KV path
-    def _next_tokens(self, processors, history, logits):
-        import torch
-
-        scores = processors(history, logits)
-        if self.config.do_sample:
-            probs = torch.softmax(scores, dim=-1).cpu()
-            return torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
-        return scores.argmax(dim=-1)
-
-    def _decode_round(
-        self,
-        kv: BatchedKVCache,
-        feeds: list[list[int]],
-        image_paths: list[str],
-        max_new: list[int],
-        contexts: list[list[int]],
-    ) -> list[tuple[list[int], str, int]]:
-        """One turn of every row of ``kv``: prefill each row's new tokens (right-padded in one
-        step), then decode all rows together until each has stopped; a stopped row feeds a
-        masked pad until the others are done. Returns per row: generated ids (stop token
-        excluded), finish reason and the real tokens the row ran through the model."""
-        import torch
-
-        B, width = kv.batch_size, max(len(f) for f in feeds)
-        ids = torch.tensor([f + [self.pad_id] * (width - len(f)) for f in feeds], dtype=torch.long, device=self.device)
-        positions, last = kv.extend(feeds, width)
-        pixel_values = None
-        if image_paths:  # row-major order of their tokens: the order the model splices them in
-            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
-        processors = self._logits_processors()
-        stops = set(self.adapter.stop_token_ids)
-        generated: list[list[int]] = [[] for _ in range(B)]
-        finish = [""] * B
-        fed = [len(f) for f in feeds]
-        longest = max(len(c) for c in contexts)
-        history = torch.tensor([[self.pad_id] * (longest - len(c)) + c for c in contexts], dtype=torch.long, device=self.device)
-        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
-        self.stats["padding_tokens"] += B * width - sum(fed)
-        while True:
-            next_ids = self._next_tokens(processors, history, logits)
-            for b, token in enumerate(next_ids.tolist()):
-                if finish[b]:
-                    continue
-                if token in stops:
-                    finish[b] = "stop"
-                else:
-                    generated[b].append(token)
-                    if len(generated[b]) >= max_new[b]:
-                        finish[b] = "length"
-            if all(finish):
-                break
-            step = [[] if finish[b] else [generated[b][-1]] for b in range(B)]
-            for b in range(B):
-                fed[b] += len(step[b])
-            self.stats["padding_tokens"] += sum(1 for f in finish if f)
-            self.stats["idle_tokens"] += sum(1 for f in finish if f)
-            feed = torch.tensor([s[0] if s else self.pad_id for s in step], dtype=torch.long, device=self.device)
-            positions, _ = kv.extend(step, 1)
-            history = torch.cat([history, feed.unsqueeze(1)], dim=1)
-            logits = self._forward(feed.unsqueeze(1), None, kv.mask, positions, kv.cache)
-        return [(generated[b], finish[b], fed[b]) for b in range(B)]
-
     def _advance(self, slot: _Slot, done: dict, emit: Any, bar: Any) -> Optional[tuple]:
         """Move ``slot`` to its next turn that needs the model and return that turn's prompt;
         ``None`` when the dialogue has no such turn left. Turns already on disk are passed
@@ -451,14 +404,45 @@ class DialogueGenerator:
             slot.turn += 1
         return None
 
-    def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
-        """Continuous batching at dialogue granularity over ``batch_size`` slots.
+    def _start_turn(self, kv: BatchedKVCache, row: int, slot: _Slot, prompt: tuple) -> None:
+        """Roll ``row`` of the cache back to what the prompt shares with it; queue the rest as the row's prefill."""
+        ids, images, spans, _ = prompt
+        common = _reusable_prefix(ids, kv.ids[row], spans)
+        kv.keep(row, common)
+        slot.prompt = prompt
+        slot.feed = ids[common:]
+        slot.image_paths = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+        slot.generated, slot.fed, slot.max_new = [], len(slot.feed), self._max_new(len(ids))
+        slot.processors = self._logits_processors()
+        slot.history = None
 
-        Every round, each slot answers the next turn of its dialogue: it feeds only the
-        prompt tokens after the prefix its cache row still holds, then all slots decode
-        together. A slot whose dialogue has no turn left takes the next dialogue (its
-        cache row is forgotten, not freed: the holes go at the next compaction); when no
-        dialogue is left, the slot leaves the batch.
+    def _pick(self, slot: _Slot, logits: Any) -> int:
+        """The row's next token from its logits [1, V], through the row's own logits processors."""
+        import torch
+
+        if slot.history is None:
+            slot.history = torch.tensor([slot.prompt[0]], dtype=torch.long, device=self.device)
+        else:
+            last = torch.tensor([[slot.generated[-1]]], dtype=torch.long, device=self.device)
+            slot.history = torch.cat([slot.history, last], dim=1)
+        scores = slot.processors(slot.history, logits)
+        if self.config.do_sample:
+            probs = torch.softmax(scores, dim=-1).cpu()
+            return int(torch.multinomial(probs, 1, generator=self._generator)[0, 0])
+        return int(scores[0].argmax())
+
+    def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
+        """Continuous batching over ``batch_size`` rows of one batched cache.
+
+        Every forward step, each row does what its dialogue needs next: a row starting a
+        turn feeds the prompt tokens after the prefix its cache row still holds (the user
+        turn and its images), a row in the middle of an answer feeds its last token. So a
+        row whose answer ends starts its next turn at the next step instead of waiting for
+        the longest answer of the batch. A row whose dialogue is done takes the next
+        dialogue (its old cache row is forgotten, not freed: the holes go at the next
+        compaction); when no dialogue is left, the row leaves the batch. With
+        ``prefill_policy = "lockstep"`` a row that finished its answer waits until every
+        row has, and all start their next turn together.
         """
         import torch
 
@@ -466,46 +450,74 @@ class DialogueGenerator:
         slots: list[Optional[_Slot]] = [None] * min(self.batch_size, len(queue))
         if not slots:
             return
+        stops = set(self.adapter.stop_token_ids)
         # the cache bookkeeping edits tensors made under inference mode, so all of it runs there
         with torch.inference_mode():
             kv = BatchedKVCache(self._new_cache, len(slots), self.device)
             while True:
-                requests: list[tuple[int, tuple]] = []
-                for row in range(len(slots)):
-                    prompt = self._advance(slots[row], done, emit, bar) if slots[row] else None
+                mid_turn = any(s is not None and s.prompt is not None for s in slots)
+                for row, slot in enumerate(slots):
+                    if slot is not None and slot.prompt is not None:
+                        continue  # prefilling or decoding
+                    if mid_turn and self.prefill_policy == "lockstep":
+                        continue  # waits for the other rows' answers
+                    prompt = self._advance(slot, done, emit, bar) if slot is not None else None
                     while prompt is None and queue:
-                        slots[row] = _Slot(queue.popleft())
+                        slot = slots[row] = _Slot(queue.popleft())
                         kv.keep(row, 0)  # the new dialogue shares nothing with the old one
-                        prompt = self._advance(slots[row], done, emit, bar)
+                        prompt = self._advance(slot, done, emit, bar)
                     if prompt is None:
                         slots[row] = None
                     else:
-                        requests.append((row, prompt))
-                if not requests:
+                        self._start_turn(kv, row, slot, prompt)
+                live = [row for row, slot in enumerate(slots) if slot is not None]
+                if not live:
                     break
-                rows = [row for row, _ in requests]
-                if rows != list(range(kv.batch_size)):
-                    kv.select(rows)
-                    slots = [slots[r] for r in rows]
-                    requests = [(i, prompt) for i, (_, prompt) in enumerate(requests)]
-                feeds, image_paths, max_new, contexts = [], [], [], []
-                for row, (ids, images, spans, _) in requests:
-                    common = _reusable_prefix(ids, kv.ids[row], spans)
-                    kv.keep(row, common)
-                    feeds.append(ids[common:])
-                    image_paths += [img.path for img, (start, _) in zip(images, spans) if start >= common]
-                    max_new.append(self._max_new(len(ids)))
-                    contexts.append(ids)
+                if len(live) < kv.batch_size:
+                    kv.select(live)
+                    slots = [slots[r] for r in live]
                 if kv.holes() > _COMPACT_HOLES:
                     kv.compact()
                     self.stats["compactions"] += 1
-                outs = self._decode_round(kv, feeds, image_paths, max_new, contexts)
-                for (row, prompt), (gen, finish, fed) in zip(requests, outs):
-                    slot = slots[row]
-                    slot.state.answers[slot.turn] = self._answer_text(gen)
-                    emit(self._records_for(slot.state, slot.turn, prompt, gen, finish, fed))
-                    bar.update(1)
-                    slot.turn += 1
+                # one step: prefill rows feed their new tokens, decoding rows their last token
+                tokens, image_paths = [], []
+                for slot in slots:
+                    if slot.prompt is None:
+                        tokens.append([])  # waiting (lockstep)
+                    elif slot.feed is not None:
+                        tokens.append(slot.feed)
+                        image_paths += slot.image_paths
+                    else:
+                        tokens.append([slot.generated[-1]])
+                width = max(len(t) for t in tokens)
+                ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
+                positions, last = kv.extend(tokens, width)
+                pixel_values = None
+                if image_paths:  # row-major order of their tokens: the order the model splices them in
+                    pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+                logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+                self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
+                self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
+                for b, slot in enumerate(slots):
+                    if not tokens[b]:
+                        continue
+                    if slot.feed is None:
+                        slot.fed += 1
+                    slot.feed, slot.image_paths = None, []
+                    token = self._pick(slot, logits[b : b + 1])
+                    finish = ""
+                    if token in stops:
+                        finish = "stop"
+                    else:
+                        slot.generated.append(token)
+                        if len(slot.generated) >= slot.max_new:
+                            finish = "length"
+                    if finish:
+                        slot.state.answers[slot.turn] = self._answer_text(slot.generated)
+                        emit(self._records_for(slot.state, slot.turn, slot.prompt, slot.generated, finish, slot.fed))
+                        bar.update(1)
+                        slot.turn += 1
+                        slot.prompt = None
 
     # ------------------------------------------------------------------ driver
     def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
