@@ -1,7 +1,7 @@
 """Multi-turn generation cost: batch-1 KV reuse, batched KV reuse and batched re-encoding, side by side.
 
     python bench/eval_generation.py [--dialogues 32] [--turns 10] [--images 6] [--max-new-tokens 24]
-                                    [--batch-sizes 4,8,16] [--reencode-batch 8] [--raw]
+                                    [--batch-sizes 4,8,16] [--lockstep-batch 8] [--reencode-batch 8] [--raw]
 
 An MMDU-shaped workload: ``--dialogues`` dialogues of ``--turns`` turns on average (the
 count varies by up to 3 either way, so slots free up at different times), each bringing
@@ -9,6 +9,9 @@ count varies by up to 3 either way, so slots free up at different times), each b
 about them. The model is a random-weight LLaVA (4-layer 256-wide Llama, 64 tokens per
 image): small enough for a CPU, big enough that the image tokens dominate the prompts
 as they do in MMDU.
+
+The KV rows use continuous batching (a row starts its next turn as soon as its answer
+ends); "KV lockstep" starts all rows' turns together, after the longest answer.
 
 Reported per path: model forward calls, tokens run through the model (real tokens and
 padding separately; "idle" is the part of the padding fed by rows whose answer had
@@ -81,6 +84,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=6, help="images per dialogue")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--batch-sizes", default="4,8,16", help="batched KV path batch sizes")
+    parser.add_argument("--lockstep-batch", type=int, default=8,
+                        help="batch of the lockstep schedule (rows start turns together; 0 = skip it)")
     parser.add_argument("--reencode-batch", type=int, default=8, help="batch of the re-encode path (0 = skip it)")
     parser.add_argument("--stop-scale", type=float, default=3.0, help="scale of the stop token's output row (1 = as built)")
     parser.add_argument("--device", default="cpu")
@@ -141,8 +146,10 @@ def main() -> None:
                     out[row] = scores[row]
             return out
 
-    def make(kv: bool, batch: int) -> DialogueGenerator:
+    def make(kv: bool, batch: int, lockstep: bool = False) -> DialogueGenerator:
         gen = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=args.max_new_tokens, kv_reuse=kv, batch_size=batch))
+        if lockstep:
+            gen.prefill_policy = "lockstep"
         if banned:
             from transformers import SuppressTokensLogitsProcessor
 
@@ -158,11 +165,13 @@ def main() -> None:
         return gen
 
     paths = [("KV", True, 1)] + [("KV", True, int(b)) for b in args.batch_sizes.split(",") if b]
+    if args.lockstep_batch:
+        paths.append(("KV lockstep", True, args.lockstep_batch))
     if args.reencode_batch:
         paths.append(("re-encode", False, args.reencode_batch))
     runs = []
     for name, kv, batch in paths:
-        gen = make(kv, batch)
+        gen = make(kv, batch, lockstep=name == "KV lockstep")
         start = time.perf_counter()
         records = gen.generate(dialogues)
         runs.append((name, batch, records, dict(gen.stats), time.perf_counter() - start))
@@ -184,14 +193,14 @@ def main() -> None:
           f"{'raw random model' if args.raw else f'well-formed text ({len(banned)} partial-byte tokens banned)'}")
     print(f"dialogue length (sum of final sequences): {length:,} tokens")
     print()
-    header = (f"{'path':<10} {'B':>3} {'fwd calls':>10} {'vs B=1':>7} {'real tok':>9} {'real/len':>9} "
+    header = (f"{'path':<12} {'B':>3} {'fwd calls':>10} {'vs B=1':>7} {'real tok':>9} {'real/len':>9} "
               f"{'pad tok':>8} {'pad/real':>9} {'idle':>7} {'compact':>8} {'wall s':>8} {'speedup':>8}  same answers")
     print(header)
     print("-" * len(header))
     for name, batch, records, stats, wall in runs:
         same = [r.answer for r in records] == [r.answer for r in base_records]
         real, pad = stats["forward_tokens"], stats["padding_tokens"]
-        print(f"{name:<10} {batch:>3} {stats['forward_calls']:>10,} {stats['forward_calls'] / base_stats['forward_calls']:>7.3f} "
+        print(f"{name:<12} {batch:>3} {stats['forward_calls']:>10,} {stats['forward_calls'] / base_stats['forward_calls']:>7.3f} "
               f"{real:>9,} {real / length:>9.3f} {pad:>8,} {pad / real:>9.3f} {stats['idle_tokens']:>7,} {stats['compactions']:>8} "
               f"{wall:>8.1f} {base_time / wall:>7.2f}x  {same}")
     print()

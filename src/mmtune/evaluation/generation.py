@@ -12,14 +12,15 @@ common prefix (never into the middle of an image) and the rest is fed again. So 
 paths see exactly the same prompt ids; a test checks that their answers are identical.
 
 ``batch_size`` dialogues are answered together. On the KV path they share one batched
-cache (:class:`~mmtune.evaluation.batched_kv.BatchedKVCache`): every round, each row
-feeds only its turn's new tokens, right-padded within the step, with an attention mask
-that hides every other column and position ids that count the row's own tokens; then
-all rows decode together until each has stopped. A row whose dialogue is done takes
-the next dialogue (continuous batching at dialogue granularity). With greedy decoding
-the answers are those of one dialogue at a time, which a test checks on LLaVA and
-XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole history every
-turn, left-padded, ``batch_size`` dialogues per forward pass.
+cache (:class:`~mmtune.evaluation.batched_kv.BatchedKVCache`) and every forward step
+serves all rows at once: a row starting a turn feeds only that turn's new tokens (the
+user turn with its images), a row mid-answer feeds its last token, right-padded within
+the step, with an attention mask that hides every other column and position ids that
+count the row's own tokens. A row whose answer ends starts its next turn at the next
+step; a row whose dialogue is done takes the next dialogue (continuous batching). With
+greedy decoding the answers are those of one dialogue at a time, which tests check on
+LLaVA and XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole
+history every turn, left-padded, ``batch_size`` dialogues per forward pass.
 
 Context overflow: when ``prompt + min_new_tokens`` exceeds the window, ``drop_oldest``
 drops the oldest exchanges (their images are carried into the first kept user turn when
@@ -133,6 +134,8 @@ class _Slot:
     max_new: int = 0
     processors: Any = None
     history: Any = None
+    """The row's prompt and answer so far [1, L], on the model's device, for the processors."""
+    last_token: Any = None
 
 
 # Compact the batched cache once more than this fraction of it is holes: a compaction
@@ -416,20 +419,15 @@ class DialogueGenerator:
         slot.processors = self._logits_processors()
         slot.history = None
 
-    def _pick(self, slot: _Slot, logits: Any) -> int:
-        """The row's next token from its logits [1, V], through the row's own logits processors."""
+    def _scores(self, slot: _Slot, logits: Any) -> Any:
+        """The row's logits [1, V] through the row's own logits processors (they see its own history)."""
         import torch
 
         if slot.history is None:
             slot.history = torch.tensor([slot.prompt[0]], dtype=torch.long, device=self.device)
         else:
-            last = torch.tensor([[slot.generated[-1]]], dtype=torch.long, device=self.device)
-            slot.history = torch.cat([slot.history, last], dim=1)
-        scores = slot.processors(slot.history, logits)
-        if self.config.do_sample:
-            probs = torch.softmax(scores, dim=-1).cpu()
-            return int(torch.multinomial(probs, 1, generator=self._generator)[0, 0])
-        return int(scores[0].argmax())
+            slot.history = torch.cat([slot.history, slot.last_token], dim=1)
+        return slot.processors(slot.history, logits)
 
     def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
         """Continuous batching over ``batch_size`` rows of one batched cache.
@@ -479,45 +477,57 @@ class DialogueGenerator:
                 if kv.holes() > _COMPACT_HOLES:
                     kv.compact()
                     self.stats["compactions"] += 1
-                # one step: prefill rows feed their new tokens, decoding rows their last token
-                tokens, image_paths = [], []
-                for slot in slots:
-                    if slot.prompt is None:
-                        tokens.append([])  # waiting (lockstep)
-                    elif slot.feed is not None:
-                        tokens.append(slot.feed)
-                        image_paths += slot.image_paths
-                    else:
-                        tokens.append([slot.generated[-1]])
-                width = max(len(t) for t in tokens)
-                ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
-                positions, last = kv.extend(tokens, width)
-                pixel_values = None
-                if image_paths:  # row-major order of their tokens: the order the model splices them in
-                    pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
-                logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
-                self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
-                self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
-                for b, slot in enumerate(slots):
-                    if not tokens[b]:
-                        continue
-                    if slot.feed is None:
-                        slot.fed += 1
-                    slot.feed, slot.image_paths = None, []
-                    token = self._pick(slot, logits[b : b + 1])
-                    finish = ""
-                    if token in stops:
-                        finish = "stop"
-                    else:
-                        slot.generated.append(token)
-                        if len(slot.generated) >= slot.max_new:
-                            finish = "length"
-                    if finish:
-                        slot.state.answers[slot.turn] = self._answer_text(slot.generated)
-                        emit(self._records_for(slot.state, slot.turn, slot.prompt, slot.generated, finish, slot.fed))
-                        bar.update(1)
-                        slot.turn += 1
-                        slot.prompt = None
+                self._batched_step(kv, slots, stops, emit, bar)
+
+    def _batched_step(self, kv: BatchedKVCache, slots: list[_Slot], stops: set[int], emit: Any, bar: Any) -> None:
+        """One forward pass of every row: prefilling rows feed their new prompt tokens, decoding
+        rows their last token, waiting rows (lockstep) a pad; then each row's next token."""
+        import torch
+
+        tokens, image_paths = [], []
+        for slot in slots:
+            if slot.prompt is None:
+                tokens.append([])  # waiting (lockstep)
+            elif slot.feed is not None:
+                tokens.append(slot.feed)
+                image_paths += slot.image_paths
+            else:
+                tokens.append([slot.generated[-1]])
+        width = max(len(t) for t in tokens)
+        ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
+        positions, last = kv.extend(tokens, width)
+        pixel_values = None
+        if image_paths:  # row-major order of their tokens: the order the model splices them in
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+        self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
+        self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
+        active = [b for b in range(len(slots)) if tokens[b]]
+        scores = torch.cat([self._scores(slots[b], logits[b : b + 1]) for b in active])
+        if self.config.do_sample:
+            probs = torch.softmax(scores, dim=-1).cpu()
+            picks = torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+        else:
+            picks = scores.argmax(dim=-1)
+        for i, (b, token) in enumerate(zip(active, picks.tolist())):
+            slot = slots[b]
+            if slot.feed is None:
+                slot.fed += 1
+            slot.feed, slot.image_paths = None, []
+            slot.last_token = picks[i : i + 1].unsqueeze(1)
+            finish = ""
+            if token in stops:
+                finish = "stop"
+            else:
+                slot.generated.append(token)
+                if len(slot.generated) >= slot.max_new:
+                    finish = "length"
+            if finish:
+                slot.state.answers[slot.turn] = self._answer_text(slot.generated)
+                emit(self._records_for(slot.state, slot.turn, slot.prompt, slot.generated, finish, slot.fed))
+                bar.update(1)
+                slot.turn += 1
+                slot.prompt = None
 
     # ------------------------------------------------------------------ driver
     def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
