@@ -444,7 +444,10 @@ class DialogueGenerator:
         """
         import torch
 
-        queue = deque(s for s in states if any((s.dialogue.id, t) not in done for t in range(len(s.answers))))
+        remaining = {id(s): sum((s.dialogue.id, t) not in done for t in range(len(s.answers))) for s in states}
+        # Dialogues with the most turns left go first, so the last rows to run alone (the
+        # batch shrinks once the queue is empty) are short dialogues.
+        queue = deque(sorted((s for s in states if remaining[id(s)]), key=lambda s: -remaining[id(s)]))
         slots: list[Optional[_Slot]] = [None] * min(self.batch_size, len(queue))
         if not slots:
             return
