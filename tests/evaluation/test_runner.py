@@ -72,10 +72,13 @@ def test_lora_adapter_dir_is_merged_and_equals_merged_model(data, saved, tmp_pat
 
     out = tmp_path / "eval"
     evaluate_checkpoint(str(saved["lora"]), _cfg(data), output_dir=str(out), run_name="lora")
-    from_dir = [json.loads(l)["answer"] for l in (out / "generations" / "synthetic.jsonl").read_text().splitlines()]
+    # batched generation writes each turn when it is done, so the file is in completion order
+    lines = [json.loads(l) for l in (out / "generations" / "synthetic.jsonl").read_text().splitlines()]
     dialogues = load_mmdu_dialogues(data.test_json, image_root=str(data.image_dir))
     direct = DialogueGenerator(saved["adapter"], saved["merged_model"], GenerationConfig(max_new_tokens=8)).generate(dialogues)
-    assert from_dir == [r.answer for r in direct]
+    order = {(r.dialogue_id, r.turn): i for i, r in enumerate(direct)}
+    from_dir = [r["answer"] for r in sorted(lines, key=lambda r: order[(r["dialogue_id"], r["turn"])])]
+    assert len(lines) == len(direct) and from_dir == [r.answer for r in direct]
     base_adapter = build_adapter(ModelConfig(family="llava", path=str(saved["full"])))
     base = DialogueGenerator(base_adapter, base_adapter.load_model(), GenerationConfig(max_new_tokens=8)).generate(dialogues)
     assert from_dir != [r.answer for r in base], "the LoRA weights must change the answers"

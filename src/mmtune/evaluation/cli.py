@@ -98,7 +98,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ckpt.add_argument("--max-new-tokens", type=int, help="default 2048")
     ckpt.add_argument("--context-length", type=int, help="evaluation context window (tokens)")
     ckpt.add_argument("--no-kv-reuse", action="store_true", help="re-encode the history every turn")
-    ckpt.add_argument("--batch-size", type=int, default=1, help="dialogues per batch on the re-encode path")
+    ckpt.add_argument("--batch-size", type=int, default=None, help="dialogues decoded together (default: by model size)")
     ckpt.add_argument("--device", default="auto")
     ckpt.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
     ckpt.add_argument("--trust-remote-code", action="store_true",

@@ -46,9 +46,14 @@ class GenerationConfig:
     """Keep the KV cache across turns and feed only the new tokens (the history is a
     prefix of the next prompt). False re-encodes the whole history every turn; that path
     batches several dialogues per forward pass."""
-    batch_size: int = 1
-    """Dialogues decoded together on the re-encode path (``kv_reuse: false``). The KV
-    path runs one dialogue at a time because dialogues' caches grow at different rates."""
+    batch_size: Optional[int] = None
+    """Dialogues decoded together. On the KV path they share one batched cache and each
+    turn feeds only its new tokens; a slot whose dialogue ends takes the next one. Answers
+    do not depend on it (greedy). ``None``: by model size, from ``batch_size_by_size``."""
+    batch_size_by_size: dict[str, int] = field(default_factory=lambda: {"3B": 16, "9B": 8, "20B": 4, "inf": 2})
+    """Batch size for models up to each size (``"9B"``: up to 9e9 parameters). Each row
+    keeps a KV cache of up to ``context_length`` tokens (LLaVA-1.5-7B in bf16: 0.5 MiB
+    per token, 4 GiB per 8k dialogue), so larger models get smaller batches."""
     context_length: Optional[int] = None
     """Context window in tokens used for the overflow policy; ``None`` = the model's
     ``max_position_embeddings``. Table 5 evaluates the same model at 2k/4k/8k."""
@@ -270,7 +275,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         problems.append(f"eval.generation.overflow={gen.overflow!r}: use 'drop_oldest' or 'stop'")
     if gen.max_new_tokens < 1:
         problems.append(f"eval.generation.max_new_tokens={gen.max_new_tokens}: must be >= 1")
-    if gen.batch_size < 1:
+    if gen.batch_size is not None and gen.batch_size < 1:
         problems.append(f"eval.generation.batch_size={gen.batch_size}: must be >= 1")
     if not 0.0 <= cfg.judge.max_failed_share <= 1.0:
         problems.append(f"eval.judge.max_failed_share={cfg.judge.max_failed_share}: must be within [0, 1]")

@@ -11,9 +11,16 @@ generated, or the overflow policy dropped turns, the cache is cropped back to th
 common prefix (never into the middle of an image) and the rest is fed again. So both
 paths see exactly the same prompt ids; a test checks that their answers are identical.
 
-The re-encode path (``kv_reuse: false``) encodes the whole history every turn and
-batches ``batch_size`` dialogues per forward pass (left padding); the KV path runs one
-dialogue at a time, since the dialogues' caches would diverge in length every turn.
+``batch_size`` dialogues are answered together. On the KV path they share one batched
+cache (:class:`~mmtune.evaluation.batched_kv.BatchedKVCache`) and every forward step
+serves all rows at once: a row starting a turn feeds only that turn's new tokens (the
+user turn with its images), a row mid-answer feeds its last token, right-padded within
+the step, with an attention mask that hides every other column and position ids that
+count the row's own tokens. A row whose answer ends starts its next turn at the next
+step; a row whose dialogue is done takes the next dialogue (continuous batching). With
+greedy decoding the answers are those of one dialogue at a time, which tests check on
+LLaVA and XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole
+history every turn, left-padded, ``batch_size`` dialogues per forward pass.
 
 Context overflow: when ``prompt + min_new_tokens`` exceeds the window, ``drop_oldest``
 drops the oldest exchanges (their images are carried into the first kept user turn when
@@ -36,13 +43,16 @@ import json
 import logging
 import os
 import re
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.batched_kv import BatchedKVCache
 from mmtune.evaluation.common import question_text
 from mmtune.evaluation.config import GenerationConfig
+from mmtune.evaluation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 
 __all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "read_generations"]
@@ -120,6 +130,49 @@ class _State:
     cached_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Slot:
+    """A row of the batched KV path: its dialogue, the exchange it answers and how far it got."""
+
+    state: _State
+    turn: int = 0
+    prompt: Optional[tuple] = None
+    """The turn's prompt (ids, images, spans, overflow info); ``None`` between turns."""
+    feed: Optional[list[int]] = None
+    """Prompt tokens still to prefill (``None`` once prefilled: the row is decoding)."""
+    image_paths: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0
+    max_new: int = 0
+    processors: Any = None
+    history: Any = None
+    """The row's prompt and answer so far [1, L], on the model's device, for the processors."""
+    last_token: Any = None
+
+
+# Compact the batched cache once more than this fraction of it is holes: a compaction
+# copies the cache once (about one decode step's memory traffic), holes cost memory and
+# attention time at every step.
+_COMPACT_HOLES = 0.25
+
+
+def _reusable_prefix(ids: list[int], cached: list[int], spans: list[tuple[int, int]]) -> int:
+    """How many leading tokens of ``ids`` a cache holding ``cached`` can keep.
+
+    The longest common prefix, less one (at least one token must be fed to get the
+    logits of the next position), moved back to an image's start if it ends inside one
+    (an image's features come in one piece)."""
+    common = 0
+    limit = min(len(ids), len(cached))
+    while common < limit and ids[common] == cached[common]:
+        common += 1
+    common = min(common, len(ids) - 1)
+    for start, end in spans:
+        if start < common < end:
+            common = start
+    return common
+
+
 _IMAGE_NAME = re.compile(r"\bimage\s*(\d+)\b", re.IGNORECASE)
 
 
@@ -131,6 +184,11 @@ class DialogueGenerator:
         model: the loaded model (``adapter.load_model()``), in eval mode.
         config: decoding, batching and overflow settings.
     """
+
+    prefill_policy = "continuous"
+    """Batched KV path: ``continuous`` (a row starts its next turn as soon as its answer
+    ends) or ``lockstep`` (rows start turns together, after the longest answer; slower
+    when answer lengths differ, kept to measure that)."""
 
     def __init__(self, adapter: ModelAdapter, model: Any, config: GenerationConfig):
         import torch
@@ -154,7 +212,12 @@ class DialogueGenerator:
         if self.pad_id is None:
             self.pad_id = adapter.stop_token_ids[0]
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0}
+        self.batch_size = resolve_batch_size(config, sum(p.numel() for p in model.parameters()))
+        # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
+        # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
+        # had already ended; forward_calls: model calls; compactions: batched-cache compactions
+        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
+                      "idle_tokens": 0, "compactions": 0}
 
     # ------------------------------------------------------------------ prompts
     def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
@@ -234,10 +297,11 @@ class DialogueGenerator:
                 processors.append(TopPLogitsWarper(self.config.top_p))
         return processors
 
-    def _forward(self, ids, pixel_values, mask, positions, cache):
+    def _forward(self, ids, pixel_values, mask, positions, cache, keep: Any = 1):
         kwargs = {self._cache_kw: cache, "use_cache": True}
+        self.stats["forward_calls"] += 1
         out = self.model(
-            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kwargs
+            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **kwargs
         )
         return out.logits[:, -1, :].float()
 
@@ -272,6 +336,7 @@ class DialogueGenerator:
         fed = [len(r) for r in rows]
         history = torch.tensor([[self.pad_id] * p + c for p, c in zip([max(len(c) for c in contexts) - len(c) for c in contexts], contexts)], device=self.device)
         logits = self._forward(ids, pixel_values, mask, positions, cache)
+        self.stats["padding_tokens"] += sum(pads)
         last_pos = positions[:, -1]
         step = 0
         while True:
@@ -299,6 +364,8 @@ class DialogueGenerator:
             for b in range(B):
                 if not finish[b]:
                     fed[b] += 1
+            self.stats["padding_tokens"] += sum(1 for f in finish if f)
+            self.stats["idle_tokens"] += sum(1 for f in finish if f)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             history = torch.cat([history, feed.unsqueeze(1)], dim=1)
@@ -323,15 +390,7 @@ class DialogueGenerator:
         import torch
 
         with torch.inference_mode():
-            common = 0
-            limit = min(len(ids), len(state.cached_ids))
-            while common < limit and ids[common] == state.cached_ids[common]:
-                common += 1
-            # at least one token must be fed to get logits for the next position
-            common = min(common, len(ids) - 1)
-            for start, end in spans:  # never keep half an image: its features come in one piece
-                if start < common < end:
-                    common = start
+            common = _reusable_prefix(ids, state.cached_ids, spans)
             if state.cache is None or common == 0:
                 state.cache, common = self._new_cache(), 0
             else:
@@ -343,6 +402,147 @@ class DialogueGenerator:
         # the cache now holds the prompt and every generated token except the last one sampled
         state.cached_ids = ids + gen[: max(0, fed - (len(ids) - common))]
         return gen, finish, fed
+
+    # ------------------------------------------------------------------ batched KV path
+    def _advance(self, slot: _Slot, done: dict, emit: Any, bar: Any) -> Optional[tuple]:
+        """Move ``slot`` to its next turn that needs the model and return that turn's prompt;
+        ``None`` when the dialogue has no such turn left. Turns already on disk are passed
+        over, turns the overflow policy skips are recorded on the way."""
+        state = slot.state
+        while slot.turn < len(state.answers):
+            if (state.dialogue.id, slot.turn) not in done:
+                prompt = self._prompt(state, slot.turn)
+                if prompt is not None:
+                    return prompt
+                emit(self._records_for(state, slot.turn, None, [], "", 0))
+                bar.update(1)
+            slot.turn += 1
+        return None
+
+    def _start_turn(self, kv: BatchedKVCache, row: int, slot: _Slot, prompt: tuple) -> None:
+        """Roll ``row`` of the cache back to what the prompt shares with it; queue the rest as the row's prefill."""
+        ids, images, spans, _ = prompt
+        common = _reusable_prefix(ids, kv.ids[row], spans)
+        kv.keep(row, common)
+        slot.prompt = prompt
+        slot.feed = ids[common:]
+        slot.image_paths = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+        slot.generated, slot.fed, slot.max_new = [], len(slot.feed), self._max_new(len(ids))
+        slot.processors = self._logits_processors()
+        slot.history = None
+
+    def _scores(self, slot: _Slot, logits: Any) -> Any:
+        """The row's logits [1, V] through the row's own logits processors (they see its own history)."""
+        import torch
+
+        if slot.history is None:
+            slot.history = torch.tensor([slot.prompt[0]], dtype=torch.long, device=self.device)
+        else:
+            slot.history = torch.cat([slot.history, slot.last_token], dim=1)
+        return slot.processors(slot.history, logits)
+
+    def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
+        """Continuous batching over ``batch_size`` rows of one batched cache.
+
+        Every forward step, each row does what its dialogue needs next: a row starting a
+        turn feeds the prompt tokens after the prefix its cache row still holds (the user
+        turn and its images), a row in the middle of an answer feeds its last token. So a
+        row whose answer ends starts its next turn at the next step instead of waiting for
+        the longest answer of the batch. A row whose dialogue is done takes the next
+        dialogue (its old cache row is forgotten, not freed: the holes go at the next
+        compaction); when no dialogue is left, the row leaves the batch. With
+        ``prefill_policy = "lockstep"`` a row that finished its answer waits until every
+        row has, and all start their next turn together.
+        """
+        import torch
+
+        remaining = {id(s): sum((s.dialogue.id, t) not in done for t in range(len(s.answers))) for s in states}
+        # Dialogues with the most turns left go first, so the last rows to run alone (the
+        # batch shrinks once the queue is empty) are short dialogues.
+        queue = deque(sorted((s for s in states if remaining[id(s)]), key=lambda s: -remaining[id(s)]))
+        slots: list[Optional[_Slot]] = [None] * min(self.batch_size, len(queue))
+        if not slots:
+            return
+        stops = set(self.adapter.stop_token_ids)
+        # the cache bookkeeping edits tensors made under inference mode, so all of it runs there
+        with torch.inference_mode():
+            kv = BatchedKVCache(self._new_cache, len(slots), self.device)
+            while True:
+                mid_turn = any(s is not None and s.prompt is not None for s in slots)
+                for row, slot in enumerate(slots):
+                    if slot is not None and slot.prompt is not None:
+                        continue  # prefilling or decoding
+                    if mid_turn and self.prefill_policy == "lockstep":
+                        continue  # waits for the other rows' answers
+                    prompt = self._advance(slot, done, emit, bar) if slot is not None else None
+                    while prompt is None and queue:
+                        slot = slots[row] = _Slot(queue.popleft())
+                        kv.keep(row, 0)  # the new dialogue shares nothing with the old one
+                        prompt = self._advance(slot, done, emit, bar)
+                    if prompt is None:
+                        slots[row] = None
+                    else:
+                        self._start_turn(kv, row, slot, prompt)
+                live = [row for row, slot in enumerate(slots) if slot is not None]
+                if not live:
+                    break
+                if len(live) < kv.batch_size:
+                    kv.select(live)
+                    slots = [slots[r] for r in live]
+                if kv.holes() > _COMPACT_HOLES:
+                    kv.compact()
+                    self.stats["compactions"] += 1
+                self._batched_step(kv, slots, stops, emit, bar)
+
+    def _batched_step(self, kv: BatchedKVCache, slots: list[_Slot], stops: set[int], emit: Any, bar: Any) -> None:
+        """One forward pass of every row: prefilling rows feed their new prompt tokens, decoding
+        rows their last token, waiting rows (lockstep) a pad; then each row's next token."""
+        import torch
+
+        tokens, image_paths = [], []
+        for slot in slots:
+            if slot.prompt is None:
+                tokens.append([])  # waiting (lockstep)
+            elif slot.feed is not None:
+                tokens.append(slot.feed)
+                image_paths += slot.image_paths
+            else:
+                tokens.append([slot.generated[-1]])
+        width = max(len(t) for t in tokens)
+        ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
+        positions, last = kv.extend(tokens, width)
+        pixel_values = None
+        if image_paths:  # row-major order of their tokens: the order the model splices them in
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+        self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
+        self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
+        active = [b for b in range(len(slots)) if tokens[b]]
+        scores = torch.cat([self._scores(slots[b], logits[b : b + 1]) for b in active])
+        if self.config.do_sample:
+            probs = torch.softmax(scores, dim=-1).cpu()
+            picks = torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+        else:
+            picks = scores.argmax(dim=-1)
+        for i, (b, token) in enumerate(zip(active, picks.tolist())):
+            slot = slots[b]
+            if slot.feed is None:
+                slot.fed += 1
+            slot.feed, slot.image_paths = None, []
+            slot.last_token = picks[i : i + 1].unsqueeze(1)
+            finish = ""
+            if token in stops:
+                finish = "stop"
+            else:
+                slot.generated.append(token)
+                if len(slot.generated) >= slot.max_new:
+                    finish = "length"
+            if finish:
+                slot.state.answers[slot.turn] = self._answer_text(slot.generated)
+                emit(self._records_for(slot.state, slot.turn, slot.prompt, slot.generated, finish, slot.fed))
+                bar.update(1)
+                slot.turn += 1
+                slot.prompt = None
 
     # ------------------------------------------------------------------ driver
     def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
@@ -417,7 +617,9 @@ class DialogueGenerator:
         todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
         bar = tqdm(total=todo, desc="generating", disable=not progress)
         try:
-            if self.config.kv_reuse:
+            if self.config.kv_reuse and self.batch_size > 1:
+                self._generate_batched_kv(states, done, emit, bar)
+            elif self.config.kv_reuse:
                 for state in states:
                     for t in range(len(state.answers)):
                         if (state.dialogue.id, t) in done:
@@ -431,7 +633,7 @@ class DialogueGenerator:
                         bar.update(1)
                     state.cache, state.cached_ids = None, []  # free the dialogue's KV memory
             else:
-                size = self.config.batch_size
+                size = self.batch_size
                 for start in range(0, len(states), size):
                     group = states[start : start + size]
                     for t in range(max((len(s.answers) for s in group), default=0)):

@@ -943,6 +943,8 @@ class EvalPlan:
     decode_gpu_hours_max: float
     gpu: str
     fits: bool
+    generation: list[dict[str, Any]] = field(default_factory=list)
+    """Per benchmark: :class:`mmtune.evaluation.throughput.GenerationEstimate` as a dict."""
 
     def render(self) -> str:
         m = self.model
@@ -961,6 +963,7 @@ class EvalPlan:
                      + f" => {mem['total']:.1f} GiB on {self.gpu} " + ("(fits)" if self.fits else "(DOES NOT FIT)"))
         lines.append(f"  generation  <= {self.decode_gpu_hours_max:.1f} GPU-hours if every answer used max_new_tokens "
                      "(greedy decoding is bandwidth-bound: weight bytes / HBM bandwidth per token)")
+        lines += render_generation_estimates(self.generation)
         return "\n".join(lines)
 
 
@@ -998,6 +1001,50 @@ def _count_benchmark(name: str, sub: Any, cache_dir: Optional[str], problems: li
         problems.append(f"eval.{name}: {missing} of {len(items)} images are missing under {sub.image_root}")
     runs = getattr(sub, "runs", 1) if name == "mmvet" else 0
     return BenchmarkPlan(name, path, len(items), len(items), len(items) * runs, len(items))
+
+
+def plan_generation(gen_cfg: Any, model_cfg: Any, params: ParamCounts, benches: Sequence[BenchmarkPlan],
+                    gpu: GpuType) -> list[dict[str, Any]]:
+    """Generation time of each benchmark on the batched KV path (or re-encoding), at the
+    batch size the config resolves to for this model; see :mod:`mmtune.evaluation.throughput`."""
+    from mmtune.evaluation.throughput import estimate_generation, resolve_batch_size
+
+    text = _model_config_dict(model_cfg)[0] or {}
+    text = text.get("text_config") or text
+    heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    wbytes = _DTYPE_BYTES.get(model_cfg.torch_dtype, 4)
+    kv_per_token = 2 * params.num_layers * kv_heads * (params.hidden_size // heads) * wbytes
+    window = gen_cfg.context_length or int(text.get("max_position_embeddings") or 4096)
+    batch = resolve_batch_size(gen_cfg, params.total)
+    out = []
+    for b in benches:
+        if not b.answers:
+            continue
+        est = estimate_generation(
+            b.name, dialogues=b.items, answers=b.answers, images=b.images, tokens_per_image=params.image_tokens or 0,
+            answer_tokens=gen_cfg.max_new_tokens, batch_size=batch, params=params.total,
+            weight_bytes=wbytes * params.total, kv_bytes_per_token=kv_per_token, window=window,
+            hbm_tbps=gpu.hbm_tbps, peak_tflops=gpu.peak_tflops, kv_reuse=gen_cfg.kv_reuse,
+        )
+        out.append(asdict(est))
+    return out
+
+
+def render_generation_estimates(estimates: Sequence[dict[str, Any]]) -> list[str]:
+    """Plan lines of :func:`plan_generation`'s estimates."""
+    from mmtune.evaluation.throughput import DECODE_EFFICIENCY
+
+    lines = []
+    for e in estimates:
+        lines.append(f"  gen time    {e['benchmark']:<10} <= {e['hours']:.2f} GPU-h at B={e['batch_size']} "
+                     f"(B=1: {e['hours_batch1']:.2f}); {e['answers']:,} answers x {e['answer_tokens']} tokens in "
+                     f"{e['rounds']:,} rounds, {_h(e['prefill_tokens'])} prefill tokens, "
+                     f"decode {e['decode_tokens_per_s']:,.0f} tok/s")
+    if lines:
+        lines.append(f"              (decode at {DECODE_EFFICIENCY:.0%} of HBM bandwidth, weights + KV read per step; "
+                     "every answer at max_new_tokens)")
+    return lines
 
 
 def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalPlan:
@@ -1060,6 +1107,7 @@ def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalP
         params=asdict(params) if params else None, context_length=window,
         benchmarks=[asdict(b) for b in benches], judge_model=cfg.eval.judge.model, memory_gib=mem,
         decode_gpu_hours_max=hours, gpu=g.name, fits=mem["total"] <= g.memory_gib,
+        generation=plan_generation(cfg.eval.generation, model_cfg, params, benches, g) if params else [],
     )
 
 
