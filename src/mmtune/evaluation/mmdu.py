@@ -166,6 +166,8 @@ class TurnScore:
     scores: dict[str, Optional[float]] = field(default_factory=dict)
     na: list[str] = field(default_factory=list)
     detail: str = ""
+    reply: str = ""
+    """The judge's reply as written (its rationale), for the results viewer."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -267,9 +269,9 @@ def score_mmdu(
             continue
         parsed = parse_scores(reply.content)
         if parsed.ok:
-            turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method))
+            turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method, reply.content or ""))
         else:
-            turns.append(TurnScore(dialogue_id, t, "unparsed", detail=parsed.error))
+            turns.append(TurnScore(dialogue_id, t, "unparsed", detail=parsed.error, reply=reply.content or ""))
     turns += [TurnScore(d, t, "missing") for d, t in missing]
     turns.sort(key=lambda s: (s.dialogue_id, s.turn))
     metrics, counts, meta = aggregate(turns)
