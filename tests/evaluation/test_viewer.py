@@ -3,7 +3,12 @@
 import base64
 import io
 import json
+import os
 import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -39,8 +44,6 @@ def _wrong_on_first_turns(test_json, path):
 
 
 def test_synthetic_viewer_lists_dialogues_with_turns_images_and_scores(data, tmp_path):
-    from pathlib import Path
-
     test_json = Path(data.test_json)
     predictions = tmp_path / "pred.jsonl"
     rows = _wrong_on_first_turns(test_json, predictions)
@@ -63,7 +66,7 @@ def test_synthetic_viewer_lists_dialogues_with_turns_images_and_scores(data, tmp
     assert first["turns"][0]["status"] == "wrong" and first["turns"][0]["answer"] == "purple"
     assert first["turns"][1]["status"] == "correct"
     assert first["turns"][0]["reference"] == records[0]["conversations"][1]["value"]
-    assert "Image" in first["turns"][0]["question"] and "<ImageHere>" not in first["turns"][0]["question"]
+    assert first["turns"][0]["question"].startswith("Image1: [image #1].") and "<ImageHere>" not in first["turns"][0]["question"]
     # every image of the dialogue is shown, as an embedded thumbnail within the size cap
     keys = [k for t in first["turns"] for k in t["images"]]
     assert len(keys) == len(records[0]["image"])
@@ -82,8 +85,6 @@ def test_synthetic_viewer_lists_dialogues_with_turns_images_and_scores(data, tmp
 
 
 def test_images_are_linked_relatively_past_the_embedding_budget(data, tmp_path):
-    from pathlib import Path
-
     cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
     cfg.synthetic.data_path, cfg.synthetic.image_root = data.test_json, data.image_dir
     out = tmp_path / "eval"
@@ -154,3 +155,70 @@ def test_mmvet_and_mdi_items_carry_their_facets(tmp_path):
 def test_no_viewer_without_per_item_details(tmp_path):
     cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
     assert write_viewer(cfg, tmp_path) is None and not (tmp_path / "viewer.html").exists()
+
+
+# ---------------------------------------------------------------- in a real browser
+CHROMIUM = os.environ.get("MMTUNE_CHROMIUM") or next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+ARTIFACTS = Path(os.environ.get("MMTUNE_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / ".artifacts"))
+
+
+class _Elements(HTMLParser):
+    """Elements of a dumped DOM, as (tag, attributes) pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def handle_starttag(self, tag, attrs):
+        self.found.append((tag, dict(attrs)))
+
+    def with_class(self, name):
+        return [a for _, a in self.found if name in (a.get("class") or "").split()]
+
+
+def _chromium(*args, profile):
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not found: `apt-get install chromium` or set MMTUNE_CHROMIUM")
+def test_viewer_in_headless_chromium_lists_items_and_shows_the_selected_dialogue(data, tmp_path):
+    test_json = Path(data.test_json)
+    predictions = tmp_path / "pred.jsonl"
+    _wrong_on_first_turns(test_json, predictions)
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
+    cfg.synthetic.data_path, cfg.synthetic.image_root, cfg.synthetic.predictions = str(test_json), data.image_dir, str(predictions)
+    out = tmp_path / "eval"
+    run_benchmarks(cfg, output_dir=str(out), run_name="browser", model_label="m")
+    records = json.loads(test_json.read_text())
+    chosen = records[2]
+    url = (out / "viewer.html").resolve().as_uri() + f"#b=synthetic&d={chosen['id']}"
+
+    dumped = _chromium("--virtual-time-budget=3000", "--dump-dom", url, profile=tmp_path / "profile-dom")
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    dom = _Elements()
+    dom.feed(dumped.stdout)
+    rows = dom.with_class("item")
+    assert [r["data-id"] for r in rows if "data-id" in r] and len(rows) == len(records)
+    assert [r["data-id"] for r in dom.with_class("selected")] == [chosen["id"]]
+    (detail,) = [a for _, a in dom.found if a.get("id") == "detail"]
+    assert detail["data-id"] == chosen["id"]
+    turns = dom.with_class("turn")
+    assert len(turns) == sum(c["from"] == "user" for c in chosen["conversations"])
+    # every image of the dialogue rendered as a thumbnail, from the page itself (data: URI)
+    images = [a for tag, a in dom.found if tag == "img" and a.get("src", "").startswith("data:image/jpeg")]
+    assert len(images) == len(chosen["image"])
+    assert "status-wrong" in turns[0]["class"]  # the first answers were wrong on purpose
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "viewer_synthetic.png"
+    taken = _chromium("--virtual-time-budget=3000", "--window-size=1400,900", f"--screenshot={shot}", url,
+                      profile=tmp_path / "profile-shot")
+    assert taken.returncode == 0 and shot.is_file(), taken.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.size == (1400, 900)
+        assert len(img.convert("RGB").getcolors(1 << 20)) > 50  # drawn, not a blank page
+    print(f"\nviewer screenshot: {shot}")

@@ -90,10 +90,19 @@ def _dialogue_entries(name: str, sub: Any, out: Path) -> list[ViewerEntry]:
     entries = []
     for dialogue in dialogues:
         turns, dims = [], {d: [] for d in DIMENSIONS}
+        shown = 0
         for t, (u, a) in enumerate(dialogue.exchanges()):
             row = details.get((dialogue.id, t), {})
             user = dialogue.turns[u]
-            turn = {"question": user.text.strip(), "images": [image.path for image in user.images],
+            question = []
+            for segment in user.segments:
+                if isinstance(segment, str):
+                    question.append(segment)
+                else:
+                    # numbered as the thumbnails are: the k-th image of the dialogue
+                    shown += 1
+                    question.append(f"[image #{shown}]")
+            turn = {"question": "".join(question).strip(), "images": [image.path for image in user.images],
                     "answer": row.get("answer", generated.get((dialogue.id, t))),
                     "reference": dialogue.turns[a].text, "scores": {}, "status": row.get("status", ""),
                     "rationale": row.get("reply") or ""}
