@@ -68,20 +68,72 @@ def run_demo(overrides: list[str], *, fresh: bool = True) -> dict:
             "seconds": seconds, "final_dir": str(final_dir), "steps": recipe.step}
 
 
+def _by_question_kind(eval_dir: Path, test_json: Path) -> dict[str, tuple[int, int]]:
+    """``{kind: (correct, turns)}`` of one evaluation of the synthetic split."""
+    import json
+
+    from mmtune.data.synthetic import question_kind
+
+    details = eval_dir / "details" / "synthetic.jsonl"
+    if not details.is_file() or not test_json.is_file():
+        return {}
+    questions = {}
+    for record in json.loads(test_json.read_text(encoding="utf-8")):
+        users = [m["value"] for m in record["conversations"] if m["from"] in ("user", "human")]
+        questions.update({(record["id"], t): q for t, q in enumerate(users)})
+    out: dict[str, list[int]] = {}
+    for line in details.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        kind = question_kind(questions.get((row["dialogue_id"], row["turn"]), "")) or "other"
+        counts = out.setdefault(kind, [0, 0])
+        counts[0] += bool(row["correct"])
+        counts[1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def describe_task(options: dict) -> str:
+    """One line saying what the synthetic dialogues ask (from ``synthetic.options``)."""
+    from mmtune.data.synthetic import QUESTION_KINDS
+
+    lo, hi = options.get("min_images", 2), options.get("max_images", 4)
+    images = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    kinds = options.get("question_kinds", QUESTION_KINDS)
+    named = [k for k in ("color", "shape") if k in kinds]
+    compared = [k[5:] for k in ("same_color", "same_shape") if k in kinds]
+    what = []
+    if named:
+        what.append(f"the {' or '.join(named)} of a named image (\"Image2\")" if hi > 1 else f"the {' or '.join(named)}")
+    if compared and hi > 1:
+        what.append(f"whether two named images share a {' / '.join(compared)}")
+    return (f"{images} image(s) per dialogue (a coloured shape each), up to {options.get('max_turns', 5)} turns; "
+            f"each question asks {' or '.join(what)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    from mmtune.data.synthetic import chance_exact_match
+
     result = run_demo(argv)
+    raw = compose_sft_config(demo_overrides(argv))
+    data_dir = Path(raw.synthetic.out_dir)
     before = result["before"].get("synthetic", {}).get("exact_match", float("nan"))
     after = result["after"].get("synthetic", {}).get("exact_match", float("nan"))
     print()
-    print("mmtune demo: tiny LLaVA on synthetic image dialogues (CPU)")
+    print("mmtune demo: a small random-weight LLaVA learns multi-image, multi-turn dialogue on CPU")
+    print(f"  task: {describe_task(dict(raw.synthetic.options))}")
+    print(f"  chance level (a uniform guess among each question's answers): {chance_exact_match(data_dir / 'test.json'):6.2f}%")
     print(f"  held-out exact match before training: {before:6.2f}%")
     print(f"  held-out exact match after training:  {after:6.2f}%   (target >= {TARGET:.0f}%)")
+    kinds = _by_question_kind(Path(raw.training.output_dir) / "eval" / "after", data_dir / "test.json")
+    if kinds:
+        print("  after training, by question: " + ", ".join(
+            f"{k.replace('_', ' ')} {100 * c / n:.1f}% ({c}/{n})" for k, (c, n) in sorted(kinds.items())))
     print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval)")
     print(f"  checkpoint: {result['final_dir']}")
+    print(f"  answers, images and scores: {Path(raw.training.output_dir) / 'eval' / 'after' / 'viewer.html'}")
     if not after >= TARGET:
         print(f"  below the {TARGET:.0f}% target: training did not work as expected", file=sys.stderr)
         return 1
