@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["compose_sft_config", "demo_overrides", "run_demo", "main"]
+__all__ = ["compose_sft_config", "demo_overrides", "describe_task", "run_demo", "main"]
 
 TARGET = 90.0
 """Held-out exact match (%) the demo must reach; below it the command exits with 1."""
@@ -92,21 +92,24 @@ def _by_question_kind(eval_dir: Path, test_json: Path) -> dict[str, tuple[int, i
 
 
 def describe_task(options: dict) -> str:
-    """One line saying what the synthetic dialogues ask (from ``synthetic.options``)."""
-    from mmtune.data.synthetic import QUESTION_KINDS
+    """One line saying what the synthetic dialogues show and ask (from ``synthetic.options``)."""
+    from mmtune.data.synthetic import TEMPLATES
 
+    style = options.get("style", "shape")
     lo, hi = options.get("min_images", 2), options.get("max_images", 4)
+    kinds = options.get("question_kinds", ("color", "shape", "same_color", "same_shape"))
+    asks = {
+        "color": "the colour of a named image", "shape": "the shape in a named image",
+        "same_color": "whether two named images share a colour", "same_shape": "whether two share a shape",
+        "which_color": "which image has a given colour",
+    }
+    if hi < 2:
+        kinds = [k for k in kinds if k in ("color", "shape")]  # nothing to compare or choose between
     images = f"{lo}" if lo == hi else f"{lo}-{hi}"
-    kinds = options.get("question_kinds", QUESTION_KINDS)
-    named = [k for k in ("color", "shape") if k in kinds]
-    compared = [k[5:] for k in ("same_color", "same_shape") if k in kinds]
-    what = []
-    if named:
-        what.append(f"the {' or '.join(named)} of a named image (\"Image2\")" if hi > 1 else f"the {' or '.join(named)}")
-    if compared and hi > 1:
-        what.append(f"whether two named images share a {' / '.join(compared)}")
-    return (f"{images} image(s) per dialogue (a coloured shape each), up to {options.get('max_turns', 5)} turns; "
-            f"each question asks {' or '.join(what)}")
+    picture = "one solid colour each" if style == "solid" else "a coloured shape each"
+    examples = "; ".join(f'"{TEMPLATES[style][k].format(j=1, k=2, color="red")}"' for k in kinds if k in TEMPLATES[style])
+    return (f"{images} image(s) per dialogue ({picture}), up to {options.get('max_turns', 5)} turns; each question asks "
+            f"{', '.join(asks[k] for k in kinds)} ({examples})")
 
 
 def main(argv: list[str] | None = None) -> int:
