@@ -48,4 +48,4 @@ def test_demo_states_its_task():
     from mmtune.training.demo import compose_sft_config, describe_task
 
     text = describe_task(dict(compose_sft_config(["experiment=demo"]).synthetic.options))
-    assert text.startswith("2-3 image(s) per dialogue") and "named image" in text and "Which image is red?" in text
+    assert text.startswith("2 image(s) per dialogue") and "named image" in text and "Which image is red?" in text
