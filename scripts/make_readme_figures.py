@@ -59,17 +59,18 @@ def worst_dialogue(eval_dir: Path) -> str:
 
 def side_by_side(plots: list[tuple[str, Path]], out: Path) -> None:
     """The report PNGs in one row, each under its caption."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
     images = [(caption, Image.open(path).convert("RGB")) for caption, path in plots]
-    pad, caption_h = 16, 28
+    font = ImageFont.load_default(size=18)
+    pad, caption_h = 16, 32
     width = sum(img.width for _, img in images) + pad * (len(images) + 1)
     height = max(img.height for _, img in images) + caption_h + 2 * pad
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
     x = pad
     for caption, img in images:
-        draw.text((x + 8, pad), caption, fill=(30, 36, 48))
+        draw.text((x + 8, pad), caption, fill=(30, 36, 48), font=font)
         canvas.paste(img, (x, pad + caption_h))
         x += img.width + pad
     canvas.save(out, optimize=True)
@@ -87,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "mmtune.cli", "demo", f"training.output_dir={run}",
                         "logging.progress_bar=false"], cwd=REPO, check=True)
     after, before = run / "eval" / "after", run / "eval" / "before"
-    for folder in (after, before):
-        if not (folder / "viewer.html").is_file():
-            sys.exit(f"{folder}: no viewer.html; pass --run a finished demo output folder (or omit --run)")
+    if not (after / "viewer.html").is_file():
+        sys.exit(f"{after}: no viewer.html; pass --run a finished demo output folder (or omit --run)")
     args.out.mkdir(parents=True, exist_ok=True)
 
     viewer_png = args.out / "viewer.png"
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plots_png = args.out / "report_plots.png"
     plots = [(f"{label}: {p.name}", p) for label, folder in (("before training", before), ("after training", after))
-             for p in sorted(folder.glob("*.png"))]
+             for p in sorted(folder.glob("*.png"))]  # no "before" folder when eval_before was off
     side_by_side(plots, plots_png)
     print(f"wrote {viewer_png} and {plots_png}")
     return 0
