@@ -222,3 +222,18 @@ def test_viewer_in_headless_chromium_lists_items_and_shows_the_selected_dialogue
         assert img.size == (1400, 900)
         assert len(img.convert("RGB").getcolors(1 << 20)) > 50  # drawn, not a blank page
     print(f"\nviewer screenshot: {shot}")
+
+
+def test_cross_run_report_html_links_each_result_to_its_viewer(data, tmp_path):
+    from mmtune.evaluation.report_tables import collect_results, render_html
+
+    predictions = tmp_path / "pred.jsonl"
+    _wrong_on_first_turns(Path(data.test_json), predictions)
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
+    cfg.synthetic.data_path, cfg.synthetic.image_root, cfg.synthetic.predictions = data.test_json, data.image_dir, str(predictions)
+    with_viewer, without = tmp_path / "a", tmp_path / "b"
+    run_benchmarks(cfg, output_dir=str(with_viewer), run_name="a", model_label="m")
+    without.mkdir()
+    (without / "synthetic.json").write_text((with_viewer / "synthetic.json").read_text().replace('"run": "a"', '"run": "b"'))
+    page = render_html([], collect_results([tmp_path]), {})
+    assert page.count("viewer.html") == 1 and (with_viewer / "viewer.html").resolve().as_uri() in page
