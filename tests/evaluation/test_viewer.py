@@ -23,7 +23,7 @@ def payload(html_path):
     text = html_path.read_text(encoding="utf-8")
     match = re.search(r'<script id="viewer-data" type="application/json">(.*?)</script>', text, re.S)
     assert match, "no data block in the page"
-    return json.loads(match.group(1).replace("<\\/", "</"))
+    return json.loads(match.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,16 @@ def data(tmp_path_factory):
                               min_images=2, max_images=3, max_turns=3)
 
 
+WRONG = "purple </script><!-- <b>"
+
+
 def _wrong_on_first_turns(test_json, path):
-    """A generation file answering every first question wrongly and the rest correctly."""
+    """A generation file answering every first question wrongly (with markup that must stay text) and the rest correctly."""
     rows = []
     for record in json.loads(test_json.read_text()):
         answers = [c["value"] for c in record["conversations"] if c["from"] == "assistant"]
         for t, answer in enumerate(answers):
-            rows.append({"dialogue_id": record["id"], "turn": t, "answer": "purple" if t == 0 else answer.upper()})
+            rows.append({"dialogue_id": record["id"], "turn": t, "answer": WRONG if t == 0 else answer.upper()})
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return rows
 
@@ -63,7 +66,7 @@ def test_synthetic_viewer_lists_dialogues_with_turns_images_and_scores(data, tmp
     assert len(first["turns"]) == n_turns
     # per dialogue: % of turns right; the first turn was answered wrong on purpose
     assert first["score"] == pytest.approx(100.0 * (n_turns - 1) / n_turns)
-    assert first["turns"][0]["status"] == "wrong" and first["turns"][0]["answer"] == "purple"
+    assert first["turns"][0]["status"] == "wrong" and first["turns"][0]["answer"] == WRONG
     assert first["turns"][1]["status"] == "correct"
     assert first["turns"][0]["reference"] == records[0]["conversations"][1]["value"]
     assert first["turns"][0]["question"].startswith("Image1: [image #1].") and "<ImageHere>" not in first["turns"][0]["question"]
@@ -210,6 +213,7 @@ def test_viewer_in_headless_chromium_lists_items_and_shows_the_selected_dialogue
     images = [a for tag, a in dom.found if tag == "img" and a.get("src", "").startswith("data:image/jpeg")]
     assert len(images) == len(chosen["image"])
     assert "status-wrong" in turns[0]["class"]  # the first answers were wrong on purpose
+    assert "purple &lt;/script&gt;&lt;!-- &lt;b&gt;" in dumped.stdout  # shown as text, not markup
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "viewer_synthetic.png"

@@ -316,8 +316,9 @@ def _link_from_report(report: Path) -> None:
 
 
 def _render(payload: dict[str, Any]) -> str:
-    # "</" inside a <script> block would end it early: escape the slash in the JSON.
-    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, default=str).replace("</", "<\\/")
+    # "</script>" or "<!--" in an answer would end or derail the <script> block: "<" only
+    # occurs inside JSON strings, where \u003c means the same character.
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, default=str).replace("<", "\\u003c")
     return _PAGE.replace("__TITLE__", html.escape(payload["title"])).replace("__DATA__", data)
 
 
