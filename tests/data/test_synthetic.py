@@ -108,3 +108,48 @@ def test_question_kinds_limits_the_templates_and_rejects_unknown_names(tmp_path)
     assert not any("same shape" in q for q in questions)
     with pytest.raises(ValueError, match=r"question_kinds=\['size'\].*unknown: \['size'\]"):
         generate_synthetic(tmp_path / "bad", n_train=1, n_test=1, n_llava=0, question_kinds=["size"])
+
+
+def test_solid_style_asks_about_named_images_and_which_image_has_a_colour(tmp_path):
+    from mmtune.data.synthetic import question_kind
+
+    p = generate_synthetic(tmp_path / "s", n_train=60, n_test=5, n_llava=0, seed=2, image_size=32, min_images=2,
+                           max_images=3, max_turns=4, question_kinds=["color", "same_color", "which_color"], style="solid")
+    kinds = set()
+    for record in json.load(open(p.train_json)):
+        colours = []
+        for path in record["image"]:
+            pixels = np.asarray(PILImage.open(f"{p.image_dir}/{path}").convert("RGB")).reshape(-1, 3)
+            assert (pixels == pixels[0]).all()  # one colour over the whole image
+            colours.append(next(c for c, rgb in COLORS.items() if tuple(pixels[0]) == rgb))
+        conv = record["conversations"]
+        shown = 0
+        for q, a in zip(conv[::2], conv[1::2]):
+            shown += q["value"].count("<ImageHere>")
+            kind = question_kind(q["value"])
+            kinds.add(kind)
+            if m := re.search(r"What color is Image(\d+)\?$", q["value"]):
+                assert a["value"] == colours[int(m[1]) - 1]
+            elif m := re.search(r"Which image is (\w+)\?$", q["value"]):
+                visible = colours[:shown]
+                assert visible.count(m[1]) == 1 and a["value"] == f"Image{visible.index(m[1]) + 1}"
+            else:
+                m = re.search(r"Do Image(\d+) and Image(\d+) have the same color\?$", q["value"])
+                assert m and a["value"] == ("yes" if colours[int(m[1]) - 1] == colours[int(m[2]) - 1] else "no")
+    assert kinds == {"color", "same_color", "which_color"}
+    with pytest.raises(ValueError, match="no shape"):
+        generate_synthetic(tmp_path / "bad", n_train=1, n_test=1, n_llava=0, style="solid", question_kinds=["shape"])
+
+
+def test_chance_level_is_the_mean_of_one_over_each_questions_answers(tmp_path):
+    from mmtune.data.synthetic import chance_exact_match
+
+    records = [{"id": "a", "image": ["1.png", "2.png"], "conversations": [
+        {"from": "user", "value": "Image1: <ImageHere>. Image2: <ImageHere>. What color is Image2?"},
+        {"from": "assistant", "value": "red"},
+        {"from": "user", "value": "Do Image1 and Image2 have the same color?"}, {"from": "assistant", "value": "no"},
+        {"from": "user", "value": "Which image is red?"}, {"from": "assistant", "value": "Image2"},
+        {"from": "user", "value": "What shape is in Image1?"}, {"from": "assistant", "value": "circle"}]}]
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(records))
+    assert chance_exact_match(path) == pytest.approx(100 * (1 / 4 + 1 / 2 + 1 / 2 + 1 / 3) / 4)

@@ -21,7 +21,7 @@ def test_sft_recipe_runs_and_writes_a_loadable_checkpoint(tmp_path):
     generate_synthetic(data, n_train=16, n_test=2, n_llava=0, seed=0, image_size=56)
     out = tmp_path / "run"
     overrides = [
-        "experiment=demo", f"training.output_dir={out}", f"synthetic.out_dir={data}",
+        "experiment=demo_single_image", f"training.output_dir={out}", f"synthetic.out_dir={data}",
         "training.max_steps=3", "training.eval_before=false", "training.eval_after=false",
         "logging.progress_bar=false", "collator.batch_size=4",
         "context=8k", "model.architecture.text_config.max_position_embeddings=4096",

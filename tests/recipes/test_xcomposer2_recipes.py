@@ -25,7 +25,7 @@ def test_xcomposer2_trains_with_sft_recipe_and_evaluates_with_evaluate_recipe(tm
                               min_images=2, max_images=3, max_turns=2)
     out = tmp_path / "run"
     _run("sft.py", [
-        "experiment=demo", "model=internlm_xc2_tiny", "peft=lora", "collator.batching=packing",
+        "experiment=demo_single_image", "model=internlm_xc2_tiny", "peft=lora", "collator.batching=packing",
         f"training.output_dir={out}", f"synthetic.out_dir={tmp_path / 'data'}",
         "training.max_steps=2", "training.eval_before=false", "training.eval_after=true",
         f"eval.synthetic.data_path={data.test_json}", f"eval.synthetic.image_root={data.image_dir}",

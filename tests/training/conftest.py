@@ -20,7 +20,7 @@ def synthetic_dir(tmp_path_factory):
 def _tiny_overrides(output_dir, data_dir, *extra: str) -> list[str]:
     """Overrides of the demo experiment for a seconds-long CPU run on ``data_dir``."""
     return [
-        "experiment=demo",
+        "experiment=demo_single_image",
         f"training.output_dir={output_dir}",
         f"synthetic.out_dir={data_dir}",
         f"data.cache_dir={data_dir}/cache",

@@ -45,8 +45,58 @@ COLOR_Q = "What color is the shape in Image{k}?"
 SHAPE_Q = "What shape is in Image{k}?"
 SAME_COLOR_Q = "Do Image{j} and Image{k} have the same color?"
 SAME_SHAPE_Q = "Do Image{j} and Image{k} have the same shape?"
-QUESTION_KINDS = ("color", "shape", "same_color", "same_shape")
-"""The question templates above, in order; ``generate_synthetic(question_kinds=...)`` picks a subset."""
+WHICH_COLOR_Q = "Which image has a {color} shape?"
+QUESTION_KINDS = ("color", "shape", "same_color", "same_shape", "which_color")
+"""The question kinds; ``generate_synthetic(question_kinds=...)`` picks a subset."""
+
+STYLES = ("shape", "solid")
+"""``shape``: one coloured shape on a light background (colour and shape questions);
+``solid``: the whole image one colour (colour questions only, the easiest to see)."""
+TEMPLATES: dict[str, dict[str, str]] = {
+    "shape": {"color": COLOR_Q, "shape": SHAPE_Q, "same_color": SAME_COLOR_Q, "same_shape": SAME_SHAPE_Q,
+              "which_color": WHICH_COLOR_Q},
+    "solid": {"color": "What color is Image{k}?", "same_color": SAME_COLOR_Q, "which_color": "Which image is {color}?"},
+}
+"""The question of each kind, per image style (``solid`` images have no shape to ask about)."""
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template)
+    for field in ("j", "k"):
+        escaped = escaped.replace(r"\{" + field + r"\}", r"\d+")
+    return re.compile(escaped.replace(r"\{color\}", r"\w+") + r"\s*$")
+
+
+_KIND_PATTERNS = [(kind, _pattern(t)) for style in STYLES for kind, t in TEMPLATES[style].items()]
+ANSWER_SETS: dict[str, tuple[str, ...]] = {
+    "color": tuple(COLORS), "shape": SHAPES, "same_color": ("yes", "no"), "same_shape": ("yes", "no"),
+}
+"""The possible answers of each question kind with a fixed set (``which_color``: one of the images shown)."""
+
+
+def question_kind(question: str) -> str | None:
+    """Which template a user turn's question is (``color``, ``shape``, ...); ``None`` if none."""
+    for kind, pattern in _KIND_PATTERNS:
+        if pattern.search(question):
+            return kind
+    return None
+
+
+def chance_exact_match(test_json: str | os.PathLike) -> float:
+    """Expected exact match (%) of guessing uniformly among each question's possible answers."""
+    records = json.loads(Path(test_json).read_text(encoding="utf-8"))
+    odds = []
+    for record in records:
+        shown = 0
+        for message in record["conversations"]:
+            if message["from"] in ("user", "human"):
+                shown += message["value"].count("<ImageHere>")
+                kind = question_kind(message["value"])
+                if kind == "which_color":
+                    odds.append(1 / max(shown, 1))
+                else:
+                    odds.append(1 / len(ANSWER_SETS[kind]) if kind else 0.0)
+    return 100.0 * sum(odds) / len(odds) if odds else float("nan")
 
 
 def normalize_answer(text: str) -> str:
@@ -76,10 +126,13 @@ class _Picture:
     shape: str
 
 
-def draw_image(picture: _Picture, size: int, background: tuple[int, int, int] = (240, 240, 240)):
-    """A PIL image: ``background`` with one centred shape covering ~60% of the side."""
+def draw_image(picture: _Picture, size: int, background: tuple[int, int, int] = (240, 240, 240), style: str = "shape"):
+    """A PIL image: ``background`` with one centred shape covering ~60% of the side
+    (``style="solid"``: the whole image in the picture's colour)."""
     from PIL import Image, ImageDraw
 
+    if style == "solid":
+        return Image.new("RGB", (size, size), COLORS[picture.color])
     img = Image.new("RGB", (size, size), background)
     draw = ImageDraw.Draw(img)
     lo, hi = round(size * 0.2), round(size * 0.8) - 1
@@ -102,29 +155,38 @@ def _new_picture(rng: random.Random, earlier: list[_Picture]) -> _Picture:
 
 
 def _question(
-    rng: random.Random, pics: list[_Picture], fresh: list[int], allowed: tuple[str, ...] = QUESTION_KINDS
+    rng: random.Random, pics: list[_Picture], fresh: list[int], allowed: tuple[str, ...] = QUESTION_KINDS,
+    style: str = "shape",
 ) -> tuple[str, str]:
     """A question about the shown images; about a just-introduced one when there is one."""
-    kinds = [k for k in ("color", "shape") if k in allowed]
-    kinds += [k for k in ("same_color", "same_shape") if k in allowed and len(pics) >= 2]
+    templates = TEMPLATES[style]
+    colors = [p.color for p in pics]
+    unique = [c for c in dict.fromkeys(colors) if colors.count(c) == 1]
+    kinds = [k for k in ("color", "shape") if k in allowed and k in templates]
+    kinds += [k for k in ("same_color", "same_shape") if k in allowed and k in templates and len(pics) >= 2]
+    if "which_color" in allowed and len(pics) >= 2 and unique:
+        kinds.append("which_color")
     if not kinds:
         # Only comparisons allowed and one image shown so far: ask about that image.
-        kinds = ["color", "shape"]
+        kinds = [k for k in ("color", "shape") if k in templates]
     kind = rng.choice(kinds)
     if kind in ("color", "shape"):
         k = rng.choice(fresh) if fresh else rng.randrange(len(pics))
         if kind == "color":
-            return COLOR_Q.format(k=k + 1), pics[k].color
-        return SHAPE_Q.format(k=k + 1), pics[k].shape
+            return templates["color"].format(k=k + 1), pics[k].color
+        return templates["shape"].format(k=k + 1), pics[k].shape
+    if kind == "which_color":
+        color = rng.choice(unique)
+        return templates["which_color"].format(color=color), f"Image{colors.index(color) + 1}"
     j, k = sorted(rng.sample(range(len(pics)), 2))
     attr = "color" if kind == "same_color" else "shape"
     same = getattr(pics[j], attr) == getattr(pics[k], attr)
-    template = SAME_COLOR_Q if attr == "color" else SAME_SHAPE_Q
-    return template.format(j=j + 1, k=k + 1), "yes" if same else "no"
+    return templates[kind].format(j=j + 1, k=k + 1), "yes" if same else "no"
 
 
 def _dialogue(
-    rng: random.Random, min_images: int, max_images: int, max_turns: int, allowed: tuple[str, ...] = QUESTION_KINDS
+    rng: random.Random, min_images: int, max_images: int, max_turns: int, allowed: tuple[str, ...] = QUESTION_KINDS,
+    style: str = "shape",
 ):
     """``(pictures, conversations)`` of one MMDU-style dialogue."""
     n_images = rng.randint(min_images, max_images)
@@ -143,7 +205,7 @@ def _dialogue(
             pics.append(_new_picture(rng, pics))
             fresh.append(len(pics) - 1)
             intro += f"Image{len(pics)}: <ImageHere>. "
-        question, answer = _question(rng, pics, fresh, allowed)
+        question, answer = _question(rng, pics, fresh, allowed, style)
         conversations.append({"from": "user", "value": intro + question})
         conversations.append({"from": "assistant", "value": answer})
     return pics, conversations
@@ -166,7 +228,8 @@ def generate_synthetic(
     max_images: int = 4,
     max_turns: int = 5,
     text_only_fraction: float = 0.1,
-    question_kinds: tuple[str, ...] | list[str] = QUESTION_KINDS,
+    question_kinds: tuple[str, ...] | list[str] = ("color", "shape", "same_color", "same_shape"),
+    style: str = "shape",
 ) -> SyntheticPaths:
     """Write the synthetic train / test / llava-shaped splits and their images.
 
@@ -181,8 +244,13 @@ def generate_synthetic(
             introduced, one per later turn).
         text_only_fraction: share of text-only records in the llava split.
         question_kinds: which question templates the MMDU-format splits use, a non-empty
-            subset of :data:`QUESTION_KINDS` (default: all four). A turn that may only ask
-            a comparison while one image is shown asks about that image's colour or shape.
+            subset of :data:`QUESTION_KINDS` (default: the four colour / shape / same-colour /
+            same-shape kinds). A turn that may only ask a comparison while one image is
+            shown asks about that image's colour or shape. ``which_color`` ("Which image
+            has a red shape?" -> ``Image2``) is asked only when exactly one shown image has
+            that colour.
+        style: :data:`STYLES`: ``shape`` (a coloured shape) or ``solid`` (the image is one
+            colour; shape kinds are not allowed). The llava split always uses shapes.
 
     Returns:
         The written paths.
@@ -197,6 +265,10 @@ def generate_synthetic(
             f"question_kinds={list(allowed)!r}: use a non-empty subset of {list(QUESTION_KINDS)} "
             f"(unknown: {unknown})"
         )
+    if style not in STYLES:
+        problems.append(f"style={style!r}: use one of {list(STYLES)}")
+    elif style == "solid" and {"shape", "same_shape"} & set(allowed):
+        problems.append("style='solid' images have no shape: drop 'shape' / 'same_shape' from question_kinds")
     if problems:
         raise ValueError("generate_synthetic: " + "; ".join(problems))
     out = Path(out_dir)
@@ -205,12 +277,12 @@ def generate_synthetic(
     (images / "synthetic").mkdir(parents=True, exist_ok=True)
 
     def save(pic: _Picture, rel: str) -> None:
-        draw_image(pic, image_size).save(images / rel.lstrip("/"))
+        draw_image(pic, image_size, style=style).save(images / rel.lstrip("/"))
 
     def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
         records = []
         for i in range(n):
-            pics, conversations = _dialogue(rng, min_images, max_images, max_turns, allowed)
+            pics, conversations = _dialogue(rng, min_images, max_images, max_turns, allowed, style)
             paths = []
             for k, pic in enumerate(pics, 1):
                 rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
@@ -286,7 +358,12 @@ __all__ = [
     "COLORS",
     "SHAPES",
     "QUESTION_KINDS",
+    "STYLES",
+    "TEMPLATES",
+    "ANSWER_SETS",
     "SyntheticPaths",
+    "question_kind",
+    "chance_exact_match",
     "generate_synthetic",
     "normalize_answer",
     "is_correct",

@@ -173,6 +173,8 @@ class TurnScore:
     detail: str = ""
     judge_error: Optional[dict[str, Any]] = None
     """``{"status", "message"}`` of a failed judge call (key redacted)."""
+    reply: str = ""
+    """The judge's reply as written (its rationale), for the results viewer."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -274,9 +276,9 @@ def score_mmdu(
             continue
         parsed = parse_scores(reply.content)
         if parsed.ok:
-            turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method))
+            turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method, reply=reply.content or ""))
         else:
-            turns.append(TurnScore(dialogue_id, t, "unparsed", detail=parsed.error))
+            turns.append(TurnScore(dialogue_id, t, "unparsed", detail=parsed.error, reply=reply.content or ""))
     turns += [TurnScore(d, t, "missing") for d, t in missing]
     turns.sort(key=lambda s: (s.dialogue_id, s.turn))
     metrics, counts, meta = aggregate(turns)

@@ -321,6 +321,12 @@ def _html_num(value: Optional[float], cls: str, signed: bool = False) -> str:
     return f'<span class="{cls}">{html.escape(_fmt(value, signed))}</span>'
 
 
+def _viewer_link(result_path: Any) -> str:
+    # The evaluation that wrote a result file leaves its answers viewer beside it.
+    viewer = Path(result_path).parent / "viewer.html"
+    return f" (<a href='{html.escape(viewer.resolve().as_uri())}'>answers</a>)" if viewer.is_file() else ""
+
+
 def render_html(tables: Sequence[FilledTable], results: ResultSet, images: dict[str, str]) -> str:
     """A standalone HTML page with the same tables (paper, ours, Δ stacked per cell)."""
     e = html.escape
@@ -349,7 +355,7 @@ def render_html(tables: Sequence[FilledTable], results: ResultSet, images: dict[
             out.append(f"<img src='{e(images[t.spec.key])}' alt='{e(t.spec.title)}' style='max-width:100%'>")
     out.append("<h2>Result files</h2><ul>")
     out += [f"<li><code>{e(str(r.path))}</code>: run <code>{e(r.run)}</code>, {e(r.benchmark)}, "
-            f"context {r.context_length}</li>" for r in results.records] or ["<li>none found</li>"]
+            f"context {r.context_length}{_viewer_link(r.path)}</li>" for r in results.records] or ["<li>none found</li>"]
     out.append("</ul>")
     if results.problems:
         out.append("<h3>Problems</h3><ul>" + "".join(f"<li>{e(p)}</li>" for p in results.problems) + "</ul>")

@@ -15,6 +15,7 @@ Output layout under ``output_dir``::
     details/<benchmark>.jsonl       per-turn / per-item scores
     mmvet_results.json, mmvet-*.csv MM-Vet in the official formats
     report.md, *.png                tables and plots
+    viewer.html                     every dialogue / item with its answers and scores (static page)
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def run_benchmarks(
             from mmtune.evaluation.report import write_report
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
+            from mmtune.evaluation.viewer import write_viewer
+
+            write_viewer(cfg, out, title=f"Answers of {run_name}")
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
