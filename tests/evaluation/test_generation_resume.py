@@ -105,12 +105,16 @@ def test_training_eval_folder_regenerates_instead_of_reporting_stale_answers(tin
 
     out = tmp_path / "eval" / "after"
     evaluate_in_training(model, adapter, Cfg, tag="after", run="demo", output_dir=str(out))
-    first = [json.loads(line)["answer"] for line in (out / "generations" / "synthetic.jsonl").open()]
+    def answers(path):  # keyed by (dialogue, turn): batched generation writes in completion order
+        rows = (json.loads(line) for line in path.open())
+        return {(r["dialogue_id"], r["turn"]): r["answer"] for r in rows}
+
+    first = answers(out / "generations" / "synthetic.jsonl")
     evaluate_in_training(other, adapter, Cfg, tag="after", run="demo", output_dir=str(out))
     gens = out / "generations"
-    second = [json.loads(line)["answer"] for line in (gens / "synthetic.jsonl").open()]
+    second = answers(gens / "synthetic.jsonl")
     fresh = DialogueGenerator(adapter, other, eval_cfg.generation).generate(
         load_mmdu_dialogues(data.test_json, image_root=data.image_dir))
-    assert second == [r.answer for r in fresh] and second != first
+    assert second == {(r.dialogue_id, r.turn): r.answer for r in fresh} and second != first
     assert (gens / "synthetic.stale-1.jsonl").exists() and (gens / "synthetic.stale-1.settings.json").exists()
-    assert [json.loads(line)["answer"] for line in (gens / "synthetic.stale-1.jsonl").open()] == first
+    assert answers(gens / "synthetic.stale-1.jsonl") == first

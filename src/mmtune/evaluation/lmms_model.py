@@ -66,11 +66,13 @@ class GenerationEngine:
         checkpoint = pretrained if Path(pretrained).is_dir() else None
         self.adapter, self.model, self.label = loader(checkpoint, config, device=device)
         self.device = device
-        self._generators: dict[tuple, Any] = {}
+        self._generators: dict[str, Any] = {}
         self._images = tempfile.mkdtemp(prefix="mmtune_lmms_")
         self._count = 0
 
     def _generator(self, gen_kwargs: dict[str, Any]):
+        import json
+
         from mmtune.evaluation.config import GenerationConfig
         from mmtune.evaluation.generation import DialogueGenerator
 
@@ -82,7 +84,7 @@ class GenerationEngine:
             top_p=float(gen_kwargs.get("top_p", 1.0) or 1.0),
             device=self.device,
         )
-        key = tuple(sorted(dataclasses.asdict(settings).items()))
+        key = json.dumps(dataclasses.asdict(settings), sort_keys=True)  # settings hold a dict: hash their JSON
         if key not in self._generators:
             self._generators[key] = DialogueGenerator(self.adapter, self.model, settings)
         return self._generators[key]
