@@ -147,9 +147,9 @@ def main() -> None:
             return out
 
     def make(kv: bool, batch: int, lockstep: bool = False) -> DialogueGenerator:
-        gen = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=args.max_new_tokens, kv_reuse=kv, batch_size=batch))
-        if lockstep:
-            gen.prefill_policy = "lockstep"
+        gen = DialogueGenerator(adapter, model, GenerationConfig(
+            max_new_tokens=args.max_new_tokens, kv_reuse=kv, batch_size=batch,
+            batch_schedule="lockstep" if lockstep else "continuous"))
         if banned:
             from transformers import SuppressTokensLogitsProcessor
 

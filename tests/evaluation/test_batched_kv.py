@@ -98,7 +98,8 @@ def _run(adapter, model, dialogues, **settings):
     """Records and stats of one generation run; runs the tests share are made once."""
     key = (id(model), tuple(d.id for d in dialogues), tuple(sorted(settings.items())))
     if key not in _RUNS:
-        cfg = GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8, **settings)
+        cfg = GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8,
+                               **{"batch_schedule": "continuous", **settings})
         gen = DialogueGenerator(adapter, model, cfg)
         _RUNS[key] = (gen.generate(dialogues), dict(gen.stats))
     return _RUNS[key]
@@ -148,8 +149,8 @@ def test_batched_kv_lockstep_schedule_gives_the_same_answers(llava, dialogues):
     adapter, model = llava
     one, _ = _run(adapter, model, dialogues, batch_size=1)
     continuous, stats = _run(adapter, model, dialogues, batch_size=4)
-    gen = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8, batch_size=4))
-    gen.prefill_policy = "lockstep"
+    gen = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8,
+                                                             batch_size=4, batch_schedule="lockstep"))
     assert _fields(gen.generate(dialogues)) == _fields(one)
     # waiting for the longest answer of the batch costs model calls
     assert stats["forward_calls"] < gen.stats["forward_calls"] and gen.stats["idle_tokens"] > 0
@@ -166,7 +167,8 @@ def test_batched_kv_overflow_stop_policy(llava, dialogues):
 
 def test_batched_kv_resumes_from_jsonl(llava, dialogues, tmp_path):
     adapter, model = llava
-    cfg = GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8, batch_size=4)
+    cfg = GenerationConfig(max_new_tokens=8, context_length=WINDOW, min_new_tokens=8, batch_size=4,
+                           batch_schedule="continuous")
     reference, _ = _run(adapter, model, dialogues, batch_size=4)
     out = tmp_path / "gen.jsonl"
     DialogueGenerator(adapter, model, cfg).generate(dialogues, out_path=out)
@@ -211,3 +213,15 @@ def test_compact_keeps_what_every_row_attends_to(llava, dialogues):
             return gen._forward(ids, None, kv.mask, positions, kv.cache, keep=last)
 
     torch.testing.assert_close(step(True), step(False), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_schedule_auto_is_lockstep_off_cuda_and_validated(llava):
+    from mmtune.evaluation.config import EvalConfig, validate_eval_config
+
+    adapter, model = llava
+    assert DialogueGenerator(adapter, model, GenerationConfig()).prefill_policy == "lockstep"  # CPU
+    assert DialogueGenerator(adapter, model, GenerationConfig(batch_schedule="continuous")).prefill_policy == "continuous"
+    cfg = EvalConfig(benchmarks=["synthetic"], generation=GenerationConfig(batch_schedule="fast"))
+    cfg.synthetic.data_path = "x.json"
+    with pytest.raises(ValueError, match="batch_schedule='fast'"):
+        validate_eval_config(cfg)

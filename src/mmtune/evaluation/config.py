@@ -50,6 +50,12 @@ class GenerationConfig:
     """Dialogues decoded together. On the KV path they share one batched cache and each
     turn feeds only its new tokens; a slot whose dialogue ends takes the next one. Answers
     do not depend on it (greedy). ``None``: by model size, from ``batch_size_by_size``."""
+    batch_schedule: str = "auto"
+    """How rows of a batched KV cache take turns: ``continuous`` (a row starts its next
+    turn as soon as its answer ends: fewest forward calls, best where decoding is bound by
+    memory bandwidth, i.e. on a GPU), ``lockstep`` (rows start turns together: far less
+    padding, faster where every token costs compute, i.e. on a CPU), or ``auto``
+    (continuous on CUDA, lockstep elsewhere). Answers do not depend on it (greedy)."""
     batch_size_by_size: dict[str, int] = field(default_factory=lambda: {"3B": 16, "9B": 8, "20B": 4, "inf": 2})
     """Batch size for models up to each size (``"9B"``: up to 9e9 parameters). Each row
     keeps a KV cache of up to ``context_length`` tokens (LLaVA-1.5-7B in bf16: 0.5 MiB
@@ -275,6 +281,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         problems.append(f"eval.generation.overflow={gen.overflow!r}: use 'drop_oldest' or 'stop'")
     if gen.max_new_tokens < 1:
         problems.append(f"eval.generation.max_new_tokens={gen.max_new_tokens}: must be >= 1")
+    if gen.batch_schedule not in ("auto", "continuous", "lockstep"):
+        problems.append(f"eval.generation.batch_schedule={gen.batch_schedule!r}: use auto, continuous or lockstep")
     if gen.batch_size is not None and gen.batch_size < 1:
         problems.append(f"eval.generation.batch_size={gen.batch_size}: must be >= 1")
     if not 0.0 <= cfg.judge.max_failed_share <= 1.0:

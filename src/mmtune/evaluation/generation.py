@@ -185,10 +185,10 @@ class DialogueGenerator:
         config: decoding, batching and overflow settings.
     """
 
-    prefill_policy = "continuous"
+    prefill_policy: str
     """Batched KV path: ``continuous`` (a row starts its next turn as soon as its answer
-    ends) or ``lockstep`` (rows start turns together, after the longest answer; slower
-    when answer lengths differ, kept to measure that)."""
+    ends) or ``lockstep`` (rows start turns together, after the longest answer); from
+    ``config.batch_schedule``, ``auto`` resolved by device."""
 
     def __init__(self, adapter: ModelAdapter, model: Any, config: GenerationConfig):
         import torch
@@ -198,6 +198,10 @@ class DialogueGenerator:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        schedule = getattr(config, "batch_schedule", "auto")
+        if schedule == "auto":  # see GenerationConfig.batch_schedule and bench/eval_generation.py
+            schedule = "continuous" if self.device.type == "cuda" else "lockstep"
+        self.prefill_policy = schedule
         # peft wrappers forward **kwargs; the wrapped model's signature names the cache argument
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         params = inspect.signature(inner.forward).parameters
