@@ -73,3 +73,6 @@ print(f"RESULT loss_impl={loss:<12} steps measured: {len(rows)}; tokens/s: {tps:
       + (f"MFU: {100 * statistics.mean(mfu):.1f}%" if mfu else "MFU: n/a (GPU not in the peak table)"), flush=True)
 PY
 done 2>&1 | tee "$OUT/gpu_sft.log" | grep -E "^(RESULT|loss:|Traceback|[A-Za-z]*Error)"
+
+# Decode throughput of the batched KV generator at B = 1, 8, 32 (same GPU, 7B-shaped LLaVA).
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python bench/gpu_generation.py 2>&1 | tee "$OUT/gpu_generation.log"
