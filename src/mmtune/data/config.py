@@ -258,6 +258,22 @@ def resolve_group_config_path(group: str, name_or_path: str) -> Path:
     )
 
 
+def apply_overrides(cfg: Any, overrides: Optional[List[str]]) -> None:
+    """Apply ``key=value`` overrides to an OmegaConf config in place.
+
+    Values are parsed as YAML like Hydra does ("66000" -> int, "null" -> None); list
+    elements are addressed by index: ``mixture.sources.1.num_samples=166000``.
+    """
+    import yaml
+    from omegaconf import OmegaConf
+
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value")
+        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
+
+
 def resolve_data_config_path(name_or_path: str) -> Path:
     """A YAML path as given, or ``configs/data/<name>.yaml`` (see :func:`resolve_group_config_path`)."""
     return resolve_group_config_path("data", name_or_path)
@@ -274,20 +290,13 @@ def load_data_config(name_or_path: str, overrides: Optional[List[str]] = None) -
         omegaconf.errors.ConfigKeyError: an unknown key (the message names it).
         ConfigError: semantic problems, all listed.
     """
-    import yaml
     from omegaconf import OmegaConf
 
     raw = OmegaConf.load(resolve_data_config_path(name_or_path))
     if "data" in raw and "mixture" not in raw:
         raw = raw.data
     cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), raw)
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not key=value")
-        # Parsed as YAML like Hydra does ("66000" -> int, "null" -> None); list
-        # elements are addressed by index: mixture.sources.1.num_samples=166000.
-        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
+    apply_overrides(cfg, overrides)
     data: Any = OmegaConf.to_object(cfg)
     data.validate()
     return data
@@ -303,6 +312,7 @@ __all__ = [
     "DataConfig",
     "default_cache_dir",
     "configs_dir",
+    "apply_overrides",
     "resolve_group_config_path",
     "resolve_data_config_path",
     "load_data_config",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mmtune.data.config import ConfigError, resolve_group_config_path
+from mmtune.data.config import ConfigError, apply_overrides, resolve_group_config_path
 
 IMAGE_CHECKS = ("verify", "exists")
 EMBEDDERS = ("sentence_transformers", "hashing")
@@ -203,15 +203,10 @@ def load_build_config(name_or_path: str, overrides: Optional[List[str]] = None) 
         omegaconf.errors.ConfigKeyError: an unknown key (the message names it).
         ConfigError: semantic problems, all listed.
     """
-    import yaml
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.merge(OmegaConf.structured(BuildConfig), OmegaConf.load(resolve_build_config_path(name_or_path)))
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} is not key=value")
-        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
+    apply_overrides(cfg, overrides)
     build: Any = OmegaConf.to_object(cfg)
     build.validate()
     return build
