@@ -234,6 +234,14 @@ _USER_TEXTS = [
 _ANSWERS = ["Yes.", " A red helmet.\n", "1. One\n2. Two", "No  way", "It is 42.", "  Leading spaces", "中文回答。", "ok "]
 
 
+def _random_turns(rng):
+    """1-4 exchanges of texts drawn from the lists above, as ``(role, text)`` pairs."""
+    turns = []
+    for _ in range(rng.randint(1, 4)):
+        turns += [("user", rng.choice(_USER_TEXTS)), ("assistant", rng.choice(_ANSWERS))]
+    return turns
+
+
 def test_llava_v1_agrees_with_the_official_rules_on_varied_dialogues(llava):
     """Random multi-turn MMDU-style dialogues (placeholders anywhere, odd whitespace)."""
     import random
@@ -243,9 +251,7 @@ def test_llava_v1_agrees_with_the_official_rules_on_varied_dialogues(llava):
     sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", "llama2", "tokenizer.model"))
     rng = random.Random(0)
     for n in range(60):
-        turns = []
-        for _ in range(rng.randint(1, 4)):
-            turns += [("user", rng.choice(_USER_TEXTS)), ("assistant", rng.choice(_ANSWERS))]
+        turns = _random_turns(rng)
         images = sum(text.count("<image>") for _, text in turns)
         record = {"id": f"r{n}", "conversations": [
             {"from": role, "value": text.replace("<image>", "<ImageHere>")} for role, text in turns]}  # fmt: skip
@@ -309,10 +315,7 @@ def test_xcomposer2_agrees_with_the_official_rules_on_varied_dialogues(xc2):
     sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURES, "tokenizers", "internlm2", "tokenizer.model"))
     rng = random.Random(1)
     for n in range(60):
-        turns = []
-        for _ in range(rng.randint(1, 4)):
-            turns += [("user", rng.choice(_USER_TEXTS)), ("assistant", rng.choice(_ANSWERS))]
-        turns = [(role, text.replace("<image>", "<ImageHere>")) for role, text in turns]
+        turns = [(role, text.replace("<image>", "<ImageHere>")) for role, text in _random_turns(rng)]
         images = sum(text.count("<ImageHere>") for _, text in turns)
         record = {"id": f"x{n}", "conversations": [{"from": role, "value": text} for role, text in turns]}
         if images:

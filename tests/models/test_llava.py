@@ -222,14 +222,30 @@ def test_model_yamls_load_into_model_config():
     assert 80e6 < params < 130e6
 
 
+def _save_llava_dir(path, backend, *, chat_template=None):
+    """A LLaVA checkpoint directory (tiny random config) around a ``tokenizers`` backend."""
+    from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from mmtune.models.llava import TINY_ARCHITECTURE
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": len(tokenizer)}}
+    LlavaConfig(**arch, image_token_id=3).save_pretrained(path)
+    LlavaProcessor(
+        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", chat_template=chat_template,
+    ).save_pretrained(path)
+
+
 def test_sentencepiece_style_tokenizer_checkpoint(tmp_path, images):
     """A checkpoint whose tokenizer puts a word-start marker before every piece (as Llama's
     does): the separator space is not doubled and labels still decode to the answers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-    from mmtune.models.llava import TINY_ARCHITECTURE, VICUNA_V1_CHAT_TEMPLATE
+    from mmtune.models.llava import VICUNA_V1_CHAT_TEMPLATE
     from mmtune.models.tiny_tokenizer import _BASE_CORPUS
 
     backend = Tokenizer(models.BPE(byte_fallback=True))
@@ -241,16 +257,7 @@ def test_sentencepiece_style_tokenizer_checkpoint(tmp_path, images):
         initial_alphabet=alphabet, show_progress=False,
     )
     backend.train_from_iterator([_BASE_CORPUS] * 4, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": len(tokenizer)}}
-    LlavaConfig(**arch, image_token_id=3).save_pretrained(tmp_path)
-    LlavaProcessor(
-        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
-        chat_template=VICUNA_V1_CHAT_TEMPLATE,
-    ).save_pretrained(tmp_path)
+    _save_llava_dir(tmp_path, backend, chat_template=VICUNA_V1_CHAT_TEMPLATE)
 
     adapter = build_adapter(ModelConfig(family="llava", path=str(tmp_path)))
     assert adapter._dummy_prefix
@@ -291,22 +298,10 @@ def test_uint8_pixels_equal_the_image_processor_bit_for_bit(tmp_path, image_size
 def test_tokenizer_that_cannot_spell_the_template_fails_at_start_up(tmp_path):
     """A tokenizer mapping USER / ASSISTANT to <unk> would train on invisible role names."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-
-    from mmtune.models.llava import TINY_ARCHITECTURE
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": 3, "<pad>": 4, "USER": 5, "hello": 6}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    arch = {**TINY_ARCHITECTURE, "text_config": {**TINY_ARCHITECTURE["text_config"], "vocab_size": len(vocab)}}
-    LlavaConfig(**arch, image_token_id=3).save_pretrained(tmp_path)
-    LlavaProcessor(
-        image_processor=LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
-        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
-    ).save_pretrained(tmp_path)  # fmt: skip
+    _save_llava_dir(tmp_path, backend)
     with pytest.raises(ValueError, match=r"maps the chat template's words \['ASSISTANT'\] to the unknown token"):
         build_adapter(ModelConfig(family="llava", path=str(tmp_path)))
