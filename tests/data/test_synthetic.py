@@ -141,6 +141,39 @@ def test_solid_style_asks_about_named_images_and_which_image_has_a_colour(tmp_pa
         generate_synthetic(tmp_path / "bad", n_train=1, n_test=1, n_llava=0, style="solid", question_kinds=["shape"])
 
 
+EXPECTED_SEED0_FIRST_DIALOGUE = [
+    "Image1: <ImageHere>. Image2: <ImageHere>. What shape is in Image2?", "square",
+    "What color is the shape in Image1?", "yellow", "What shape is in Image1?", "square",
+    "What color is the shape in Image2?", "yellow", "What shape is in Image1?", "square",
+]
+
+
+def test_upfront_layout_without_repeats_shows_every_image_first_and_never_asks_twice(tmp_path):
+    p = generate_synthetic(tmp_path / "s", n_train=80, n_test=5, n_llava=0, seed=3, image_size=16, min_images=2,
+                           max_images=3, max_turns=6, question_kinds=["color", "same_color", "which_color"],
+                           style="solid", layout="upfront", repeat_questions=False)
+    turns = []
+    for record in json.load(open(p.train_json)):
+        users = [t["value"] for t in record["conversations"] if t["from"] == "user"]
+        assert users[0].count("<ImageHere>") == len(record["image"]) >= 2
+        assert not any("<ImageHere>" in u for u in users[1:])
+        questions = [u.split(". ")[-1] for u in users]
+        assert len(set(questions)) == len(questions), questions  # a new question every turn
+        turns.append(len(users))
+    # Two images have exactly three questions of these kinds (two colours, one comparison)
+    # plus "which image" when their colours differ: the 6-turn cap is reached only with three.
+    assert max(turns) > 3 and min(turns) >= 2
+    with pytest.raises(ValueError, match=r"layout='sideways'.*staggered"):
+        generate_synthetic(tmp_path / "bad", n_train=1, n_test=1, n_llava=0, layout="sideways")
+
+
+def test_default_generator_output_does_not_move(tmp_path):
+    # The defaults keep their exact output (seeded data of earlier runs and tests stay valid).
+    p = generate_synthetic(tmp_path / "s", n_train=3, n_test=0, n_llava=0, seed=0, image_size=8)
+    first = json.load(open(p.train_json))[0]["conversations"]
+    assert [t["value"] for t in first] == EXPECTED_SEED0_FIRST_DIALOGUE
+
+
 def test_chance_level_is_the_mean_of_one_over_each_questions_answers(tmp_path):
     from mmtune.data.synthetic import chance_exact_match
 

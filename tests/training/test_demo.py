@@ -27,7 +27,7 @@ def test_demo_reaches_target_from_chance(tmp_path):
     before = json.loads((out / "eval" / "before" / "synthetic.json").read_text())["metrics"]["exact_match"]
     after = json.loads((out / "eval" / "after" / "synthetic.json").read_text())["metrics"]["exact_match"]
     assert before <= chance_exact_match(out / "data" / "test.json") and after >= TARGET, (before, after)
-    for line in ("chance level", "held-out exact match before training", "held-out exact match after training",
+    for line in ("task:", "model:", "chance level", "held-out exact match before training", "held-out exact match after training",
                  "same color", "viewer.html"):  # "same color": the per-question line
         assert line in proc.stdout, line
     assert (out / "final" / "model.safetensors").is_file() and (out / "eval" / "after" / "viewer.html").is_file()
@@ -50,3 +50,12 @@ def test_demo_states_its_task():
 
     text = describe_task(dict(compose_sft_config(["experiment=demo"]).synthetic.options))
     assert text.startswith("2 image(s) per dialogue") and "named image" in text and "Do Image1 and Image2 have the same color?" in text
+    assert "all shown in the first message" in text and "never the same question twice" in text
+
+
+def test_demo_states_its_model_and_what_trains():
+    from mmtune.training.demo import compose_sft_config, describe_model
+
+    text = describe_model(compose_sft_config(["experiment=demo"]))
+    assert text.startswith("4-layer, 128-wide random Llama (init std 0.06)")
+    assert "trained: projector, language model; frozen: vision" in text and "3 epochs of 4000 dialogues" in text

@@ -3,7 +3,8 @@
 Each image is a solid light background with one coloured shape (4 colours x 3
 shapes). Dialogues follow the MMDU layout: images are introduced as
 ``"Image1: <ImageHere>. Image2: <ImageHere>. "`` in the first user turn, later turns
-introduce more images or none, and questions refer back to earlier images by name.
+introduce more images or none (``layout="staggered"``; ``"upfront"``: every image in the
+first turn, as most MMDU dialogues do), and questions refer back to images by name.
 Questions use four fixed templates; answers are one word, so a tiny model can reach
 high exact match and a wrong image reference is visible in the score::
 
@@ -48,6 +49,10 @@ SAME_SHAPE_Q = "Do Image{j} and Image{k} have the same shape?"
 WHICH_COLOR_Q = "Which image has a {color} shape?"
 QUESTION_KINDS = ("color", "shape", "same_color", "same_shape", "which_color")
 """The question kinds; ``generate_synthetic(question_kinds=...)`` picks a subset."""
+
+LAYOUTS = ("staggered", "upfront")
+"""``staggered``: the first turn shows one or two images, later turns one new image each;
+``upfront``: the first turn shows every image of the dialogue."""
 
 STYLES = ("shape", "solid")
 """``shape``: one coloured shape on a light background (colour and shape questions);
@@ -156,9 +161,12 @@ def _new_picture(rng: random.Random, earlier: list[_Picture]) -> _Picture:
 
 def _question(
     rng: random.Random, pics: list[_Picture], fresh: list[int], allowed: tuple[str, ...] = QUESTION_KINDS,
-    style: str = "shape",
-) -> tuple[str, str]:
-    """A question about the shown images; about a just-introduced one when there is one."""
+    style: str = "shape", asked: frozenset[str] | None = None,
+) -> tuple[str, str] | None:
+    """A question about the shown images and its answer; about a just-introduced image when
+    there is one. With ``asked``, only a question not in it (``None`` when none is left)."""
+    if asked is not None:
+        return _new_question(rng, pics, fresh, allowed, style, asked)
     templates = TEMPLATES[style]
     colors = [p.color for p in pics]
     unique = [c for c in dict.fromkeys(colors) if colors.count(c) == 1]
@@ -184,19 +192,60 @@ def _question(
     return templates[kind].format(j=j + 1, k=k + 1), "yes" if same else "no"
 
 
+def _new_question(
+    rng: random.Random, pics: list[_Picture], fresh: list[int], allowed: tuple[str, ...], style: str,
+    asked: frozenset[str],
+) -> tuple[str, str] | None:
+    """:func:`_question` without repeats: a kind among those with a question not yet asked,
+    then one of its questions (about a fresh image when the kind has one left)."""
+    templates = TEMPLATES[style]
+    colors = [p.color for p in pics]
+    by_kind: dict[str, list[tuple[str, str, bool]]] = {}  # kind -> [(question, answer, about a fresh image)]
+    for kind in ("color", "shape"):
+        if kind in templates:
+            by_kind[kind] = [(templates[kind].format(k=k + 1), getattr(p, kind), k in fresh) for k, p in enumerate(pics)]
+    for kind, attr in (("same_color", "color"), ("same_shape", "shape")):
+        if kind in templates:
+            by_kind[kind] = [
+                (templates[kind].format(j=j + 1, k=k + 1), "yes" if getattr(pics[j], attr) == getattr(pics[k], attr)
+                 else "no", False)
+                for j in range(len(pics)) for k in range(j + 1, len(pics))
+            ]
+    if "which_color" in templates and len(pics) >= 2:
+        by_kind["which_color"] = [(templates["which_color"].format(color=c), f"Image{colors.index(c) + 1}", False)
+                                  for c in dict.fromkeys(colors) if colors.count(c) == 1]
+    applicable = {k: qs for k, qs in by_kind.items() if k in allowed and qs}
+    if not applicable:
+        # Only comparisons allowed and one image shown so far: ask about that image.
+        applicable = {k: by_kind[k] for k in ("color", "shape") if k in by_kind}
+    left = {k: [q for q in qs if q[0] not in asked] for k, qs in applicable.items()}
+    kinds = [k for k, qs in left.items() if qs]
+    if not kinds and fresh:
+        # Everything allowed was asked, but a new image always gets a question about itself.
+        left = {k: [q for q in by_kind[k] if q[2]] for k in ("color", "shape") if k in by_kind}
+        kinds = [k for k, qs in left.items() if qs]
+    if not kinds:
+        return None
+    options = left[rng.choice(kinds)]
+    question, answer, _ = rng.choice([q for q in options if q[2]] or options)
+    return question, answer
+
+
 def _dialogue(
     rng: random.Random, min_images: int, max_images: int, max_turns: int, allowed: tuple[str, ...] = QUESTION_KINDS,
-    style: str = "shape",
+    style: str = "shape", layout: str = "staggered", repeat_questions: bool = True,
 ):
-    """``(pictures, conversations)`` of one MMDU-style dialogue."""
+    """``(pictures, conversations)`` of one MMDU-style dialogue. Without ``repeat_questions``
+    it ends early once every question about the shown images has been asked."""
     n_images = rng.randint(min_images, max_images)
-    n_first = rng.randint(1, min(2, n_images))
+    n_first = n_images if layout == "upfront" else rng.randint(1, min(2, n_images))
     lo = max(min(2, max_turns), 1 + n_images - n_first)
     n_turns = rng.randint(lo, max(max_turns, lo))
     # Which later turns introduce one new image each: a random subset of turns 1..n-1.
     intro_turns = sorted(rng.sample(range(1, n_turns), n_images - n_first))
     pics: list[_Picture] = []
     conversations = []
+    asked: set[str] = set()
     for t in range(n_turns):
         n_new = n_first if t == 0 else intro_turns.count(t)
         fresh = []
@@ -205,7 +254,11 @@ def _dialogue(
             pics.append(_new_picture(rng, pics))
             fresh.append(len(pics) - 1)
             intro += f"Image{len(pics)}: <ImageHere>. "
-        question, answer = _question(rng, pics, fresh, allowed, style)
+        qa = _question(rng, pics, fresh, allowed, style, None if repeat_questions else frozenset(asked))
+        if qa is None:  # every question about the shown images was asked (never in a turn with a new image)
+            break
+        question, answer = qa
+        asked.add(question)
         conversations.append({"from": "user", "value": intro + question})
         conversations.append({"from": "assistant", "value": answer})
     return pics, conversations
@@ -230,6 +283,8 @@ def generate_synthetic(
     text_only_fraction: float = 0.1,
     question_kinds: tuple[str, ...] | list[str] = ("color", "shape", "same_color", "same_shape"),
     style: str = "shape",
+    layout: str = "staggered",
+    repeat_questions: bool = True,
 ) -> SyntheticPaths:
     """Write the synthetic train / test / llava-shaped splits and their images.
 
@@ -251,6 +306,11 @@ def generate_synthetic(
             that colour.
         style: :data:`STYLES`: ``shape`` (a coloured shape) or ``solid`` (the image is one
             colour; shape kinds are not allowed). The llava split always uses shapes.
+        layout: :data:`LAYOUTS`: ``staggered`` (the first turn shows one or two images,
+            later turns one new image each) or ``upfront`` (every image in the first turn).
+        repeat_questions: ``False``: no question is asked twice in a dialogue, so a later
+            turn cannot be answered by copying an earlier answer; a dialogue then ends early
+            when every question about its images has been asked.
 
     Returns:
         The written paths.
@@ -269,6 +329,8 @@ def generate_synthetic(
         problems.append(f"style={style!r}: use one of {list(STYLES)}")
     elif style == "solid" and {"shape", "same_shape"} & set(allowed):
         problems.append("style='solid' images have no shape: drop 'shape' / 'same_shape' from question_kinds")
+    if layout not in LAYOUTS:
+        problems.append(f"layout={layout!r}: use one of {list(LAYOUTS)}")
     if problems:
         raise ValueError("generate_synthetic: " + "; ".join(problems))
     out = Path(out_dir)
@@ -282,7 +344,9 @@ def generate_synthetic(
     def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
         records = []
         for i in range(n):
-            pics, conversations = _dialogue(rng, min_images, max_images, max_turns, allowed, style)
+            pics, conversations = _dialogue(
+                rng, min_images, max_images, max_turns, allowed, style, layout, repeat_questions
+            )
             paths = []
             for k, pic in enumerate(pics, 1):
                 rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
@@ -359,6 +423,7 @@ __all__ = [
     "SHAPES",
     "QUESTION_KINDS",
     "STYLES",
+    "LAYOUTS",
     "TEMPLATES",
     "ANSWER_SETS",
     "SyntheticPaths",

@@ -316,7 +316,7 @@ class MMDUBenchmark(DialogueBenchmark):
         if per_turn:
             xs = sorted(int(k) for k in per_turn)
             plots.append(_plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
-                                    xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)"))
+                                    xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)", ylim=(0, 100)))
             lines += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
         prompt = result.meta.get("prompt") or {}
         lines += ["", f"Judge {result.meta.get('judge_model')!s} ({'with' if result.meta.get('send_images') else 'without'} "

@@ -52,14 +52,22 @@ def _plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylab
     return path
 
 
-def _plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: str) -> Path:
+def _plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: str,
+               ylim: tuple[float, float] | None = None) -> Path:
+    """A line over turn indices; ``ylim`` fixes the value axis (a flat line at 0% or 100% is
+    otherwise drawn on an axis of +-0.04)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(xs, ys, marker="o")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ylim is not None:
+        pad = 0.04 * (ylim[1] - ylim[0])
+        ax.set_ylim(ylim[0] - pad, ylim[1] + pad)
     ax.set_xlabel("turn index")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

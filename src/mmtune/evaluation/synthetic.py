@@ -76,5 +76,5 @@ class SyntheticBenchmark(DialogueBenchmark):
         plots = []
         if turns:
             plots.append(_plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
-                                    [m[f"turn/{t}"] for t in turns], "exact match (%)"))
+                                    [m[f"turn/{t}"] for t in turns], "exact match (%)", ylim=(0, 100)))
         return lines, plots
