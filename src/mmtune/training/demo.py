@@ -115,7 +115,8 @@ def describe_task(options: dict) -> str:
         shown = "all shown in the first message"
     else:
         shown = "introduced over the first turns"
-    examples = "; ".join(f'"{TEMPLATES[style][k].format(j=1, k=2, color="red")}"' for k in kinds if k in TEMPLATES[style])
+    examples = "; ".join(f'"{TEMPLATES[style][k].format(j=1, k=min(2, hi), color="red")}"'
+                         for k in kinds if k in TEMPLATES[style])
     fresh = "" if options.get("repeat_questions", True) else ", never the same question twice"
     return (f"{images} image(s) per dialogue ({picture}, {shown}), up to {options.get('max_turns', 5)} turns; "
             f"each question asks {', '.join(asks[k] for k in kinds)}{fresh} ({examples})")
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     before = result["before"].get("synthetic", {}).get("exact_match", float("nan"))
     after = result["after"].get("synthetic", {}).get("exact_match", float("nan"))
     print()
-    print("mmtune demo: a small random-weight LLaVA learns multi-image, multi-turn dialogue on CPU")
+    images = "multi-image" if raw.synthetic.options.get("max_images", 4) >= 2 else "single-image"
+    print(f"mmtune demo: a small random-weight LLaVA learns {images}, multi-turn dialogue on CPU")
     print(f"  task: {describe_task(dict(raw.synthetic.options))}")
     print(f"  model: {describe_model(raw)}")
     print(f"  chance level (a uniform guess among each question's answers): {chance_exact_match(data_dir / 'test.json'):6.2f}%")
