@@ -197,7 +197,9 @@ def _new_question(
     asked: frozenset[str],
 ) -> tuple[str, str] | None:
     """:func:`_question` without repeats: a kind among those with a question not yet asked,
-    then one of its questions (about a fresh image when the kind has one left)."""
+    then one of its questions (about a fresh image when the kind has one left). Kept apart
+    from :func:`_question` so that the default (repeats allowed) draws the same random
+    numbers, and gives the same data, as before this option existed."""
     templates = TEMPLATES[style]
     colors = [p.color for p in pics]
     by_kind: dict[str, list[tuple[str, str, bool]]] = {}  # kind -> [(question, answer, about a fresh image)]

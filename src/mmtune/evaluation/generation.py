@@ -198,7 +198,7 @@ class DialogueGenerator:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        schedule = getattr(config, "batch_schedule", "auto")
+        schedule = config.batch_schedule
         if schedule == "auto":  # see GenerationConfig.batch_schedule and bench/eval_generation.py
             schedule = "continuous" if self.device.type == "cuda" else "lockstep"
         self.prefill_policy = schedule
