@@ -378,10 +378,11 @@ def _answer(rng):
 
 def generated_llava_records(count=400, seed=0):
     """``(format, record, system_prompt)`` triples in LLaVA-1.5's two shapes: ``mmdu``
-    (2-7 images anywhere in user turns, several per turn, adjacent ones too; placeholders
-    stay) and ``llava`` (one image at any place of any user turn, moved to the front;
-    text-only records), 1-4 exchanges, whitespace around turns, system turns and system
-    prompts. Generation runs until every :data:`AFTER_IMAGE` start was used once."""
+    (two or more images anywhere in user turns, up to three per turn, adjacent ones too;
+    placeholders stay; text-only records) and ``llava`` (one image at any place of any user
+    turn, moved to the front; text-only records), 1-4 exchanges, whitespace around turns,
+    system turns and system prompts. Generation runs until every :data:`AFTER_IMAGE` start
+    was used once."""
     rng = random.Random(seed)
     starts = list(AFTER_IMAGE)
     rng.shuffle(starts)
@@ -498,6 +499,39 @@ def test_sentencepiece_rebuilt_from_tokenizer_json_encodes_as_tokenizer_model(ll
     got, want = rebuilt.encode(texts), real.encode(texts)
     wrong = [text for text, a, b in zip(texts, got, want) if a != b]
     assert not wrong, f"{len(wrong)} of {len(texts)} texts differ, e.g. {wrong[:3]}"
+
+
+def test_sentencepiece_rebuild_reads_older_conversions_and_refuses_unordered_ones():
+    """A ``tokenizer.json`` as transformers 4.x converted Llama (``Prepend`` + ``Replace``
+    normalizer, merges as strings ordered by score: whitespace-only ones last) rebuilds the
+    same model; one whose merges do not follow the vocabulary order cannot be rebuilt."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mmtune.models._utils import sentencepiece_from_fast_tokenizer
+
+    with open(fixture_file("tokenizers", "llama2", "tokenizer.json"), encoding="utf-8") as handle:
+        state = json.load(handle)
+    merges = [" ".join(m) for m in state["model"]["merges"]]
+    spaces_only = [m for m in merges if set(m) == {" ", "\u2581"}]
+    older = {
+        **state,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "pre_tokenizer": None,
+        "model": {**state["model"], "merges": [m for m in merges if m not in spaces_only] + spaces_only},
+    }  # fmt: skip
+
+    def wrap(tokenizer_state):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(tokenizer_state)), unk_token="<unk>")
+
+    real = spm.SentencePieceProcessor(model_file=fixture_file("tokenizers", "llama2", "tokenizer.model"))
+    rebuilt = sentencepiece_from_fast_tokenizer(wrap(older))
+    texts = [" and", "a  b", "x    return", "  \n\t and ▁ é日本", "USER: <image>  Look"]
+    assert rebuilt is not None and rebuilt.encode(texts) == real.encode(texts)
+    shuffled = {**state, "model": {**state["model"], "merges": state["model"]["merges"][::-1]}}
+    assert sentencepiece_from_fast_tokenizer(wrap(shuffled)) is None
 
 
 # -- random dialogues for XComposer2 (its own rules below)
