@@ -82,6 +82,7 @@ def test_missing_fixtures_skip_locally_and_fail_on_ci(monkeypatch, tmp_path):
     assert fixture_file("tokenizers", "x.model") == str(tmp_path / "tokenizers" / "x.model")
 
 
+@pytest.mark.slow  # a fresh interpreter: ~6 s of imports; the test above checks the same rule in-process
 def test_the_golden_suite_fails_on_ci_without_fixtures(tmp_path):
     """End to end, as a CI job runs it: every selected golden test fails (none skips)."""
     import subprocess
