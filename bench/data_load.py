@@ -10,11 +10,15 @@ PNG files and validation runs with ``check_images=exists`` (each distinct path i
 checked once), so the figures measure JSON reading, conversion, dialogue checks and
 the Arrow cache, not image decoding.
 
-Each phase runs in its own process so its peak RSS is its own:
+Each phase runs in its own process so its peak RSS is its own. The two timed against
+each other do the same work, every record in hand as a ``Dialogue``:
 
-- cold: ``load_source(refresh=True)``: parse, convert, validate, write the cache;
-- cached: ``load_source()`` on the warm cache (memory-mapped Arrow + report);
-- scan: the cached load plus converting every record back to a ``Dialogue``.
+- cold: ``load_source(refresh=True)`` (parse, convert, validate, write the cache), then
+  every record read back as a ``Dialogue``;
+- cached: ``load_source()`` on the warm cache, then every record read as a ``Dialogue``.
+
+The goal (exit status 0) is cold >= 10x cached. For reference it also times ``open``:
+``load_source()`` alone, which maps the Arrow file and reads the report but no record.
 """
 
 from __future__ import annotations
@@ -105,11 +109,10 @@ def phase(name: str, path: str, pics: str, cache: str) -> None:
     cfg = SourceConfig(name="bench", format="mmdu", path=path, image_root=pics)
     start = time.perf_counter()
     src = load_source(cfg, cache_dir=cache, check_images="exists", refresh=name == "cold")
-    seconds = time.perf_counter() - start
-    if name == "scan":
+    if name != "open":  # every record as a Dialogue
         n_img = sum(d.num_images for d in src.dialogues)
         assert n_img == src.report.images, (n_img, src.report.images)
-        seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     print(json.dumps({
         "phase": name,
         "records": src.report.records_read,
@@ -131,7 +134,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--user-chars", type=int, default=300)
     p.add_argument("--assistant-chars", type=int, default=800)
-    p.add_argument("--phase", choices=("cold", "cached", "scan"), help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("cold", "cached", "open"), help=argparse.SUPPRESS)
     args = p.parse_args()
 
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="mmtune-bench-")
@@ -149,7 +152,7 @@ def main() -> int:
     else:
         print(f"reusing {path} ({os.path.getsize(path) / 1e6:.0f} MB)")
     results = {}
-    for name in ("cold", "cached", "scan"):
+    for name in ("cold", "cached", "open"):
         out = subprocess.run(
             [sys.executable, __file__, "--phase", name, "--dir", work],
             check=True, capture_output=True, text=True,
@@ -159,12 +162,13 @@ def main() -> int:
               f"peak RSS {r['peak_rss_mb']:.0f} MB (after imports {r['rss_after_imports_mb']:.0f} MB; at end: "
               + ", ".join(f"{k} {v:.0f} MB" for k, v in r["rss_now_mb"].items()) + ")")
     cold, cached = results["cold"], results["cached"]
+    ratio = cold["seconds"] / cached["seconds"]
     print(f"turns {cold['turns']}, images {cold['images']}, kept {cold['kept']}")
-    print(f"cached load is {cold['seconds'] / cached['seconds']:.0f}x faster than cold "
-          f"(full scan of cached dialogues: {cold['seconds'] / results['scan']['seconds']:.1f}x)")
+    print(f"reading every record: cached {ratio:.1f}x faster than cold (goal >= 10x: {'met' if ratio >= 10 else 'NOT met'}); "
+          f"opening the cache without reading records: {results['open']['seconds']:.2f} s")
     if tmp is not None:
         tmp.cleanup()
-    return 0 if cold["seconds"] >= 10 * cached["seconds"] else 1
+    return 0 if ratio >= 10 else 1
 
 
 if __name__ == "__main__":

@@ -76,3 +76,29 @@ def test_no_target_changes_nothing_and_bad_type_is_rejected():
     assert apply_context_extension(model, model.config.text_config, ContextConfig(max_length=None)) is None
     with pytest.raises(ValueError, match="context.rope_scaling"):
         apply_context_extension(model, model.config.text_config, ContextConfig(max_length=512, rope_scaling="ntk"))
+
+
+@pytest.mark.parametrize("family", ["llava", "internlm_xcomposer2"])
+def test_context_extension_stays_with_its_own_adapter(family):
+    """What one run changes on its adapter's tokenizer and model (the window a context
+    extension sets, an added token) is not seen by the next adapter built in the process."""
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    first = build_adapter(ModelConfig(family=family))
+    default_length, vocab = first.tokenizer.model_max_length, len(first.tokenizer)
+    model = first.load_model()
+    text_config = first.text_config(model.config)
+    window = text_config.max_position_embeddings
+    apply_context_extension(model, text_config, ContextConfig(max_length=4 * window), tokenizer=first.tokenizer)
+    first.tokenizer.add_tokens(["<only-in-the-first-adapter>"])
+    assert first.tokenizer.model_max_length == 4 * window and text_config.max_position_embeddings == 4 * window
+
+    second = build_adapter(ModelConfig(family=family))
+    assert second.tokenizer is not first.tokenizer
+    assert second.tokenizer.model_max_length == default_length
+    assert len(second.tokenizer) == vocab and "<only-in-the-first-adapter>" not in second.tokenizer.get_vocab()
+    assert second.text_config(second.model_config).max_position_embeddings == window
+    assert second.tokenizer("USER: hello")["input_ids"] == build_adapter(ModelConfig(family=family)).tokenizer(
+        "USER: hello"
+    )["input_ids"]

@@ -8,7 +8,9 @@ architecture; ``load_dtype_and_attention`` reads the load-time settings every ad
 :class:`PieceAdapter` is the rendering path of the families that build their chat
 template themselves (LLaVA-1.5, InternLM-XComposer2): a dialogue is first rendered into
 :class:`Piece` objects (text, fixed ids, images), then the text of many dialogues is
-tokenized in one batched call, then the pieces become chunks.
+tokenized in one batched call, then the pieces become chunks. ``load_sentencepiece`` and
+``sentencepiece_from_fast_tokenizer`` give those families the SentencePiece encoding of
+their official code, from ``tokenizer.model`` or rebuilt from ``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "find_sentencepiece_model",
     "check_template_words",
     "load_sentencepiece",
+    "sentencepiece_from_fast_tokenizer",
 ]
 
 
@@ -118,6 +121,107 @@ def load_sentencepiece(path: str, tokenizer: Any) -> Any:
             f"SentencePiece model but {theirs} in the tokenizer; use the checkpoint's own tokenizer files"
         )
     return processor
+
+
+WORD_MARKER = "\u2581"  # SentencePiece's escaped space, "▁"
+
+
+def sentencepiece_from_fast_tokenizer(tokenizer: Any) -> Any | None:
+    """A ``SentencePieceProcessor`` rebuilt from a fast tokenizer converted from a
+    SentencePiece BPE model, for checkpoints that ship ``tokenizer.json`` without
+    ``tokenizer.model`` (what transformers 5 saves); ``None`` when ``tokenizer`` is not such
+    a conversion.
+
+    The Rust tokenizer differs from SentencePiece wherever a space meets a word: its
+    ``Metaspace`` step adds no word marker to text that already starts with a space, and its
+    merges, kept in vocabulary order, join runs of spaces first (``" and"`` -> ``▁and`` and
+    ``"a  b"`` -> ``▁a ▁▁ b``, where SentencePiece gives ``▁ ▁and`` and ``▁a ▁ ▁b``).
+    SentencePiece itself needs piece scores, which ``tokenizer.json`` does not keep. They
+    are restored from the vocabulary order: a converted BPE vocabulary lists pieces by
+    merge priority (checked below against the merges), so scores fall with the id, except
+    whitespace-only pieces, which the Llama / Llama-2 model (``tokenizer.model`` as Meta
+    publishes it, also Vicuna's and LLaVA-1.5's) scores -1e9, below every merge. Byte
+    pieces serve the byte fallback; the dummy prefix is on and whitespace is not folded,
+    as in that model. On the Llama-2 tokenizer the rebuilt model encodes exactly as
+    ``tokenizer.model`` (a test compares them on generated and real text).
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    state = json.loads(backend.to_str())
+    model = state.get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback") or not _adds_word_marker(state):
+        return None
+    vocab: dict[str, int] = model["vocab"]
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    bytes_ = {f"<0x{b:02X}>" for b in range(256)}
+    unk = getattr(tokenizer, "unk_token", None)
+    if [vocab[p] for p in pieces] != list(range(len(pieces))) or not bytes_ <= vocab.keys() or unk not in vocab:
+        return None
+
+    def whitespace_only(piece: str) -> bool:
+        return set(piece) == {WORD_MARKER}
+
+    last = -1
+    for merge in model.get("merges") or []:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        merged = vocab.get(left + right)
+        if merged is None:
+            return None
+        if not whitespace_only(left + right):
+            if merged < last:  # the vocabulary is not in merge order: no scores to restore
+                return None
+            last = merged
+
+    import sentencepiece as spm
+    from transformers.convert_slow_tokenizer import import_protobuf
+
+    model_pb2 = import_protobuf()
+    proto = model_pb2.ModelProto()
+    kind = model_pb2.ModelProto.SentencePiece.Type
+    control = {t["content"] for t in state.get("added_tokens", []) if t.get("special")}
+    for index, piece in enumerate(pieces):
+        entry = proto.pieces.add()
+        entry.piece = piece
+        if piece == unk:
+            entry.type = kind.Value("UNKNOWN")
+        elif piece in control:
+            entry.type = kind.Value("CONTROL")
+        elif piece in bytes_:
+            entry.type = kind.Value("BYTE")
+        else:
+            entry.type = kind.Value("NORMAL")
+            entry.score = -1e9 if whitespace_only(piece) else -float(index)
+    spec = proto.trainer_spec
+    spec.model_type = model_pb2.TrainerSpec.ModelType.Value("BPE")
+    spec.vocab_size = len(pieces)
+    spec.byte_fallback = True
+    spec.unk_id = vocab[unk]
+    for name in ("bos", "eos", "pad"):
+        token = getattr(tokenizer, f"{name}_token", None)
+        setattr(spec, f"{name}_id", vocab[token] if token in control and token in vocab else -1)
+    norm = proto.normalizer_spec
+    norm.name = "identity"
+    norm.add_dummy_prefix = True
+    norm.remove_extra_whitespaces = False
+    norm.escape_whitespaces = True
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+def _adds_word_marker(state: dict[str, Any]) -> bool:
+    """Whether a ``tokenizer.json`` state encodes text the way SentencePiece's dummy prefix
+    does: a ``Metaspace`` pre-tokenizer that prepends ``▁`` (transformers 5 conversions) or
+    a ``Prepend("▁")`` + ``Replace(" ", "▁")`` normalizer (older ones)."""
+    pre = state.get("pre_tokenizer") or {}
+    if pre.get("type") == "Metaspace" and pre.get("replacement") == WORD_MARKER:
+        return pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never") != "never"
+    norm = state.get("normalizer") or {}
+    steps = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+    return {"type": "Prepend", "prepend": WORD_MARKER} in steps and any(
+        step.get("type") == "Replace" and step.get("content") == WORD_MARKER for step in steps
+    )
 
 
 def check_template_words(tokenizer: Any, words: Sequence[str], where: str | None) -> None:

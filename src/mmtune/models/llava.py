@@ -10,9 +10,12 @@ Images stand where their placeholders were, each as ``num_image_tokens`` copies 
 ``<image>`` token (576 for 336 px CLIP-L/14 with the CLS feature dropped). Ids and labels
 equal the official preprocessing (``preprocess_v1`` + ``tokenizer_image_token``) token for
 token: the prompt is encoded in chunks split at images and ``</s>``, each starting with
-SentencePiece's word marker, with the checkpoint's ``tokenizer.model`` when it has one.
-Labels cover each answer and its ``</s>`` (see ``_text`` / ``_pieces`` for how pieces are
-cut so that piece-wise encoding equals the official chunk-wise one).
+SentencePiece's word marker, with the checkpoint's ``tokenizer.model``, or, for a checkpoint
+that ships only ``tokenizer.json``, with the SentencePiece model rebuilt from it
+(:func:`~mmtune.models._utils.sentencepiece_from_fast_tokenizer`; the fast tokenizer alone
+differs where spaces meet words). Labels cover each answer and its ``</s>`` (see ``_text`` /
+``_pieces`` for how pieces are cut so that piece-wise encoding equals the official
+chunk-wise one).
 
 With ``ModelConfig.path = None`` the adapter builds a random-weight tiny LLaVA (Llama text
 model + CLIP vision tower, 2 layers each) with a built-in byte-level tokenizer; its
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -39,6 +43,7 @@ from mmtune.models._utils import (
     iter_pieces,
     load_sentencepiece,
     load_dtype_and_attention,
+    sentencepiece_from_fast_tokenizer,
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups
@@ -52,6 +57,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.data.dialogue import Dialogue
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "VICUNA_V1_SYSTEM",
@@ -78,7 +85,8 @@ def vicuna_v1_chat_template(marker_after_special: bool = False) -> str:
     split at ``<image>`` and ``</s>``, each starting with SentencePiece's word marker;
     a fast Llama tokenizer encoding the whole string adds no marker after a special token.
     ``marker_after_special`` (for such tokenizers) writes a space after ``<s>``, ``</s>`` and
-    each ``<image>``, which that tokenizer turns into the same marker.
+    each ``<image>`` not followed by another image (the official chunk between two adjacent
+    images is empty), which that tokenizer turns into the same marker.
     """
     sp = " " if marker_after_special else ""
     system = VICUNA_V1_SYSTEM.replace("'", "\\'")
@@ -97,7 +105,10 @@ def vicuna_v1_chat_template(marker_after_special: bool = False) -> str:
         "{%- else -%}{{- ' ASSISTANT: ' -}}{%- endif -%}"
         "{%- if message['content'] is string -%}{{- message['content'] -}}"
         "{%- else -%}{%- for item in message['content'] -%}"
-        "{%- if item['type'] == 'image' -%}{{- '<image>" + sp + "' -}}{%- else -%}{{- item['text'] -}}{%- endif -%}"
+        "{%- if item['type'] == 'image' -%}{{- '<image>' -}}"
+        + ("{%- if not (loop.nextitem is defined and loop.nextitem['type'] == 'image') -%}{{- ' ' -}}{%- endif -%}"
+           if sp else "")
+        + "{%- else -%}{{- item['text'] -}}{%- endif -%}"
         "{%- endfor -%}{%- endif -%}"
         "{%- if message['role'] == 'assistant' -%}{{- eos_token + ('' if loop.last else '" + sp + "') -}}{%- endif -%}"
         "{%- endfor -%}"
@@ -272,17 +283,26 @@ class LlavaAdapter(PieceAdapter):
         self._bos_id = int(self.tokenizer.bos_token_id)
         self._eos_id = int(self.tokenizer.eos_token_id)
         self.stop_token_ids = [self._eos_id]
-        # LLaVA-1.5 tokenized with the slow SentencePiece tokenizer; use its model file
-        # when the checkpoint has one (converted fast tokenizers differ at leading spaces).
+        # LLaVA-1.5 tokenized with the slow SentencePiece tokenizer: use the checkpoint's
+        # model file, else the model rebuilt from its fast tokenizer (which by itself
+        # differs from SentencePiece where spaces meet words).
         sp_path = find_sentencepiece_model(self.tokenizer, config.path if config.path and os.path.isdir(config.path) else None)
-        self._sp = load_sentencepiece(sp_path, self.tokenizer) if sp_path else None
+        self._sp = load_sentencepiece(sp_path, self.tokenizer) if sp_path else sentencepiece_from_fast_tokenizer(self.tokenizer)
         self._sp_path = sp_path
+        self._sp_source = "tokenizer.model" if sp_path else ("rebuilt from tokenizer.json" if self._sp else None)
         # SentencePiece puts a word-start marker ("▁", its "dummy prefix") before every
         # separately encoded string; the official code encodes the prompt in chunks split at
         # images and special tokens, so each chunk starts with that marker.
         first = [self._sp.id_to_piece(i) for i in self._sp.encode("a")] if self._sp else (
             self.tokenizer.convert_ids_to_tokens(self.tokenizer("a", add_special_tokens=False)["input_ids"][:1]))
         self._dummy_prefix = bool(first) and first[0].startswith("\u2581")
+        if self._dummy_prefix and self._sp is None:
+            log.warning(
+                "%s: no tokenizer.model and a fast tokenizer that is not a SentencePiece conversion mmtune can "
+                "rebuild; encoding with the fast tokenizer, whose ids can differ from LLaVA-1.5's SentencePiece "
+                "encoding where spaces meet words. Put the checkpoint's tokenizer.model next to it for exact ids.",
+                config.path or "model.architecture",
+            )
         self._template_ids: dict[str, tuple[int, ...]] = {}
         # the lone word marker that a chunk ending in a space ends with ("USER: " before an image)
         with_space = self._encode_texts(["a ", "a"])
@@ -338,7 +358,7 @@ class LlavaAdapter(PieceAdapter):
             "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
             "dummy_prefix": self._dummy_prefix,
             "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
-            "sentencepiece": bool(self._sp),
+            "sentencepiece": self._sp_source,
         }
         return state_fingerprint(state)
 

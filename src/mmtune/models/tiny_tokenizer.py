@@ -49,6 +49,37 @@ def build_tiny_tokenizer(
     Returns:
         A ``PreTrainedTokenizerFast`` with the given special tokens set.
     """
+    backend = _train(tuple(special_tokens), vocab_size, tuple(extra_corpus))
+    return _wrap(backend, bos_token=bos_token, eos_token=eos_token, pad_token=pad_token, unk_token=unk_token)
+
+
+def cached_tiny_tokenizer(
+    special_tokens: tuple[str, ...],
+    *,
+    vocab_size: int = 512,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+    unk_token: str | None = None,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerFast:
+    """:func:`build_tiny_tokenizer` (no extra corpus) with ``chat_template`` set: a new
+    tokenizer object on every call, from a memoized training run.
+
+    The training run is kept as the backend's JSON, which nothing can change, so every
+    adapter of a process gets the same ids without training again; the tokenizer object
+    is never shared, so what one run sets on its tokenizer (``model_max_length`` by
+    context extension, added tokens, a chat template) cannot reach an adapter built later
+    in the same process.
+    """
+    backend = Tokenizer.from_str(_trained_json(tuple(special_tokens), vocab_size))
+    tokenizer = _wrap(backend, bos_token=bos_token, eos_token=eos_token, pad_token=pad_token, unk_token=unk_token)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _train(special_tokens: tuple[str, ...], vocab_size: int, extra_corpus: tuple[str, ...]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -60,40 +91,13 @@ def build_tiny_tokenizer(
     )
     corpus = [_BASE_CORPUS] * 4 + list(extra_corpus)
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        pad_token=pad_token,
-        unk_token=unk_token,
-        clean_up_tokenization_spaces=False,
-    )
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=8)
-def cached_tiny_tokenizer(
-    special_tokens: tuple[str, ...],
-    *,
-    vocab_size: int = 512,
-    bos_token: str | None = None,
-    eos_token: str | None = None,
-    pad_token: str | None = None,
-    unk_token: str | None = None,
-    chat_template: str | None = None,
-) -> PreTrainedTokenizerFast:
-    """:func:`build_tiny_tokenizer` (no extra corpus) with ``chat_template`` set, memoized.
+def _trained_json(special_tokens: tuple[str, ...], vocab_size: int) -> str:
+    return _train(special_tokens, vocab_size, ()).to_str()
 
-    Training the BPE takes ~0.5 s, so adapters built with the same arguments share one
-    tokenizer: copy it before changing it.
-    """
-    tokenizer = build_tiny_tokenizer(
-        special_tokens,
-        vocab_size=vocab_size,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        pad_token=pad_token,
-        unk_token=unk_token,
-    )
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
+
+def _wrap(backend: Tokenizer, **special: str | None) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **special)
