@@ -164,10 +164,8 @@ class PieceAdapter(ModelAdapter):
     """An adapter that renders dialogues into pieces and tokenizes their text in batches.
 
     Subclasses implement :meth:`_pieces` (the chat template) and :meth:`_tokenize_many`
-    (how text pieces become ids) and set ``num_image_tokens`` (tokens per image).
+    (how text pieces become ids); each image becomes :meth:`image_token_count` tokens.
     """
-
-    num_image_tokens: int
 
     @abstractmethod
     def _pieces(
@@ -192,7 +190,6 @@ class PieceAdapter(ModelAdapter):
         plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
         texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
         ids_iter = iter(self._tokenize_many(texts))
-        count = self.num_image_tokens
 
         def chunks(pieces: list[Piece]) -> list:
             result = []
@@ -209,7 +206,7 @@ class PieceAdapter(ModelAdapter):
                     if piece.value:
                         result.append(TokenChunk(tuple(piece.value), piece.trainable))
                 else:
-                    result.append(ImageChunk(piece.value, count))
+                    result.append(ImageChunk(piece.value, self.image_token_count(piece.value)))
             return result
 
         out = []
