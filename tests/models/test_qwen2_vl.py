@@ -233,6 +233,9 @@ def test_assistant_images_and_misplaced_roles_are_refused(adapters, images):
     bad = Dialogue("bad", "t", (Turn("user", ("q",)), Turn("assistant", ("a", Image(images[0])))))
     with pytest.raises(ValueError, match="'bad', turn 1: an assistant turn holds 1 image"):
         adapter.encode_dialogue(bad)
+    image_system = Dialogue("sys", "t", (Turn("system", ("s", Image(images[0]))), Turn("user", ("q",))))
+    with pytest.raises(ValueError, match="'sys', turn 0: the system turn holds 1 image"):
+        adapter.encode_dialogue(image_system)
     late_system = Dialogue("late", "t", (Turn("user", ("q",)), Turn("system", ("s",))))
     with pytest.raises(ValueError, match="'late', turn 1: role 'system'"):
         adapter.encode_dialogue(late_system)
@@ -260,6 +263,7 @@ def test_refused_and_unreadable_images_are_named(adapters, tmp_path):
     assert adapter.image_token_count(Image(str(ok))) > 0
 
 
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency")  # PIL on the P-mode file, both paths
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_uint8_path_equals_the_processor_on_every_image_mode(model_type, adapters, tmp_path):
     from transformers.image_utils import load_image

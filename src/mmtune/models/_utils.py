@@ -6,7 +6,7 @@ architecture; ``load_dtype_and_attention`` reads the load-time settings every ad
 ``state_fingerprint`` hashes what an adapter's ``fingerprint()`` covers.
 
 :class:`PieceAdapter` is the rendering path of the families that build their chat
-template themselves (LLaVA-1.5, InternLM-XComposer2): a dialogue is first rendered into
+template themselves (LLaVA-1.5, InternLM-XComposer2, the Qwen2-VL family): a dialogue is first rendered into
 :class:`Piece` objects (text, fixed ids, images), then the text of many dialogues is
 tokenized in one batched call, then the pieces become chunks.
 """

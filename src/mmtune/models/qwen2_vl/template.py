@@ -257,6 +257,11 @@ class ChatMLRenderer:
         offset = 0
         system = self.default_system if system_prompt is None else system_prompt
         if turns and turns[0].role == "system":
+            if turns[0].images:
+                raise ValueError(
+                    f"dialogue {dialogue.id!r}, turn 0: the system turn holds {len(turns[0].images)} image(s); "
+                    "move them into a user turn"
+                )
             system, offset = turns[0].text, 1
         prefix = [] if system is None else self._message("system", [system])
         body = turns[offset:]
