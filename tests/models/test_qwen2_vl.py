@@ -178,7 +178,7 @@ def test_chunks_images_and_labels(adapters, images):
     assert encoded.prefix[0] == TokenChunk((tok.convert_tokens_to_ids("<|im_start|>"),))
     example = encode_example(adapter, _dialogue(images), max_length=None)
     spans, current = [], []
-    for token, label in zip(example.input_ids, example.labels):
+    for label in example.labels:
         if label != IGNORE_INDEX:
             current.append(label)
         elif current:
