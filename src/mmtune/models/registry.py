@@ -13,7 +13,12 @@ if TYPE_CHECKING:  # pragma: no cover
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
 # Family modules shipped with mmtune, imported lazily (each pulls in transformers).
-_BUILTIN_MODULES = ("mmtune.models.llava", "mmtune.models.auto", "mmtune.models.internlm_xcomposer2", "mmtune.models.qwen2_vl")
+_BUILTIN_MODULES = (
+    "mmtune.models.llava",
+    "mmtune.models.auto",
+    "mmtune.models.internlm_xcomposer2",
+    "mmtune.models.qwen2_vl",
+)
 
 
 def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:

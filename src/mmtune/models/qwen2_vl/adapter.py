@@ -235,7 +235,9 @@ class Qwen2VLAdapter(PieceAdapter):
             for image in turn.images:
                 self.images.grid(image.path, dialogue_id=dialogue.id, turn=t)
 
-    def _pieces(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool) -> Plan:
+    def _pieces(
+        self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool
+    ) -> Plan:
         self._check_images(dialogue)
         return self.renderer.plan(dialogue, system_prompt, train_on, add_generation_prompt)
 
@@ -303,7 +305,9 @@ class Qwen2VLAdapter(PieceAdapter):
             "use adapter.image_inputs(paths), which returns pixel_values and image_grid_thw"
         )
 
-    def position_ids(self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None) -> "torch.Tensor":
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
+    ) -> "torch.Tensor":
         """M-RoPE ``position_ids`` [3, L] of one sample: transformers' ``get_rope_index`` of the
         model class on ``input_ids`` [L] and that sample's ``image_inputs`` (its images only, in
         order). A packed row concatenates the per-sample results, each starting again at 0."""
@@ -322,7 +326,9 @@ class Qwen2VLAdapter(PieceAdapter):
         dtype, attn = load_dtype_and_attention(kwargs, self.config)
         seed = kwargs.pop("seed", 0)
         if self.config.path is None:
-            return build_random_model(generation_class, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype)
+            return build_random_model(
+                generation_class, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
+            )
         return generation_class.from_pretrained(
             self.config.path, dtype=dtype, attn_implementation=attn, trust_remote_code=self.config.trust_remote_code,
             **kwargs,

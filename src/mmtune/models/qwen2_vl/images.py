@@ -94,9 +94,8 @@ class QwenVLImages:
         for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
                              ("temporal_patch_size", "temporal_patch_size")):  # fmt: skip
             if getattr(p, ours) != getattr(vision_config, theirs):
-                problems.append(
-                    f"image processor {ours}={getattr(p, ours)} but vision_config.{theirs}={getattr(vision_config, theirs)}"
-                )
+                problems.append(f"image processor {ours}={getattr(p, ours)} but "
+                                f"vision_config.{theirs}={getattr(vision_config, theirs)}")  # fmt: skip
         size = p.size if isinstance(p.size, SizeDict) else SizeDict(**p.size)
         if not size.shortest_edge or not size.longest_edge:
             problems.append(f"size={dict(size)} has no shortest_edge (min_pixels) / longest_edge (max_pixels)")
@@ -174,7 +173,10 @@ class QwenVLImages:
         import torch
 
         if not images:
-            return {"pixel_values": torch.zeros(0, self.patch_dim), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
+            return {
+                "pixel_values": torch.zeros(0, self.patch_dim),
+                "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+            }
         arrays = [image.numpy() if isinstance(image, torch.Tensor) else np.asarray(image) for image in images]
         out = self.processor(
             images=arrays, do_resize=False, do_convert_rgb=False, input_data_format="channels_first",

@@ -200,7 +200,8 @@ def tiny_model_config(model_type: str, tokenizer, overrides: dict[str, Any] | No
     out_key = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
     vision.setdefault(out_key, text["hidden_size"])
     text.setdefault("vocab_size", len(tokenizer))
-    for key, token in (("pad_token_id", "<|endoftext|>"), ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>")):
+    text_ids = (("pad_token_id", "<|endoftext|>"), ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"))
+    for key, token in text_ids:
         text.setdefault(key, tokenizer.convert_tokens_to_ids(token))
     ids = {
         "image_token_id": "<|image_pad|>",
@@ -267,6 +268,8 @@ def save_tiny_checkpoint(
             json.dump({"chat_template": CHAT_TEMPLATES[model_type]}, handle, indent=2)
     if weights:
         model_class, _ = model_classes(model_type)
-        model = build_random_model(model_class, copy.deepcopy(config), seed=seed, attn_implementation="sdpa", dtype=None)
+        model = build_random_model(
+            model_class, copy.deepcopy(config), seed=seed, attn_implementation="sdpa", dtype=None
+        )
         model.save_pretrained(directory)
     return directory
