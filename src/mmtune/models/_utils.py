@@ -6,7 +6,7 @@ architecture; ``load_dtype_and_attention`` reads the load-time settings every ad
 ``state_fingerprint`` hashes what an adapter's ``fingerprint()`` covers.
 
 :class:`PieceAdapter` is the rendering path of the families that build their chat
-template themselves (LLaVA-1.5, InternLM-XComposer2): a dialogue is first rendered into
+template themselves (LLaVA-1.5, InternLM-XComposer2, the Qwen2-VL family): a dialogue is first rendered into
 :class:`Piece` objects (text, fixed ids, images), then the text of many dialogues is
 tokenized in one batched call, then the pieces become chunks. ``load_sentencepiece`` and
 ``sentencepiece_from_fast_tokenizer`` give those families the SentencePiece encoding of
@@ -268,10 +268,8 @@ class PieceAdapter(ModelAdapter):
     """An adapter that renders dialogues into pieces and tokenizes their text in batches.
 
     Subclasses implement :meth:`_pieces` (the chat template) and :meth:`_tokenize_many`
-    (how text pieces become ids) and set ``num_image_tokens`` (tokens per image).
+    (how text pieces become ids); each image becomes :meth:`image_token_count` tokens.
     """
-
-    num_image_tokens: int
 
     @abstractmethod
     def _pieces(
@@ -296,7 +294,6 @@ class PieceAdapter(ModelAdapter):
         plans = [self._pieces(d, system_prompt, train_on, add_generation_prompt) for d in dialogues]
         texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
         ids_iter = iter(self._tokenize_many(texts))
-        count = self.num_image_tokens
 
         def chunks(pieces: list[Piece]) -> list:
             result = []
@@ -313,7 +310,7 @@ class PieceAdapter(ModelAdapter):
                     if piece.value:
                         result.append(TokenChunk(tuple(piece.value), piece.trainable))
                 else:
-                    result.append(ImageChunk(piece.value, count))
+                    result.append(ImageChunk(piece.value, self.image_token_count(piece.value)))
             return result
 
         out = []

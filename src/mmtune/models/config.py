@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+#: families whose image processor resizes by pixel count and reads ``min_pixels`` / ``max_pixels``
+PIXEL_BOUND_FAMILIES = ("qwen2_vl",)
+
 
 @dataclass
 class ModelConfig:
     family: str = "llava"
-    """Adapter name in the registry: ``llava``, ``auto`` or ``internlm_xcomposer2``."""
+    """Adapter name in the registry: ``llava``, ``auto``, ``internlm_xcomposer2`` or ``qwen2_vl``."""
     path: Optional[str] = None
     """Local checkpoint directory or hub id. ``None`` builds a random-weight model from
     ``architecture`` with a built-in tiny tokenizer (tests, demo)."""
@@ -32,3 +35,34 @@ class ModelConfig:
     answer and its ``[UNUSED_TOKEN_145]``, the tokens generation stops at."""
     max_position_embeddings: Optional[int] = None
     """Original context window of the language model; ``None`` reads it from the config."""
+    min_pixels: Optional[int] = None
+    """Qwen2-VL family: smallest image area (pixels) after resizing; smaller images are scaled
+    up to it. ``None`` = the checkpoint processor's value. Fewer pixels = fewer image tokens."""
+    max_pixels: Optional[int] = None
+    """Qwen2-VL family: largest image area (pixels) after resizing, i.e. at most
+    ``max_pixels / (patch_size * merge_size)^2`` tokens per image (28 px units for Qwen2-VL /
+    Qwen2.5-VL, 32 px for Qwen3-VL). ``None`` = the checkpoint processor's value."""
+
+    def validate(self) -> None:
+        """Raise one ValueError listing every invalid field."""
+        problems = []
+        for key in ("min_pixels", "max_pixels"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if value <= 0:
+                problems.append(f"model.{key}={value} must be > 0 (or null for the checkpoint processor's value)")
+            if self.family not in PIXEL_BOUND_FAMILIES:
+                problems.append(
+                    f"model.{key}={value} is set but model.family={self.family!r} does not read it (only "
+                    f"{', '.join(PIXEL_BOUND_FAMILIES)} resizes images by pixel count); remove model.{key}"
+                )
+        if self.family in PIXEL_BOUND_FAMILIES and self.image_size is not None:
+            problems.append(
+                f"model.image_size={self.image_size} is not read by model.family={self.family!r}, which sizes images "
+                "by pixel count: set model.image_size=null and use model.min_pixels / model.max_pixels"
+            )
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            problems.append(f"model.min_pixels={self.min_pixels} is above model.max_pixels={self.max_pixels}")
+        if problems:
+            raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))

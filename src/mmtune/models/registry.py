@@ -13,7 +13,12 @@ if TYPE_CHECKING:  # pragma: no cover
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
 # Family modules shipped with mmtune, imported lazily (each pulls in transformers).
-_BUILTIN_MODULES = ("mmtune.models.llava", "mmtune.models.auto", "mmtune.models.internlm_xcomposer2")
+_BUILTIN_MODULES = (
+    "mmtune.models.llava",
+    "mmtune.models.auto",
+    "mmtune.models.internlm_xcomposer2",
+    "mmtune.models.qwen2_vl",
+)
 
 
 def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:
@@ -50,9 +55,11 @@ def build_adapter(config: "ModelConfig") -> "ModelAdapter":
     Raises:
         FileNotFoundError: ``model.path`` is a local path that does not exist (named
             here, before transformers reports it as an unknown hub id).
+        ValueError: the model config is invalid (every problem listed).
     """
     from mmtune.schema_keys import model_path_problem
 
+    config.validate()
     problem = model_path_problem(config.path)
     if problem:
         raise FileNotFoundError(problem)

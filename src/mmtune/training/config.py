@@ -324,7 +324,7 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"logging.mode={cfg.logging.mode!r}: use online, offline, disabled or null")
     if cfg.logging.every_steps < 1:
         problems.append(f"logging.every_steps={cfg.logging.every_steps} must be >= 1")
-    checks = [cfg.data.validate, cfg.collator.validate]
+    checks = [cfg.model.validate, cfg.data.validate, cfg.collator.validate]
     if t.eval_before or t.eval_after:
         from mmtune.evaluation.config import validate_eval_config
 

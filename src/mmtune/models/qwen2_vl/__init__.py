@@ -1,0 +1,59 @@
+"""The Qwen2-VL family: Qwen2-VL, Qwen2.5-VL and Qwen3-VL on transformers' own classes.
+
+- :mod:`.template`: the released chat templates and their turn-by-turn rendering (ChatML,
+  the official fine-tuning code's conversation building and labels);
+- :mod:`.images`: image token counts from the file header, pixel inputs equal to the
+  image processor's (``pixel_values`` + ``image_grid_thw``);
+- :mod:`.positions`: M-RoPE position ids from the model class's own rope index;
+- :mod:`.adapter`: :class:`Qwen2VLAdapter` (``model.family: qwen2_vl``);
+- :mod:`.tiny`: tiny random-weight checkpoints for tests and CPU runs.
+
+See ``docs/qwen2_vl.md``.
+"""
+
+from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template, model_classes, unwrap_model
+from mmtune.models.qwen2_vl.images import QwenVLImages, UnsupportedImageError, oriented_size
+from mmtune.models.qwen2_vl.positions import RopeIndex
+from mmtune.models.qwen2_vl.template import (
+    CHAT_TEMPLATES,
+    QWEN2_VL_CHAT_TEMPLATE,
+    QWEN3_VL_CHAT_TEMPLATE,
+    ChatMLRenderer,
+    TemplateMismatchError,
+    renderer_for_template,
+    user_runs,
+)
+from mmtune.models.qwen2_vl.tiny import (
+    MODEL_TYPES,
+    SPECIAL_TOKENS,
+    TINY_ARCHITECTURES,
+    save_tiny_checkpoint,
+    tiny_image_processor,
+    tiny_model_config,
+    tiny_tokenizer,
+)
+
+__all__ = [
+    "Qwen2VLAdapter",
+    "load_chat_template",
+    "model_classes",
+    "unwrap_model",
+    "QwenVLImages",
+    "UnsupportedImageError",
+    "oriented_size",
+    "RopeIndex",
+    "CHAT_TEMPLATES",
+    "QWEN2_VL_CHAT_TEMPLATE",
+    "QWEN3_VL_CHAT_TEMPLATE",
+    "ChatMLRenderer",
+    "TemplateMismatchError",
+    "renderer_for_template",
+    "user_runs",
+    "MODEL_TYPES",
+    "SPECIAL_TOKENS",
+    "TINY_ARCHITECTURES",
+    "save_tiny_checkpoint",
+    "tiny_image_processor",
+    "tiny_model_config",
+    "tiny_tokenizer",
+]

@@ -1,0 +1,387 @@
+"""The ``qwen2_vl`` adapter: Qwen2-VL, Qwen2.5-VL and Qwen3-VL on transformers' own classes.
+
+The class is chosen by the checkpoint config's ``model_type`` (``qwen2_vl``, ``qwen2_5_vl``,
+``qwen3_vl``), never by the checkpoint's name. Everything that decides tokens comes from the
+checkpoint: its chat template (:mod:`~mmtune.models.qwen2_vl.template`: the system prompt
+default is read off it and the layout is checked on probe conversations), its tokenizer and
+its image processor (:mod:`~mmtune.models.qwen2_vl.images`, PIL backend: no torchvision).
+
+An image is ``<|vision_start|>`` + N x ``<|image_pad|>`` + ``<|vision_end|>``: the
+:class:`~mmtune.models.base.ImageChunk` covers the N pad tokens (N from the file header and
+the processor's ``min_pixels`` / ``max_pixels``), the start / end tokens are template tokens.
+
+Beyond the base contract, the adapter provides what a model-agnostic batch needs:
+
+- :meth:`Qwen2VLAdapter.image_inputs` ``(paths) -> {"pixel_values": [sum patches, D],
+  "image_grid_thw": [N, 3]}``; both concatenate along dim 0 in image order across a batch;
+- :meth:`Qwen2VLAdapter.position_ids` ``(input_ids [L], image_inputs) -> [3, L]`` (M-RoPE,
+  transformers' rope index of one sample);
+- :attr:`Qwen2VLAdapter.position_id_rows` = 3.
+
+With ``ModelConfig.path = None`` it builds a random-weight tiny model of
+``architecture.model_type`` (default ``qwen2_vl``) from :mod:`~mmtune.models.qwen2_vl.tiny`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any, Sequence
+
+from mmtune.data.dialogue import Image
+from mmtune.models._utils import (
+    PieceAdapter,
+    Plan,
+    build_random_model,
+    iter_pieces,
+    load_dtype_and_attention,
+    state_fingerprint,
+)
+from mmtune.models.base import ModuleGroups
+from mmtune.models.config import ModelConfig
+from mmtune.models.qwen2_vl.images import QwenVLImages
+from mmtune.models.qwen2_vl.positions import RopeIndex
+from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
+from mmtune.models.qwen2_vl.tiny import MODEL_TYPES, tiny_image_processor, tiny_model_config, tiny_tokenizer
+from mmtune.models.registry import register_adapter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from mmtune.data.dialogue import Dialogue
+
+__all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
+
+# model_type -> (generation class, inner model class owning get_rope_index)
+_CLASSES = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"),
+}
+
+
+def model_classes(model_type: str) -> tuple[type, type]:
+    """transformers' ``(…ForConditionalGeneration, …Model)`` classes of ``model_type``."""
+    import transformers
+
+    if model_type not in _CLASSES:
+        raise ValueError(
+            f"model_type {model_type!r} is not covered by the qwen2_vl adapter; it covers {list(MODEL_TYPES)} "
+            "(transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes)"
+        )
+    generation, inner = _CLASSES[model_type]
+    return getattr(transformers, generation), getattr(transformers, inner)
+
+
+def unwrap_model(model: "nn.Module") -> "nn.Module":
+    """The transformers ``…ForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
+    generation_classes = tuple(model_classes(t)[0] for t in MODEL_TYPES)
+    for _ in range(8):
+        if isinstance(model, generation_classes):
+            return model
+        if hasattr(model, "get_base_model"):  # peft
+            model = model.get_base_model()
+        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
+            model = model.module
+        else:
+            break
+    raise TypeError(
+        f"expected a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (possibly wrapped by peft/DDP/DeepSpeed), got "
+        f"{type(model).__name__}; check `model.family` in the config"
+    )
+
+
+def load_chat_template(path: str, tokenizer: Any) -> str | None:
+    """The checkpoint's chat template: the processor's (``chat_template.jinja`` /
+    ``chat_template.json``, what ``AutoProcessor`` uses), else the tokenizer's; ``None``
+    when it has neither."""
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = cached_file(
+            path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+        )
+        if file:
+            with open(file, encoding="utf-8") as handle:
+                text = handle.read()
+            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return getattr(tokenizer, "chat_template", None) or None
+
+
+@register_adapter
+class Qwen2VLAdapter(PieceAdapter):
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
+    token counts, M-RoPE positions, official fine-tuning labels (see the package docs).
+
+    ``system_prompt`` (when the dialogue has no system turn) replaces the template's default
+    system prompt; ``""`` renders an empty system message.
+    """
+
+    family = "qwen2_vl"
+    # The language model's linear layers (the vision tower's are named qkv / proj / fc* /
+    # linear_fc*, but Qwen2.5-VL's vision MLP also has gate/up/down_proj: see the exclude).
+    default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and merger
+    lora_exclude_modules = r".*\bvisual\b.*"
+    #: rows of ``position_ids`` per sample: M-RoPE's temporal, height and width
+    position_id_rows = 3
+
+    def __init__(self, config: ModelConfig):
+        config.validate()
+        self.config = config
+        where = config.path or "the random-weight model (model.path=null)"
+        if config.path is None:
+            model_type = str(config.architecture.get("model_type", "qwen2_vl"))
+            if model_type not in MODEL_TYPES:
+                raise ValueError(
+                    f"model.architecture.model_type={model_type!r}: use one of {list(MODEL_TYPES)}"
+                )
+            self.tokenizer = tiny_tokenizer()
+            self.model_config = tiny_model_config(model_type, self.tokenizer, config.architecture)
+            image_processor = tiny_image_processor(
+                self.model_config, min_pixels=config.min_pixels, max_pixels=config.max_pixels
+            )
+            template = CHAT_TEMPLATES[model_type]
+        else:
+            from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+            self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+            model_type = getattr(self.model_config, "model_type", None)
+            if model_type not in MODEL_TYPES:
+                raise ValueError(
+                    f"{config.path} is a {model_type!r} checkpoint ({type(self.model_config).__name__}); the qwen2_vl "
+                    f"family covers model types {list(MODEL_TYPES)}. Use the family of that model instead"
+                )
+            self.tokenizer = AutoTokenizer.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+            image_processor = AutoImageProcessor.from_pretrained(config.path, backend="pil")
+            _override_pixels(image_processor, config)
+            template = load_chat_template(config.path, self.tokenizer)
+            if not template:
+                raise ValueError(
+                    f"{config.path} has no chat template (no chat_template.jinja / chat_template.json and none in "
+                    "tokenizer_config.json). The qwen2_vl adapter encodes with the checkpoint's own template: copy "
+                    "chat_template.json from the base model this checkpoint came from (e.g. "
+                    "Qwen/Qwen2.5-VL-7B-Instruct), or write mmtune.models.qwen2_vl.CHAT_TEMPLATES[model_type] there"
+                )
+        self.model_type = model_type
+        self.chat_template = template
+        self.images = QwenVLImages(image_processor, self.model_config.vision_config, where)
+        self.image_processor = image_processor
+        self.renderer = renderer_for_template(template, self.tokenizer, where)
+        self.image_token_id = int(self.model_config.image_token_id)
+        problems = []
+        for key, token in (("image_token_id", IMAGE_PAD), ("vision_start_token_id", "<|vision_start|>"),
+                           ("vision_end_token_id", "<|vision_end|>")):  # fmt: skip
+            token_id = getattr(self.model_config, key)
+            if self.tokenizer.convert_ids_to_tokens(int(token_id)) != token:
+                problems.append(f"config {key}={token_id} is {self.tokenizer.convert_ids_to_tokens(int(token_id))!r}, "
+                                f"expected {token!r}")  # fmt: skip
+        if problems:
+            raise ValueError(
+                f"the tokenizer and model config of {where} do not belong together: " + "; ".join(problems)
+            )
+        stops = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        self.stop_token_ids = [int(i) for i in stops if i is not None]
+        _, inner_class = model_classes(model_type)
+        self.rope_index = RopeIndex(
+            self.model_config, inner_class, self.image_token_id, self.model_config.vision_config.spatial_merge_size
+        )
+        # A tokenizer of our own that keeps control-token strings inside dialogue text as plain
+        # text (a literal "<|im_end|>" in an answer cannot end the turn or fake an image).
+        from tokenizers import Tokenizer
+
+        self._encoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        self._encoder.encode_special_tokens = True
+
+    # -- identity --------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """A short hash of everything that changes encoded ids or lengths (for length caches)."""
+        state = {
+            "family": self.family,
+            "model_type": self.model_type,
+            "path": self.config.path,
+            "architecture": self.config.architecture,
+            "vocab": len(self.tokenizer),
+            "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
+            "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
+            "default_system": self.renderer.default_system,
+            "answer_plain": self.renderer.answer_plain,
+            "images": self.images.settings(),
+        }
+        return state_fingerprint(state)
+
+    def processor_settings(self) -> dict[str, Any]:
+        """What determines the pixels an image becomes (part of the pixel cache key)."""
+        return self.images.settings()
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the tokenizer, the image processor (with the ``min_pixels`` / ``max_pixels``
+        trained with) and the chat template, so ``ModelConfig(family="qwen2_vl", path=directory)``
+        loads the checkpoint back with the same tokens and pixels."""
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+        with open(os.path.join(directory, "chat_template.json"), "w", encoding="utf-8") as handle:
+            json.dump({"chat_template": self.chat_template}, handle, indent=2, ensure_ascii=False)
+
+    # -- rendering ---------------------------------------------------------------------------------
+    def _check_images(self, dialogue: "Dialogue") -> None:
+        """Count every image once with its dialogue and turn, so a refused or unreadable image
+        is named there (the counts are memoized for :meth:`image_token_count`)."""
+        for t, turn in enumerate(dialogue.turns):
+            for image in turn.images:
+                self.images.grid(image.path, dialogue_id=dialogue.id, turn=t)
+
+    def _pieces(
+        self, dialogue: "Dialogue", system_prompt: str | None, train_on: str, add_generation_prompt: bool
+    ) -> Plan:
+        self._check_images(dialogue)
+        return self.renderer.plan(dialogue, system_prompt, train_on, add_generation_prompt)
+
+    def _tokenize_many(self, texts: list[str]) -> list[list[int]]:
+        # headers and "\n" repeat in every turn: tokenize each distinct text once
+        unique = list(dict.fromkeys(texts))
+        ids = dict(zip(unique, (e.ids for e in self._encoder.encode_batch(unique, add_special_tokens=False))))
+        return [ids[text] for text in texts]
+
+    def measure_many(
+        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
+    ) -> list[tuple[int, list[int], list[int], list[str]]]:
+        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length, turn
+        lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives."""
+        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
+        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
+        counts = iter([len(ids) for ids in self._tokenize_many(texts)])
+
+        def size(pieces) -> tuple[int, int]:
+            length = images = 0
+            for piece in pieces:
+                if piece.kind == "text":
+                    length += next(counts)
+                elif piece.kind == "ids":
+                    length += len(piece.value)
+                else:
+                    length += self.image_token_count(piece.value)
+                    images += 1
+            return length, images
+
+        out = []
+        for prefix, rendered, suffix in plans:
+            fixed = size(prefix)[0]
+            sizes = [size(pieces) for _, pieces in rendered]
+            fixed += size(suffix)[0]
+            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
+        return out
+
+    # -- images ------------------------------------------------------------------------------------
+    def image_token_count(self, image: Image) -> int:
+        """``grid_t * grid_h * grid_w / merge_size**2`` from the file header (no pixel decode)."""
+        return self.images.tokens(self.images.grid(image.path))
+
+    def image_grid(self, image: Image) -> tuple[int, int, int]:
+        """The image's ``image_grid_thw`` row, from the file header."""
+        return self.images.grid(image.path)
+
+    def image_inputs(self, paths: list[str]) -> dict[str, "torch.Tensor"]:
+        """``{"pixel_values": [sum of patches, 3 x temporal_patch x patch^2] float32,
+        "image_grid_thw": [N, 3] long}`` of these images, equal to the image processor's output;
+        concatenate each along dim 0 in image order to batch several samples."""
+        return self.images.inputs(paths)
+
+    def load_uint8(self, path: str) -> "np.ndarray":
+        """The decoded, resized uint8 image [3, H', W'] (what a pixel cache stores)."""
+        return self.images.load_uint8(path)
+
+    def image_inputs_uint8(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
+        """:meth:`image_inputs` of images from :meth:`load_uint8` (rescale, normalise, patchify)."""
+        return self.images.inputs_uint8(images)
+
+    def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
+        raise NotImplementedError(
+            "qwen2_vl images are variable-length patch sequences with a grid per image, not a [N, 3, H, W] tensor: "
+            "use adapter.image_inputs(paths), which returns pixel_values and image_grid_thw"
+        )
+
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
+    ) -> "torch.Tensor":
+        """M-RoPE ``position_ids`` [3, L] of one sample: transformers' ``get_rope_index`` of the
+        model class on ``input_ids`` [L] and that sample's ``image_inputs`` (its images only, in
+        order). A packed row concatenates the per-sample results, each starting again at 0."""
+        grid = (image_inputs or {}).get("image_grid_thw")
+        return self.rope_index(input_ids, grid)
+
+    # -- model -------------------------------------------------------------------------------------
+    def load_model(self, **kwargs: Any) -> "nn.Module":
+        """Load the checkpoint (or build the random-weight tiny model when ``path`` is None).
+
+        Keyword arguments: ``torch_dtype`` / ``attn_implementation`` (default from the
+        ModelConfig), ``seed`` (random-weight model only), anything else goes to
+        ``from_pretrained``.
+        """
+        generation_class, _ = model_classes(self.model_type)
+        dtype, attn = load_dtype_and_attention(kwargs, self.config)
+        seed = kwargs.pop("seed", 0)
+        if self.config.path is None:
+            return build_random_model(
+                generation_class, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
+            )
+        return generation_class.from_pretrained(
+            self.config.path, dtype=dtype, attn_implementation=attn, trust_remote_code=self.config.trust_remote_code,
+            **kwargs,
+        )  # fmt: skip
+
+    def module_groups(self, model: "nn.Module") -> ModuleGroups:
+        """Vision: every module of ``model.visual`` but the merger (patch embedding, blocks, and
+        Qwen3-VL's position embedding and DeepStack mergers); projector: ``visual.merger``, the
+        module the official ``tune_mm_mlp`` switch trains; language model: decoder and lm_head."""
+        inner = unwrap_model(model)
+        visual = inner.model.visual
+        return ModuleGroups(
+            vision=[module for name, module in visual.named_children() if name != "merger"],
+            projector=[visual.merger],
+            language_model=[inner.model.language_model, inner.lm_head],
+        )
+
+    def text_config(self, config: Any) -> Any:
+        return config.text_config
+
+    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
+        """The multimodal body (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
+        inner = unwrap_model(model)
+        return inner.model, inner.lm_head
+
+    def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
+        """0 x (the vision tower + merger, and Qwen3-VL's DeepStack mergers) on one blank
+        image of the smallest grid (1 x merge x merge patches): every rank runs the same vision
+        modules each step (ZeRO-3) and their parameters get zero, not missing, gradients."""
+        import torch
+
+        inner = unwrap_model(model)
+        visual = inner.model.visual
+        param = next(visual.parameters())
+        merge = int(inner.config.vision_config.spatial_merge_size)
+        grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=param.device)
+        pixels = torch.zeros(merge * merge, self.images.patch_dim, dtype=param.dtype, device=param.device)
+        out = inner.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+        total = sum(feature.float().sum() for feature in out.pooler_output)
+        for level in getattr(out, "deepstack_features", None) or []:
+            total = total + sum(feature.float().sum() for feature in level)
+        return total * 0.0
+
+
+def _override_pixels(image_processor: Any, config: ModelConfig) -> None:
+    """Apply ``model.min_pixels`` / ``model.max_pixels`` to a loaded processor (its ``size``)."""
+    if config.min_pixels is None and config.max_pixels is None:
+        return
+    from transformers.image_utils import SizeDict
+
+    size = dict(image_processor.size)
+    if config.min_pixels is not None:
+        size["shortest_edge"] = int(config.min_pixels)
+    if config.max_pixels is not None:
+        size["longest_edge"] = int(config.max_pixels)
+    image_processor.size = SizeDict(**size)

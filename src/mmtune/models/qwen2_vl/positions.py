@@ -1,0 +1,94 @@
+"""M-RoPE position ids of one sample, from the model class's own ``get_rope_index``.
+
+Qwen-VL language models rotate queries and keys by three position rows (temporal, height,
+width). Text tokens get the same running position in all three rows; an image's ``h x w``
+merged tokens get ``(start, start + row, start + column)``, and the text after the image
+continues at ``start + max(h, w)``. transformers computes this in
+``Qwen2VLModel.get_rope_index`` (and the Qwen2.5-VL / Qwen3-VL equivalents), which reads
+nothing but the model config. :class:`RopeIndex` calls it on an instance built on the
+``meta`` device (no parameter memory; a 7B config builds in well under a second), so the
+positions are transformers' own, never a re-implementation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["RopeIndex"]
+
+
+class RopeIndex:
+    """``position_ids`` [3, L] of one sample (``input_ids`` [L] + its images' ``image_grid_thw``).
+
+    Args:
+        model_config: the full model config (the rope index reads its vision config).
+        model_class: the family's inner model class (``Qwen2VLModel`` ...), which owns
+            ``get_rope_index``.
+        image_token_id: the ``<|image_pad|>`` id.
+        merge_size: the vision tower's spatial merge size (tokens per image = t*h*w / merge**2).
+    """
+
+    def __init__(self, model_config: Any, model_class: type, image_token_id: int, merge_size: int):
+        self.model_config = model_config
+        self.model_class = model_class
+        self.image_token_id = int(image_token_id)
+        self.merge_size = int(merge_size)
+        self._model = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers rebuild the meta instance instead of unpickling it
+        return {**self.__dict__, "_model": None}
+
+    @property
+    def model(self):
+        if self._model is None:
+            import copy
+
+            import torch
+
+            with torch.device("meta"):
+                self._model = self.model_class._from_config(copy.deepcopy(self.model_config))
+        return self._model
+
+    def _check(self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None") -> None:
+        """Each run of image tokens must be one image of the grid, in order, with its token count."""
+        import torch
+
+        is_image = (input_ids == self.image_token_id).to(torch.int8)
+        edges = torch.diff(is_image, prepend=is_image.new_zeros(1), append=is_image.new_zeros(1))
+        starts = torch.nonzero(edges == 1).flatten()
+        ends = torch.nonzero(edges == -1).flatten()
+        runs = (ends - starts).tolist()
+        grids = [] if image_grid_thw is None else image_grid_thw.tolist()
+        want = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        if runs != want:
+            raise ValueError(
+                f"the sample has {len(runs)} image-token run(s) of lengths {runs} but image_grid_thw has {len(grids)} "
+                f"image(s) of {want} tokens; pass the image inputs of exactly this sample's images, in order"
+            )
+
+    def __call__(self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """``position_ids`` [3, L] (long) for ``input_ids`` [L].
+
+        Raises:
+            ValueError: ``input_ids`` is not 1-D, or its image-token runs do not match
+                ``image_grid_thw`` (both counts named).
+        """
+        import torch
+
+        if input_ids.ndim != 1:
+            raise ValueError(f"input_ids must be one sample [L], got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.long()
+        grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw.long().cpu()
+        self._check(input_ids.cpu(), grid)
+        if input_ids.numel() == 0:
+            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device)
+        mm_token_type_ids = (input_ids == self.image_token_id).int()[None]  # 1 = image, as the processor marks it
+        positions, _ = self.model.get_rope_index(
+            input_ids[None], mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=None if grid is None else grid.to(input_ids.device),
+        )  # fmt: skip
+        return positions[:, 0]
