@@ -160,9 +160,9 @@ def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
 
     ``model`` is the run's model built on the meta device (no peft applied); the
     head's problems are predicted from the config the way the loop finds them on the
-    live model: a family whose adapter names no body and head, LoRA on the output head
-    (``peft.target_modules`` naming it) with dropout, or under ZeRO-3. Liger counts as
-    available when it is installed here.
+    live model: a family whose adapter names no body and head, a head that is not an
+    ``nn.Linear``, LoRA on the output head (``peft.target_modules`` naming it) with
+    dropout, or under ZeRO-3. Liger counts as available when it is installed here.
 
     Raises:
         ValueError: as :func:`choose_loss_impl` (``fused`` without Liger installed).
@@ -177,10 +177,12 @@ def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
         problem = f"the {cfg.model.family} adapter does not name its hidden-state body and output head"
     elif head is None:
         problem = f"{type(model).__name__} has no output embeddings"
-    elif cfg.peft.method in ("lora", "qlora"):
+    else:
+        problem = output_head(head)[1]  # the head as built, before peft
         targets = set(cfg.peft.target_modules or adapter_cls.default_lora_targets)
         name = next(n for n, m in model.named_modules() if m is head)
-        if type(head) is nn.Linear and name.rsplit(".", 1)[-1] in targets:
+        # peft wraps the linear layers whose last name is a target (see peft_setup.lora_target_names)
+        if not problem and cfg.peft.method in ("lora", "qlora") and name.rsplit(".", 1)[-1] in targets:
             problems = _lora_head_problems(adapters=1, dropout=cfg.peft.dropout > 0, dora=False, merged=False,
                                            zero3=zero_stage == 3)
             problem = "LoRA output head with " + "; ".join(problems) if problems else ""
@@ -421,7 +423,6 @@ class _ChunkBlocks:
     """
 
     def __init__(self, rows: int, vocab: int, compute_dtype: torch.dtype, acc: torch.dtype, device: torch.device):
-        self.dtype = compute_dtype
         self.acc = torch.empty(rows, vocab, dtype=acc, device=device)
         self.compute = torch.empty(rows, vocab, dtype=compute_dtype, device=device) if compute_dtype != acc else None
 
