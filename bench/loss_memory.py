@@ -14,8 +14,10 @@ change in machine load hits them alike, and the table shows medians:
   by default every position has a label (the worst case for the chunked path, which
   skips ignored rows; ``--label-fraction`` sets the share);
 * measured: peak memory above what the process held with the inputs allocated (CPU:
-  resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), and
-  the wall time of the forward pass plus ``loss.backward()``.
+  resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), the
+  wall time of the forward pass plus ``loss.backward()`` and, on CPU, the CPU seconds
+  its threads spent (on a machine other jobs share, wall time swings with their load;
+  CPU time much less, so "cpu vs mat" is the steadier ratio there).
 
 Every path must hand back the two gradients (``hidden.grad`` and ``weight.grad``, the
 "grads" column); the "working" column is the peak minus them, what the loss itself
@@ -93,22 +95,27 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
         peak = [base]
         stop = threading.Event()
 
+        sampler_cpu = [0.0]
+
         def sample():
             while not stop.is_set():
                 peak[0] = max(peak[0], process.memory_info().rss)
                 time.sleep(0.002)
+            sampler_cpu[0] = time.thread_time()
 
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = run()
         seconds = time.perf_counter() - started
         stop.set()
         thread.join()
+        # CPU seconds of the loss's own threads (the sampler's excluded): what a busy machine inflates least.
+        cpu = time.process_time() - cpu_started - sampler_cpu[0]
         peak[0] = max(peak[0], process.memory_info().rss)
         extra = peak[0] - base
     return {"extra": extra, "grads": grads_bytes, "working": max(extra - grads_bytes, 0), "seconds": seconds,
-            "loss": float(loss)}
+            "cpu_seconds": cpu if device == "cpu" else None, "loss": float(loss)}
 
 
 def _matmul_gflops(device: str) -> float:
@@ -193,7 +200,7 @@ def main() -> None:
           f"{args.label_fraction:.0%} of positions labelled; "
           f"memory = {'max_memory_allocated' if device == 'cuda' else 'peak RSS'} above the inputs")
     header = (f"{'tokens':>6} {'vocab':>6} {'path':>12} {'grads GiB':>9} {'working GiB':>11} {'time s':>7} "
-              f"{'working vs mat':>14} {'time vs mat':>11}")
+              f"{'cpu s':>7} {'working vs mat':>14} {'time vs mat':>11} {'cpu vs mat':>10}")
     print(header)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for tokens in args.tokens:
@@ -215,19 +222,22 @@ def main() -> None:
                     print(f"{tokens:>6} {vocab:>6} {impl:>12}  failed: {failed[0]}", flush=True)
                     continue
                 r = {key: statistics.median(x[key] for x in results) for key in ("grads", "working", "seconds")}
+                cpu = [x["cpu_seconds"] for x in results if x.get("cpu_seconds") is not None]
+                r["cpu"] = statistics.median(cpu) if cpu else None
                 r["loss"] = results[0]["loss"]
                 times = " ".join(f"{x['seconds']:.1f}" for x in results)
                 line = (f"{tokens:>6} {vocab:>6} {impl:>12} {r['grads'] / GiB:>9.3f} {r['working'] / GiB:>11.3f} "
-                        f"{r['seconds']:>7.2f}")
+                        f"{r['seconds']:>7.2f} {r['cpu'] or float('nan'):>7.1f}")
                 if impl == "materialized":
                     reference = r
-                    line += f" {'':>14} {'':>11}"
+                    line += f" {'':>14} {'':>11} {'':>10}"
                 elif reference is not None:
+                    cpu_ratio = r["cpu"] / reference["cpu"] if r["cpu"] and reference["cpu"] else float("nan")
                     line += (f" {r['working'] / max(reference['working'], 1):>13.1%} "
-                             f"{r['seconds'] / reference['seconds']:>10.2f}x")
+                             f"{r['seconds'] / reference['seconds']:>10.2f}x {cpu_ratio:>9.2f}x")
                     if abs(r["loss"] - reference["loss"]) > 1e-3 * abs(reference["loss"]):
                         line += f"  LOSS MISMATCH {r['loss']:.4f} vs {reference['loss']:.4f}"
-                print(line + f"  (runs: {times} s)", flush=True)
+                print(line + f"  (wall s per run: {times})", flush=True)
 
 if __name__ == "__main__":
     main()
