@@ -10,19 +10,19 @@
 # row (bench/gpu_generation.py). Settings that cannot run (no Liger, no flash-attn) get a row
 # saying so.
 # Robust by construction: each part runs under its own timeout (TRAIN_TIMEOUT, DECODE_TIMEOUT
-# seconds; defaults 300 + 150, so the whole stays under 8 minutes), writes its rows as it
-# finishes them, and a part that times out or fails adds one row saying so; the table is
-# printed either way. Budget assumed on the H200: ~90 s to build and warm up each part's model,
-# then 1 warm-up + 3 measured steps per training setting (a few seconds each) and 32 decode
-# steps per batch size.
+# seconds; defaults 280 + 140, so the whole stays under 8 minutes even when both run out),
+# writes its rows as it finishes them, and a part that times out or fails adds one row saying
+# so; the table is printed either way. Budget assumed on the H200: ~90 s to build and warm up
+# each part's model, then 1 warm-up + 3 measured steps per training setting (a few seconds
+# each) and 32 decode steps per batch size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 DRY=${GPU_CHECK_DRY:-0}
-TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
-DECODE_TIMEOUT=${DECODE_TIMEOUT:-150}
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-280}
+DECODE_TIMEOUT=${DECODE_TIMEOUT:-140}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/mmtune_gpu_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 ROWS="$WORK/rows.md"
