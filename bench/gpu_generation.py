@@ -3,6 +3,7 @@
     python bench/gpu_generation.py                      # B = 1, 8, 32 at a 1024-token context
     python bench/gpu_generation.py --batch-sizes 1,8,32 --context 2048 --steps 64
     python bench/gpu_generation.py --tiny --device cpu  # smoke run of the script itself
+    python bench/gpu_generation.py --dialogues 0 --rows rows.md   # decode only; markdown rows for gpu_check.sh
 
 Two measurements, printed side by side:
 
@@ -18,27 +19,24 @@ Two measurements, printed side by side:
    answers equal batch 1's (bf16: padding changes rounding, so a few greedy answers may
    diverge; the fp32 equality is what the test suite checks).
 
-The model: Vicuna-7B-shaped text model (4096 wide, 32 layers, 32 heads) with a CLIP
-ViT-L/14-336-shaped tower, bf16, SDPA. The built-in tokenizer has 512 tokens, not
-32,000, so the output layer is 2% of the weights smaller than LLaVA-1.5-7B's.
-Needs a CUDA GPU with >= 40 GB.
+The model: LLaVA-1.5-7B's shape with its 32,064-entry vocabulary (``bench/seven_b.py``:
+Vicuna-7B text model, 4096 wide, 32 layers, 32 heads, and a CLIP ViT-L/14-336 tower),
+random weights, bf16, SDPA; ``--tiny`` is the test-sized model with the same vocabulary.
+The first line printed gives the shapes. Needs a CUDA GPU with >= 40 GB.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SEVEN_B = {
-    "text_config": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096},
-    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                      "num_attention_heads": 16, "image_size": 336, "patch_size": 14, "projection_dim": 768},
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import seven_b  # noqa: E402  (bench/ is not a package)
 
 
 def _sync(device) -> None:
@@ -88,6 +86,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model instead of the 7B shape (smoke run)")
+    parser.add_argument("--rows", help="append the decode rows as markdown table rows to this file")
     args = parser.parse_args()
 
     import torch
@@ -103,8 +102,11 @@ def main() -> None:
 
     device = torch.device(args.device)
     dtype = "float32" if args.tiny else "bfloat16"
-    adapter = build_adapter(ModelConfig(family="llava", architecture={} if args.tiny else SEVEN_B, torch_dtype=dtype))
+    seven_b.register_full_vocab_adapters()
+    shape = {"text_config": {"vocab_size": seven_b.LLAVA_7B["text_config"]["vocab_size"]}} if args.tiny else seven_b.LLAVA_7B
+    adapter = build_adapter(ModelConfig(family="llava_full_vocab", architecture=shape, torch_dtype=dtype))
     model = adapter.load_model(seed=0).to(device)
+    print(seven_b.describe(model, adapter))
     params = sum(p.numel() for p in model.parameters())
     wbytes = params * next(model.parameters()).element_size()
     text = model.config.text_config
@@ -120,13 +122,21 @@ def main() -> None:
     print(f"{'B':>4} {'context':>8} {'decode tok/s':>13} {'per row':>9} {'vs B=1':>7} {'roofline tok/s':>15} {'measured/roofline':>18}")
     base = None
     for batch in sizes:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         rate = decode_rate(gen, batch, args.context, args.steps)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         base = base or rate
         roof = ""
         if gpu:
             step = (wbytes + batch * kv_per_token * args.context) / (gpu.hbm_tbps * 1e12 * DECODE_EFFICIENCY)
             roof = f"{batch / step:>15,.0f} {rate / (batch / step):>18.2f}"
-        print(f"{batch:>4} {args.context:>8} {rate:>13,.0f} {rate / batch:>9,.1f} {rate / base:>6.2f}x {roof}")
+        print(f"{batch:>4} {args.context:>8} {rate:>13,.0f} {rate / batch:>9,.1f} {rate / base:>6.2f}x {roof}", flush=True)
+        if args.rows:
+            with open(args.rows, "a") as rows:
+                rows.write(f"| decode, {args.context} cached tokens per row | B={batch} | {rate:,.0f} | "
+                           f"{'-' if peak is None else f'{peak:.1f}'} | {rate / batch:,.1f} tok/s per row, "
+                           f"{rate / base:.2f}x B=1; {args.steps} steps |\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

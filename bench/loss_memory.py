@@ -1,26 +1,34 @@
-"""Peak memory and time of the loss alone (forward + backward): linear cross-entropy vs materialised logits.
+"""Working memory and time of the loss alone (forward + backward): linear cross-entropy vs materialised logits.
 
-    python bench/loss_memory.py                                   # the full grid (needs a GPU to be quick)
-    python bench/loss_memory.py --hidden 256 --max-case-seconds 120   # what a small CPU box can run
+    python bench/loss_memory.py                                   # 2k and 8k tokens, vocab 32,064 and 92,544
+    python bench/loss_memory.py --tokens 2048 8192 --vocabs 32064 --repeats 3   # what a small CPU box can run
+    python bench/loss_memory.py --hidden 256 --max-case-seconds 120             # a quick look
 
-For every (tokens, vocabulary) pair the same inputs go through each loss path, each in
-a fresh process so one case's allocator state cannot flatter the next:
+For every (tokens, vocabulary) pair the same inputs go through each loss path, each run
+in a fresh process so one case's allocator state cannot flatter the next; the paths take
+turns ``--repeats`` times (materialised, chunked, ..., materialised, chunked, ...) so a
+change in machine load hits them alike, and the table shows medians:
 
 * inputs: final hidden states ``[tokens, hidden]`` and a trainable output weight
   ``[vocab, hidden]``, fp32 on CPU, bf16 hidden + fp32 weight under bf16 autocast on GPU;
   by default every position has a label (the worst case for the chunked path, which
   skips ignored rows; ``--label-fraction`` sets the share);
 * measured: peak memory above what the process held with the inputs allocated (CPU:
-  resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), and
-  the wall time of ``loss.backward()`` including the forward.
+  resident set size sampled every 2 ms; GPU: ``torch.cuda.max_memory_allocated``), the
+  wall time of the forward pass plus ``loss.backward()`` and, on CPU, the CPU seconds
+  its threads spent (on a machine other jobs share, wall time swings with their load;
+  CPU time much less, so "cpu vs mat" is the steadier ratio there).
 
-The extra memory includes the two gradients every path must return (``hidden.grad`` and
-``weight.grad``); the "working" column subtracts them, leaving what the loss itself
-holds. Materialised cases whose logits cannot fit in the memory this machine has free
-are skipped and say so; so are cases whose estimated run time exceeds
-``--max-case-seconds`` (the estimate uses this machine's measured matmul speed).
+Every path must hand back the two gradients (``hidden.grad`` and ``weight.grad``, the
+"grads" column); the "working" column is the peak minus them, what the loss itself
+holds (logits, their softmax and gradient, chunk buffers). Ratios are against the
+materialised path on the same inputs. Materialised cases whose logits cannot fit in the
+memory this machine has free are skipped and say so; so are cases whose estimated run
+time exceeds ``--max-case-seconds`` (the estimate uses this machine's measured matmul
+speed: every path runs three ``tokens x hidden x vocab`` matmuls).
 
-Goal at 8k tokens: chunked extra memory <= 10% of materialised, time <= 1.3x.
+Goal at 8k tokens, every position labelled, hidden 4096: chunked working set <= 10% of
+the materialised one, time <= 0.95x.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -68,7 +77,7 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
             else:
                 loss = _liger_sum(hidden_states, weight, None, targets)
         loss.backward()
-        return loss
+        return loss.detach()
 
     grads_bytes = hidden_states.numel() * hidden_states.element_size() + weight.numel() * 4
     if device == "cuda":
@@ -86,21 +95,27 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
         peak = [base]
         stop = threading.Event()
 
+        sampler_cpu = [0.0]
+
         def sample():
             while not stop.is_set():
                 peak[0] = max(peak[0], process.memory_info().rss)
                 time.sleep(0.002)
+            sampler_cpu[0] = time.thread_time()
 
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = run()
         seconds = time.perf_counter() - started
         stop.set()
         thread.join()
+        # CPU seconds of the loss's own threads (the sampler's excluded): what a busy machine inflates least.
+        cpu = time.process_time() - cpu_started - sampler_cpu[0]
         peak[0] = max(peak[0], process.memory_info().rss)
         extra = peak[0] - base
-    return {"extra": extra, "working": max(extra - grads_bytes, 0), "seconds": seconds, "loss": float(loss)}
+    return {"extra": extra, "grads": grads_bytes, "working": max(extra - grads_bytes, 0), "seconds": seconds,
+            "cpu_seconds": cpu if device == "cpu" else None, "loss": float(loss)}
 
 
 def _matmul_gflops(device: str) -> float:
@@ -138,22 +153,31 @@ def _skip_reason(tokens, vocab, hidden, impl, chunk_size, device, gflops, args) 
     free = _free_bytes(device)
     if need > args.memory_fraction * free:
         return f"skipped: needs ~{need / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
-    matmuls = 3 if impl == "materialized" else 4
-    estimate = matmuls * 2 * tokens * vocab * hidden / (gflops * 1e9)
+    estimate = 3 * 2 * tokens * vocab * hidden / (gflops * 1e9)  # logits, hidden gradient, weight gradient
     if estimate > args.max_case_seconds:
         return f"skipped: ~{estimate:.0f} s estimated > --max-case-seconds {args.max_case_seconds:g}"
     return None
 
 
+def _run_case(tokens, vocab, impl, device, args, env) -> dict:
+    cmd = [sys.executable, __file__, "--case", str(tokens), str(vocab), str(args.hidden), impl,
+           "--chunk-size", str(args.chunk_size), "--device", device, "--label-fraction", str(args.label_fraction)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"failed": (proc.stderr.strip().splitlines() or ["(no output)"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32064, 92544])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--label-fraction", type=float, default=1.0,
                         help="share of positions with a label (1.0: every position, the chunked path's worst case)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per path and case, taking turns (median shown)")
     parser.add_argument("--max-case-seconds", type=float, default=600.0)
     parser.add_argument("--memory-fraction", type=float, default=0.6,
                         help="run a case only if its estimated need is below this share of free memory")
@@ -175,37 +199,45 @@ def main() -> None:
           f"chunk {args.chunk_size} rows, {'bf16 autocast' if device == 'cuda' else 'fp32'}, "
           f"{args.label_fraction:.0%} of positions labelled; "
           f"memory = {'max_memory_allocated' if device == 'cuda' else 'peak RSS'} above the inputs")
-    header = f"{'tokens':>6} {'vocab':>6} {'path':>12} {'extra GiB':>9} {'working GiB':>11} {'time s':>7}"
-    header += f" {'extra vs mat':>12} {'time vs mat':>11}"
+    header = (f"{'tokens':>6} {'vocab':>6} {'path':>12} {'grads GiB':>9} {'working GiB':>11} {'time s':>7} "
+              f"{'cpu s':>7} {'working vs mat':>14} {'time vs mat':>11} {'cpu vs mat':>10}")
     print(header)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for tokens in args.tokens:
         for vocab in args.vocabs:
-            reference = None
+            runs: dict[str, list[dict]] = {}
             for impl in impls:
                 reason = _skip_reason(tokens, vocab, args.hidden, impl, args.chunk_size, device, gflops, args)
                 if reason:
                     print(f"{tokens:>6} {vocab:>6} {impl:>12}  {reason}", flush=True)
+                else:
+                    runs[impl] = []
+            for _ in range(args.repeats):
+                for impl in runs:  # the paths take turns, so a change in machine load hits them alike
+                    runs[impl].append(_run_case(tokens, vocab, impl, device, args, env))
+            reference = None
+            for impl, results in runs.items():
+                failed = [r["failed"] for r in results if "failed" in r]
+                if failed:
+                    print(f"{tokens:>6} {vocab:>6} {impl:>12}  failed: {failed[0]}", flush=True)
                     continue
-                cmd = [sys.executable, __file__, "--case", str(tokens), str(vocab), str(args.hidden), impl,
-                       "--chunk-size", str(args.chunk_size), "--device", device,
-                       "--label-fraction", str(args.label_fraction)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    print(f"{tokens:>6} {vocab:>6} {impl:>12}  failed: {proc.stderr.strip().splitlines()[-1:]}")
-                    continue
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                line = (f"{tokens:>6} {vocab:>6} {impl:>12} {r['extra'] / GiB:>9.3f} {r['working'] / GiB:>11.3f} "
-                        f"{r['seconds']:>7.2f}")
+                r = {key: statistics.median(x[key] for x in results) for key in ("grads", "working", "seconds")}
+                cpu = [x["cpu_seconds"] for x in results if x.get("cpu_seconds") is not None]
+                r["cpu"] = statistics.median(cpu) if cpu else None
+                r["loss"] = results[0]["loss"]
+                times = " ".join(f"{x['seconds']:.1f}" for x in results)
+                line = (f"{tokens:>6} {vocab:>6} {impl:>12} {r['grads'] / GiB:>9.3f} {r['working'] / GiB:>11.3f} "
+                        f"{r['seconds']:>7.2f} {r['cpu'] or float('nan'):>7.1f}")
                 if impl == "materialized":
                     reference = r
+                    line += f" {'':>14} {'':>11} {'':>10}"
                 elif reference is not None:
-                    line += (f" {r['extra'] / max(reference['extra'], 1):>11.1%} "
-                             f"{r['seconds'] / reference['seconds']:>10.2f}x")
+                    cpu_ratio = r["cpu"] / reference["cpu"] if r["cpu"] and reference["cpu"] else float("nan")
+                    line += (f" {r['working'] / max(reference['working'], 1):>13.1%} "
+                             f"{r['seconds'] / reference['seconds']:>10.2f}x {cpu_ratio:>9.2f}x")
                     if abs(r["loss"] - reference["loss"]) > 1e-3 * abs(reference["loss"]):
                         line += f"  LOSS MISMATCH {r['loss']:.4f} vs {reference['loss']:.4f}"
-                print(line, flush=True)
-
+                print(line + f"  (wall s per run: {times})", flush=True)
 
 if __name__ == "__main__":
     main()

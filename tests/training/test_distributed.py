@@ -60,7 +60,8 @@ def test_two_ranks_stay_in_step_on_uneven_packed_plans_with_the_token_weighted_g
     from mmtune.data.datamodule import SFTDataModule
     from mmtune.training.config import to_sft_config
     from mmtune.training.demo import compose_sft_config
-    from mmtune.training.loop import SFTRecipe, token_weighted_loss_sum
+    from mmtune.training.loop import SFTRecipe
+    from mmtune.training.loss import materialized_cross_entropy_sum
 
     out = tmp_path / "run"
     overrides = tiny_overrides(out, synthetic_dir, *_UNEVEN_PACKING, "training.epochs=2",
@@ -105,8 +106,8 @@ def test_two_ranks_stay_in_step_on_uneven_packed_plans_with_the_token_weighted_g
                        sum(int(b["num_loss_tokens"]) for b, _ in micro[2:])]
     assert tokens_per_rank[0] != tokens_per_rank[1]
     model = recipe.accelerator.unwrap_model(recipe.model)
-    loss = sum(token_weighted_loss_sum(model(**{k: b[k] for k in ("input_ids", "attention_mask", "position_ids",
-                                                                     "pixel_values")}, use_cache=False).logits, b["labels"])
+    inputs = ("input_ids", "attention_mask", "position_ids", "pixel_values")
+    loss = sum(materialized_cross_entropy_sum(model(**{k: b[k] for k in inputs}, use_cache=False).logits, b["labels"])
                for b, _ in micro)
     (loss / sum(tokens_per_rank)).backward()
     grads = [torch.load(tmp_path / f"grads{r}.pt") for r in (0, 1)]

@@ -8,7 +8,8 @@ import torch
 
 from mmtune.training.config import to_sft_config
 from mmtune.training.demo import compose_sft_config
-from mmtune.training.loop import SFTRecipe, token_weighted_loss_sum
+from mmtune.training.loop import SFTRecipe
+from mmtune.training.loss import materialized_cross_entropy_sum
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_accumulated_gradient_is_the_token_weighted_mean(make_recipe):
     for batch, _ in micro:
         logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            position_ids=batch["position_ids"], pixel_values=batch["pixel_values"]).logits
-        loss = loss + token_weighted_loss_sum(logits, batch["labels"])
+        loss = loss + materialized_cross_entropy_sum(logits, batch["labels"])
     (loss / total_tokens).backward()
     assert captured
     for name, param in reference.named_parameters():
@@ -132,8 +133,9 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tm
     with torch.no_grad():
         for name, param in reference.named_parameters():
             param.copy_(weights[name])
-    loss = sum(token_weighted_loss_sum(reference(**{k: b[k] for k in ("input_ids", "attention_mask", "position_ids",
-                                                                       "pixel_values")}, use_cache=False).logits, b["labels"])
+    inputs = ("input_ids", "attention_mask", "position_ids", "pixel_values")
+    loss = sum(materialized_cross_entropy_sum(reference(**{k: b[k] for k in inputs}, use_cache=False).logits,
+                                              b["labels"])
                for b in real_batches)
     (loss / sum(int(b["num_loss_tokens"]) for b in real_batches)).backward()
     for name, param in reference.named_parameters():

@@ -1,5 +1,7 @@
 """The linear cross-entropy equals the materialised loss: values and gradients, both families,
-packed and padded batches, ignored positions, chunk boundaries inside a sample, LoRA, ZeRO-3."""
+packed and padded batches, ignored positions, chunk boundaries inside a sample, LoRA, ZeRO-3;
+its gradients come from the forward pass (three matmuls per chunk, none in backward); the loop
+and ``mmtune plan`` resolve ``training.loss_impl`` the same way."""
 
 import copy
 import os
@@ -11,18 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from mmtune.data.dialogue import Image
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
+from mmtune.training.config import LOSS_IMPLS, PeftConfig
 from mmtune.training.loss import (
+    LossChoice,
     TrainingLoss,
+    choose_loss_impl,
     chunked_linear_cross_entropy,
     linear_cross_entropy_sum,
     materialized_cross_entropy_sum,
+    model_head_problem,
     output_head,
-    resolve_loss_impl,
+    planned_loss_impl,
     shifted_targets,
 )
 
@@ -119,13 +127,168 @@ def test_shifted_targets_pair_position_t_with_label_t_plus_1():
     assert shifted_targets(labels).tolist() == [[6, IGNORE_INDEX, 7, IGNORE_INDEX]]
 
 
-def test_auto_picks_chunked_without_cuda_and_fused_fails_clearly():
-    assert resolve_loss_impl("auto", "cpu") == "chunked"
-    assert resolve_loss_impl("materialized", "cpu") == "materialized"
-    with pytest.raises(ValueError, match="loss_impl=fused needs CUDA"):
-        resolve_loss_impl("fused", "cpu")
-    with pytest.raises(ValueError, match="use one of auto, chunked, fused, materialized"):
-        resolve_loss_impl("fast", "cpu")
+class _CountMatmuls(TorchDispatchMode):
+    """Counts the matrix products torch runs inside the block."""
+
+    MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in self.MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def _problem(n=40, h=12, v=50, ignored=0.3, seed=3, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = (torch.randn(v, h, generator=g) * 0.3).requires_grad_()
+    b = torch.randn(v, generator=g).requires_grad_() if bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.rand(n, generator=g) < ignored] = IGNORE_INDEX
+    return hidden, weight, b, targets
+
+
+@pytest.mark.parametrize("hidden_grad, weight_grad, bias_grad, per_chunk",
+                         [(True, True, False, 3), (True, True, True, 3), (True, False, False, 2),
+                          (False, True, False, 2), (False, False, True, 1)])
+def test_gradients_are_made_in_the_forward_pass_three_matmuls_per_chunk(hidden_grad, weight_grad, bias_grad,
+                                                                        per_chunk):
+    """Logits, hidden gradient, weight gradient per chunk, only those that something needs;
+    backward runs no matmul at all (nothing is recomputed) and still equals the reference."""
+    hidden, weight, bias, targets = _problem(bias=bias_grad)
+    hidden.requires_grad_(hidden_grad)
+    weight.requires_grad_(weight_grad)
+    inputs = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+    chunks = -(-int((targets != IGNORE_INDEX).sum()) // 7)
+    with _CountMatmuls() as forward:
+        ours = chunked_linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_size=7)
+    with _CountMatmuls() as backward:
+        grads = torch.autograd.grad(ours * 1.7, inputs)
+    assert forward.count == per_chunk * chunks and backward.count == 0
+    ref = _reference(hidden, weight, targets, bias)
+    for a, b in zip(grads, torch.autograd.grad(ref * 1.7, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_no_grad_forward_does_no_gradient_work():
+    """Evaluation (grad disabled): one matmul per chunk, the same value, nothing to backward."""
+    hidden, weight, _, targets = _problem()
+    chunks = -(-int((targets != IGNORE_INDEX).sum()) // 6)
+    with torch.no_grad(), _CountMatmuls() as counted:
+        value = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=6)
+    assert counted.count == chunks and not value.requires_grad
+    torch.testing.assert_close(value, _reference(hidden, weight, targets).detach(), rtol=1e-6, atol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=6), value)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_activation_checkpointing_runs_the_forward_twice_and_the_gradients_stay_exact(use_reentrant, with_bias):
+    """Under checkpointing the loss's forward runs again in backward: the non-reentrant
+    checkpoint discards the first pass's saved gradients and uses the recomputed ones, the
+    reentrant one runs the first pass without grad. Either way: the reference's gradients."""
+    hidden, weight, bias, targets = _problem(bias=with_bias, seed=5)
+    calls = []
+
+    def segment(h):
+        calls.append(torch.is_grad_enabled())
+        return chunked_linear_cross_entropy(torch.tanh(h), weight, targets, bias=bias, chunk_size=9)
+
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    ours = checkpoint(segment, hidden, use_reentrant=use_reentrant)
+    (ours * 0.6).backward()  # the reentrant checkpoint supports .backward() only
+    grads = [t.grad.clone() for t in inputs]
+    assert len(calls) == 2 and calls[1] is True and calls[0] is (not use_reentrant)
+    ref = _reference(torch.tanh(hidden), weight, targets, bias)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
+    for a, b in zip(grads, torch.autograd.grad(ref * 0.6, inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_twice_with_a_kept_graph_gives_each_scale_its_own_gradient():
+    hidden, weight, _, targets = _problem(seed=6)
+    ours = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    first = torch.autograd.grad(ours * 2.0, [hidden, weight], retain_graph=True)
+    second = torch.autograd.grad(ours * -0.5, [hidden, weight])
+    ref = _reference(hidden, weight, targets)
+    for scale, grads in ((2.0, first), (-0.5, second)):
+        for a, b in zip(grads, torch.autograd.grad(ref * scale, [hidden, weight], retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(ours, [hidden, weight])
+
+
+def test_every_shape_chunking_and_label_mask_equals_materialized():
+    """Random sizes, chunk sizes (1 to more than the rows), label masks (none to all ignored),
+    bias, upstream scales and which inputs need gradients, in fp64 so only algebra can differ."""
+    g = torch.Generator().manual_seed(11)
+    for case in range(60):
+        n, h, v = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 40), (1, 9), (2, 30)))
+        chunk = int(torch.randint(1, n + 3, (1,), generator=g))
+        ignored = float(torch.rand(1, generator=g))
+        hidden = torch.randn(n, h, dtype=torch.float64, generator=g).requires_grad_(case % 4 != 1)
+        weight = torch.randn(v, h, dtype=torch.float64, generator=g).requires_grad_(case % 4 != 2)
+        bias = torch.randn(v, dtype=torch.float64, generator=g).requires_grad_() if case % 3 == 0 else None
+        targets = torch.randint(0, v, (n,), generator=g)
+        targets[torch.rand(n, generator=g) < ignored] = IGNORE_INDEX
+        scale = float(torch.randn(1, generator=g))
+        inputs = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+        ours = chunked_linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_size=chunk)
+        logits = hidden @ weight.t() + (0 if bias is None else bias)  # fp64 throughout
+        ref = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        msg = f"case {case}: n={n} h={h} v={v} chunk={chunk} ignored={ignored:.2f}"
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12, msg=msg)
+        for a, b in zip(torch.autograd.grad(ours * scale, inputs), torch.autograd.grad(ref * scale, inputs)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=msg)
+
+
+def test_bf16_hidden_states_get_a_bf16_gradient_as_accurate_as_materialized():
+    """The GPU case: bf16 hidden states, an fp32 weight, bf16 autocast. The hidden gradient is
+    stored in bf16 and scaled in fp32 in backward; errors stay of the materialised path's size."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(48, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(90, 32, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, 90, (48,), generator=g)
+    targets[:10] = IGNORE_INDEX
+    exact = _reference(hidden.double(), weight.double(), targets)
+    exact_grads = torch.autograd.grad(exact * 0.01, [hidden, weight])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=16)
+        ref = _reference(hidden, weight, targets)
+    ours_grads = torch.autograd.grad(ours * 0.01, [hidden, weight])
+    ref_grads = torch.autograd.grad(ref * 0.01, [hidden, weight])
+    assert ours_grads[0].dtype == torch.bfloat16 and ours_grads[1].dtype == torch.float32
+    assert abs(ours.item() - exact.item()) <= 2 * abs(ref.item() - exact.item()) + 1e-3 * abs(exact.item())
+    for o, r, e in zip(ours_grads, ref_grads, exact_grads):
+        assert (o.double() - e).abs().max() <= 2 * (r.double() - e).abs().max() + 1e-7
+
+
+@pytest.mark.parametrize("requested", LOSS_IMPLS)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("liger", [False, True])
+@pytest.mark.parametrize("head_problem", ["", "LoRA output head with DeepSpeed ZeRO-3 parameters"])
+def test_choose_loss_impl_on_every_device_liger_and_head(requested, device_type, liger, head_problem):
+    fused_runs = device_type == "cuda" and liger
+    if requested == "fused" and not fused_runs:
+        missing = "CUDA" if device_type != "cuda" else "liger-kernel"
+        with pytest.raises(ValueError, match=f"loss_impl=fused needs {missing}.*use training.loss_impl=chunked"):
+            choose_loss_impl(requested, device_type=device_type, head_problem=head_problem, liger=liger)
+        return
+    choice = choose_loss_impl(requested, device_type=device_type, head_problem=head_problem, liger=liger)
+    wanted = ("fused" if fused_runs else "chunked") if requested == "auto" else requested
+    if head_problem and wanted != "materialized":
+        assert choice == LossChoice("materialized", head_problem)
+    else:
+        assert choice == LossChoice(wanted)
+
+
+def test_choose_loss_impl_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="loss_impl='fast': use one of auto, chunked, fused, materialized"):
+        choose_loss_impl("fast", device_type="cpu")
 
 
 def test_unknown_config_values_fail_at_start_up(tmp_path, synthetic_dir, tiny_overrides):
@@ -329,6 +492,69 @@ def test_materialized_helper_equals_the_model_loss(family):
         handle.remove()
         summed = linear_cross_entropy_sum(body_out[0], head, labels, impl="chunked", chunk_size=3)
     torch.testing.assert_close(summed, materialized_cross_entropy_sum(logits, labels), rtol=1e-6, atol=1e-5)
+
+
+# -- one resolution: what the loop chooses is what `mmtune plan` predicts ------------------------
+
+_HEAD = object()  # stands for the family's output head in the target lists below
+
+PEFT_CASES = {  # name: (method, target_modules, dropout, zero_stage, falls back)
+    "full": ("none", None, 0.05, 0, False),
+    "full-zero3": ("none", None, 0.05, 3, False),  # a plain head is gathered under ZeRO-3
+    "lora-default-targets": ("lora", None, 0.05, 0, False),
+    "lora-head": ("lora", ["q_proj", "wqkv", _HEAD], 0.0, 0, False),
+    "lora-head-dropout": ("lora", ["q_proj", "wqkv", _HEAD], 0.05, 0, True),
+    "lora-head-zero3": ("lora", [_HEAD], 0.0, 3, True),
+    "lora-head-dropout-zero3": ("lora", [_HEAD], 0.1, 3, True),
+}
+
+
+@pytest.mark.parametrize("requested", ["auto", "chunked", "materialized"])
+@pytest.mark.parametrize("case", PEFT_CASES)
+def test_plan_predicts_the_loss_the_loop_chooses(family, requested, case):
+    """The loop reads the live (LoRA-wrapped, ZeRO-3-marked) model, the plan only the config
+    and a model without peft; both must land on the same implementation and reason."""
+    from types import SimpleNamespace
+
+    from mmtune.training.peft_setup import apply_lora
+
+    adapter, model = family
+    method, targets, dropout, zero_stage, falls_back = PEFT_CASES[case]
+    head_name = "lm_head" if adapter.family == "llava" else "output"
+    if targets is not None:
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        targets = [head_name if t is _HEAD else t for t in targets if t is _HEAD or t in names]
+    peft_cfg = PeftConfig(method=method, r=2, alpha=4, dropout=dropout, target_modules=targets)
+    live = copy.deepcopy(model)
+    if method != "none":
+        live = apply_lora(live, adapter.module_groups(live), peft_cfg, adapter.default_lora_targets)
+    if zero_stage == 3:
+        for param in live.parameters():
+            param.ds_id = 0  # what deepspeed.zero.Init leaves on every parameter
+    loop = TrainingLoss(adapter, live, impl=requested, device="cuda")
+    cfg = SimpleNamespace(model=ModelConfig(family=adapter.family), peft=peft_cfg,
+                          training=SimpleNamespace(loss_impl=requested))
+    planned = planned_loss_impl(cfg, model, zero_stage=zero_stage)
+    assert planned == LossChoice(loop.impl, loop.reason)
+    linear = choose_loss_impl(requested, device_type="cuda").impl
+    assert planned.impl == ("materialized" if falls_back else linear)
+    assert bool(planned.reason) == (falls_back and linear != "materialized")
+
+
+def test_plan_run_estimates_the_loss_the_loop_will_run(tmp_path, synthetic_dir, tiny_overrides):
+    from mmtune.training.plan import PlanError, plan_run
+
+    def planned(*extra):
+        return plan_run(tiny_overrides(tmp_path, synthetic_dir, *extra), num_gpus=1, gpu="h100").cost["formula"]
+
+    linear = choose_loss_impl("auto", device_type="cuda").impl
+    assert f"training.loss_impl={linear}:" in planned("training.loss_impl=auto")
+    lora_head = ("peft=lora", "peft.target_modules=[q_proj,lm_head]")
+    assert f"training.loss_impl={linear}:" in planned(*lora_head, "peft.dropout=0")
+    assert "training.loss_impl=materialized:" in planned(*lora_head, "peft.dropout=0.05")
+    if linear != "fused":  # Liger is not installed here: the run could not start, so the plan says so
+        with pytest.raises(PlanError, match="loss_impl=fused needs liger-kernel"):
+            planned("training.loss_impl=fused")
 
 
 # -- DeepSpeed ZeRO-3, one CPU process through accelerate ----------------------------------------

@@ -43,16 +43,13 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from mmtune.models.base import IGNORE_INDEX
 from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, recover_interrupted_saves, save_final
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
 
-__all__ = ["SFTRecipe", "token_weighted_loss_sum", "seed_everything", "generate_synthetic_data",
-           "check_evaluation_layout"]
+__all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
 
@@ -62,17 +59,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def token_weighted_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the positions whose label is not ignored.
-
-    ``labels`` are aligned with ``input_ids`` (the collator's convention); position t
-    predicts label t+1. Computed in fp32 for a stable sum under bf16 autocast.
-    """
-    shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def generate_synthetic_data(syn: Any) -> None:

@@ -9,21 +9,27 @@ projection instead and never holds more than one chunk of logits.
 Three implementations, chosen by ``training.loss_impl``:
 
 ``chunked``
-    Pure PyTorch (:class:`ChunkedLinearCrossEntropy`). The forward pass keeps only the
-    loss rows' log-sum-exp; the backward pass recomputes each chunk's logits and writes
-    that chunk's rows of the hidden-state gradient and adds into an fp32 output-weight
-    gradient. Rows whose label is ignored never reach the matmul (prompt, image and
-    padding tokens are most of a multimodal dialogue). Works on every device, under
-    autocast, with LoRA on the output head and under DeepSpeed ZeRO-3.
+    Pure PyTorch (:class:`ChunkedLinearCrossEntropy`). Like a fused linear
+    cross-entropy kernel (Liger's ``fused_linear_cross_entropy``), the forward pass
+    computes each chunk's logits, turns them into ``softmax - onehot`` in place and
+    multiplies back at once: the chunk's rows of the hidden-state gradient and its share
+    of an fp32 output-weight gradient. Three matmuls per chunk, none recomputed; the
+    backward pass only scales the stored gradients by the upstream gradient. Rows whose
+    label is ignored never reach a matmul (prompt, image and padding tokens are most of
+    a multimodal dialogue), and with gradients disabled (evaluation) only the logits
+    matmul runs. Works on every device, under autocast, with LoRA on the output head and
+    under DeepSpeed ZeRO-3.
 ``fused``
-    Liger's fused linear cross-entropy (the optional ``liger`` extra; CUDA only). It
-    computes the gradients during the forward pass, so nothing is recomputed.
+    Liger's fused linear cross-entropy (the optional ``liger`` extra; CUDA only), the
+    same algorithm as Triton kernels.
 ``materialized``
     The plain ``F.cross_entropy`` on full logits: the reference the other two are tested
     against, and the fallback when the output head cannot be read as one matrix.
 
 ``auto`` resolves to ``fused`` when Liger is installed and the model is on CUDA,
-otherwise to ``chunked``.
+otherwise to ``chunked``. :func:`choose_loss_impl` is that resolution, with the
+fallbacks; the training loop (:class:`TrainingLoss`) and ``mmtune plan``
+(:func:`planned_loss_impl`) both go through it.
 
 Every implementation returns the same quantity: the *sum* over non-ignored positions of
 the next-token loss, computed in fp32 (the training loop scales it into the
@@ -49,16 +55,20 @@ from mmtune.training.config import LOSS_IMPLS
 __all__ = [
     "LOSS_IMPLS",
     "ChunkedLinearCrossEntropy",
+    "LossChoice",
     "OutputHead",
     "TrainingLoss",
+    "choose_loss_impl",
     "chunked_linear_cross_entropy",
     "describe",
     "fused_available",
     "gathered",
+    "liger_installed",
     "linear_cross_entropy_sum",
     "materialized_cross_entropy_sum",
+    "model_head_problem",
     "output_head",
-    "resolve_loss_impl",
+    "planned_loss_impl",
     "shifted_targets",
 ]
 
@@ -72,27 +82,111 @@ log = logging.getLogger(__name__)
 # -------------------------------------------------------------------------------------------------
 
 
+def liger_installed() -> bool:
+    """Whether Liger (``liger-kernel``, the optional ``liger`` extra) is installed."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def fused_available() -> bool:
-    """Whether Liger's fused linear cross-entropy can be imported (it needs Triton and CUDA)."""
-    return importlib.util.find_spec("liger_kernel") is not None and torch.cuda.is_available()
+    """Whether Liger's fused linear cross-entropy can run here (it needs Triton and CUDA)."""
+    return liger_installed() and torch.cuda.is_available()
 
 
-def resolve_loss_impl(impl: str, device: torch.device | str) -> str:
-    """The implementation ``impl`` means on ``device``.
+@dataclass(frozen=True)
+class LossChoice:
+    """A resolved ``training.loss_impl``.
+
+    ``impl`` is ``chunked``, ``fused`` or ``materialized``; ``reason`` is empty unless a
+    linear cross-entropy was asked for (or ``auto``) and the output head forced the
+    materialised fallback, and then says why.
+    """
+
+    impl: str
+    reason: str = ""
+
+
+def choose_loss_impl(requested: str, *, device_type: str, head_problem: str = "",
+                     liger: Optional[bool] = None) -> LossChoice:
+    """What ``training.loss_impl=requested`` runs as, on ``device_type``, for a head with ``head_problem``.
+
+    The one resolution of the setting: the training loop calls it with the model's
+    device and the problem :func:`model_head_problem` finds on the live model;
+    ``mmtune plan`` with ``"cuda"`` and the problem :func:`planned_loss_impl` predicts
+    from the config.
+
+    Args:
+        requested: one of :data:`LOSS_IMPLS`.
+        device_type: where the loss runs (``"cuda"``, ``"cpu"``, ...).
+        head_problem: why the output head cannot be read as one matrix (see
+            :func:`output_head`), empty when it can; a non-empty problem turns
+            ``chunked``/``fused``/``auto`` into ``materialized`` with it as the reason.
+        liger: whether Liger is installed (default: look it up).
 
     Raises:
-        ValueError: ``impl`` is not one of :data:`LOSS_IMPLS`, or ``fused`` was asked for
-            where Liger or CUDA is missing (says how to fix it).
+        ValueError: ``requested`` is not one of :data:`LOSS_IMPLS`, or ``fused`` was asked
+            for where Liger or CUDA is missing (says how to fix it).
     """
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"training.loss_impl={impl!r}: use one of {', '.join(LOSS_IMPLS)}")
-    on_cuda = torch.device(device).type == "cuda"
-    if impl == "auto":
-        return "fused" if on_cuda and fused_available() else "chunked"
-    if impl == "fused" and not (on_cuda and fused_available()):
+    if requested not in LOSS_IMPLS:
+        raise ValueError(f"training.loss_impl={requested!r}: use one of {', '.join(LOSS_IMPLS)}")
+    liger = liger_installed() if liger is None else liger
+    on_cuda = device_type == "cuda"
+    impl = requested
+    if requested == "auto":
+        impl = "fused" if on_cuda and liger else "chunked"
+    elif requested == "fused" and not (on_cuda and liger):
         missing = "CUDA" if not on_cuda else "liger-kernel (`pip install 'mmtune[liger]'`)"
         raise ValueError(f"training.loss_impl=fused needs {missing}; use training.loss_impl=chunked or auto")
-    return impl
+    if impl != "materialized" and head_problem:
+        return LossChoice("materialized", head_problem)
+    return LossChoice(impl)
+
+
+def model_head_problem(adapter, model: nn.Module) -> str:
+    """Why the linear cross-entropy cannot read ``model``'s output head ("" when it can).
+
+    Asks the adapter for the body and head (:meth:`~mmtune.models.base.ModelAdapter.loss_modules`)
+    and reads the head with :func:`output_head`; a torch.compile'd model is looked at
+    through ``_orig_mod``.
+    """
+    try:
+        _, head_module = adapter.loss_modules(getattr(model, "_orig_mod", model))
+    except NotImplementedError as err:
+        return str(err)
+    return output_head(head_module)[1]
+
+
+def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
+    """The loss a run of ``cfg`` (an :class:`~mmtune.training.config.SFTConfig`) trains with on CUDA GPUs.
+
+    ``model`` is the run's model built on the meta device (no peft applied); the
+    head's problems are predicted from the config the way the loop finds them on the
+    live model: a family whose adapter names no body and head, a head that is not an
+    ``nn.Linear``, LoRA on the output head (``peft.target_modules`` naming it) with
+    dropout, or under ZeRO-3. Liger counts as available when it is installed here.
+
+    Raises:
+        ValueError: as :func:`choose_loss_impl` (``fused`` without Liger installed).
+    """
+    from mmtune.models.base import ModelAdapter
+    from mmtune.models.registry import adapter_class
+
+    adapter_cls = adapter_class(cfg.model.family)
+    problem = ""
+    head = model.get_output_embeddings()
+    if adapter_cls.loss_modules is ModelAdapter.loss_modules:
+        problem = f"the {cfg.model.family} adapter does not name its hidden-state body and output head"
+    elif head is None:
+        problem = f"{type(model).__name__} has no output embeddings"
+    else:
+        problem = output_head(head)[1]  # the head as built, before peft
+        targets = set(cfg.peft.target_modules or adapter_cls.default_lora_targets)
+        name = next(n for n, m in model.named_modules() if m is head)
+        # peft wraps the linear layers whose last name is a target (see peft_setup.lora_target_names)
+        if not problem and cfg.peft.method in ("lora", "qlora") and name.rsplit(".", 1)[-1] in targets:
+            problems = _lora_head_problems(adapters=1, dropout=cfg.peft.dropout > 0, dora=False, merged=False,
+                                           zero3=zero_stage == 3)
+            problem = "LoRA output head with " + "; ".join(problems) if problems else ""
+    return choose_loss_impl(cfg.training.loss_impl, device_type="cuda", head_problem=problem)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -145,19 +239,14 @@ def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
         problems = []
         if type(base) is not nn.Linear:
             problems.append(f"its base layer is a {type(base).__name__}, not nn.Linear")
-        if len(active) != 1:
-            problems.append(f"{len(active)} active adapters (one is supported)")
-        elif not isinstance(module.lora_dropout[active[0]], nn.Identity):
-            problems.append("LoRA dropout on the output head (set peft.dropout=0 or leave lm_head out of "
-                            "peft.target_modules)")
-        elif getattr(module, "use_dora", {}).get(active[0], False):
-            problems.append("DoRA on the output head")
-        if module.merged:
-            problems.append("merged adapter weights")
-        if any(hasattr(p, "ds_id") for p in module.parameters()):
+        problems += _lora_head_problems(
+            adapters=len(active),
+            dropout=len(active) == 1 and not isinstance(module.lora_dropout[active[0]], nn.Identity),
+            dora=len(active) == 1 and getattr(module, "use_dora", {}).get(active[0], False),
+            merged=bool(module.merged),
             # ZeRO-3 hooks gather only a module's own parameters; a LoRA layer has none of its own,
             # so the factors saved for the effective weight's backward would be empty shards.
-            problems.append("DeepSpeed ZeRO-3 parameters")
+            zero3=any(hasattr(p, "ds_id") for p in module.parameters()))
         if problems:
             return None, "LoRA output head with " + "; ".join(problems)
         name = active[0]
@@ -165,6 +254,27 @@ def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
                   if p is not None]
         return OutputHead(module, params, "lora"), ""
     return None, f"output head is a {type(module).__name__}, not an nn.Linear or a LoRA Linear"
+
+
+def _lora_head_problems(*, adapters: int, dropout: bool, dora: bool, merged: bool, zero3: bool) -> list[str]:
+    """Why a LoRA output head cannot be read as ``W + s * B @ A`` (empty when it can).
+
+    Shared by :func:`output_head` (facts read from the live module) and
+    :func:`planned_loss_impl` (facts from the config).
+    """
+    problems = []
+    if adapters != 1:
+        problems.append(f"{adapters} active adapters (one is supported)")
+    elif dropout:
+        problems.append("LoRA dropout on the output head (set peft.dropout=0 or leave lm_head out of "
+                        "peft.target_modules)")
+    elif dora:
+        problems.append("DoRA on the output head")
+    if merged:
+        problems.append("merged adapter weights")
+    if zero3:
+        problems.append("DeepSpeed ZeRO-3 parameters")
+    return problems
 
 
 def _zero3_partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -181,10 +291,11 @@ def _zero3_partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
 def gathered(params: list[nn.Parameter]) -> Iterator[None]:
     """Make ZeRO-3-partitioned ``params`` whole for the duration of the block (no-op otherwise).
 
-    The linear cross-entropy reads the output weight without calling the head module,
-    so DeepSpeed's module hooks never gather it: the loss gathers it itself, in the
-    forward pass and again in the backward pass (a custom autograd function's backward
-    runs outside every module hook).
+    The linear cross-entropy reads the output weight without the head module's own
+    forward, so it makes sure the weight is whole for its forward pass, where all of its
+    matmuls run (its backward pass reads no weight). Run as the head module's forward
+    (:func:`_call_as_forward`), DeepSpeed's hooks have usually gathered the module's
+    parameters already, and this finds nothing to gather.
     """
     partitioned = _zero3_partitioned(params)
     if not partitioned:
@@ -212,88 +323,122 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_i CE(hidden[i] @ weight.T + bias, target[i])`` over rows with a target, chunk by chunk.
 
-    Forward saves the hidden states (already alive for the backward of the layer that
-    made them), the row indices with a target and one fp32 log-sum-exp per such row.
-    Backward recomputes one chunk of logits at a time, turns it into ``softmax - onehot``
-    in fp32 and multiplies back: hidden-state rows are written once (rows never span two
-    chunks), weight and bias gradients are accumulated in fp32.
+    The loss is the last operation of the forward pass, so its gradients can be computed
+    there (as fused linear cross-entropy kernels do): per chunk, one matmul forms the
+    logits, the fp32 block becomes ``softmax - onehot`` in place, and two more matmuls
+    write the chunk's rows of the hidden-state gradient and add into an fp32
+    output-weight gradient. Only those gradients are saved; the backward pass scales
+    them by the upstream gradient (in place) and hands them on, so nothing is
+    recomputed and neither the hidden states nor the weight are kept for it (a backward
+    that keeps the graph, for a second one, gets scaled copies instead).
 
-    ``head`` (an :class:`OutputHead` or ``None``) is only used to gather ZeRO-3
-    parameters again in backward; the gradients flow to ``weight``/``bias`` as given.
+    What is computed follows what needs it: no weight-gradient matmul for a frozen head,
+    no hidden-gradient matmul for hidden states that need no gradient, and nothing but
+    the logits when ``grad_enabled`` is false (evaluation, or the first pass of a
+    reentrant activation checkpoint). Under a non-reentrant checkpoint the forward runs
+    again in backward; the gradients are saved with ``save_for_backward``, so the
+    checkpoint drops the first pass's and uses the recomputed ones.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                chunk_size: int, compute_dtype: torch.dtype, head: Optional[OutputHead]) -> torch.Tensor:
+                chunk_size: int, compute_dtype: torch.dtype, grad_enabled: bool) -> torch.Tensor:
+        # needs_input_grad says which inputs require grad, even under no_grad: the caller says whether grad is on.
+        need_h, need_w, need_b = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
         acc = _accum_dtype(compute_dtype)
-        lse = torch.empty(rows.numel(), dtype=acc, device=hidden.device)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        w = weight.to(compute_dtype)
-        b = bias.to(compute_dtype) if bias is not None else None
-        with torch.autocast(hidden.device.type, enabled=False):
+        device = hidden.device
+        total = torch.zeros((), dtype=acc, device=device)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=device) if need_b else None
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            b = bias.to(compute_dtype) if bias is not None else None
+            blocks = _ChunkBlocks(min(chunk_size, rows.numel()), weight.shape[0], compute_dtype, acc, device)
             for start in range(0, rows.numel(), chunk_size):
                 idx = rows[start:start + chunk_size]
-                logits = _chunk_logits(hidden, idx, w, b, compute_dtype)
-                picked = logits.gather(1, targets[idx].unsqueeze(1)).squeeze(1)
-                # log-sum-exp in place: torch.logsumexp would allocate a second chunk of logits.
-                top = logits.amax(dim=1)
-                chunk_lse = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top)
-                lse[start:start + chunk_size] = chunk_lse
-                total += (chunk_lse - picked).sum()
-                del logits
-        ctx.save_for_backward(hidden, targets, rows, lse)
-        ctx.chunk_size, ctx.compute_dtype, ctx.head = chunk_size, compute_dtype, head
-        ctx.weight, ctx.bias = weight, bias  # re-read in backward: ZeRO-3 swaps .data back to a shard
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total: torch.Tensor):
-        hidden, targets, rows, lse = ctx.saved_tensors
-        weight, bias, dtype = ctx.weight, ctx.bias, ctx.compute_dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        context = gathered(ctx.head.params) if ctx.head is not None else contextlib.nullcontext()
-        with context, torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
-            grad_h = torch.zeros_like(hidden) if need_h else None
-            acc = _accum_dtype(dtype)
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-            scale = grad_total.to(acc)
-            for start in range(0, rows.numel(), ctx.chunk_size):
-                idx = rows[start:start + ctx.chunk_size]
-                logits = _chunk_logits(hidden, idx, w, b, dtype)
-                # d(lse - logit[target]) / d logits = softmax - onehot, all in place on the chunk.
-                grad_logits = logits.sub_(lse[start:start + ctx.chunk_size].unsqueeze(1)).exp_()
-                grad_logits.scatter_add_(1, targets[idx].unsqueeze(1),
-                                         torch.full((idx.numel(), 1), -1.0, dtype=acc, device=logits.device))
-                grad_logits.mul_(scale)
+                h = hidden.index_select(0, idx).to(compute_dtype)
+                logits = blocks.logits(h, w, b)
+                target = targets[idx].unsqueeze(1)
+                picked = logits.gather(1, target).squeeze(1)
+                # log-sum-exp in place: torch.logsumexp would allocate a second block of logits.
+                top = logits.amax(dim=1, keepdim=True)
+                sums = logits.sub_(top).exp_().sum(dim=1, keepdim=True)
+                total += (sums.log().add_(top).squeeze(1) - picked).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                # d(lse - logit[target]) / d logits = softmax - onehot, in place on the block.
+                grad_logits = logits.div_(sums)
+                grad_logits.scatter_add_(1, target, torch.full_like(picked, -1.0).unsqueeze(1))
                 if grad_b is not None:
                     grad_b += grad_logits.sum(0)
-                grad_logits = grad_logits.to(dtype)
+                grad_logits = blocks.low(grad_logits)  # the matmuls run in the compute dtype
                 if grad_h is not None:
-                    grad_h[idx] = (grad_logits @ w).to(grad_h.dtype)
+                    grad_h.index_copy_(0, idx, (grad_logits @ w).to(grad_h.dtype))
                 if grad_w is not None:
-                    h = hidden[idx].to(dtype)
-                    if grad_w.dtype == dtype:
+                    if grad_w.dtype == compute_dtype:
                         grad_w.addmm_(grad_logits.t(), h)  # in place: no second [V, H] tensor
                     else:
                         grad_w += grad_logits.t() @ h  # 16-bit product, fp32 accumulation across chunks
                 del grad_logits, logits
-        if grad_w is not None and grad_w.dtype != weight.dtype:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None and grad_b.dtype != bias.dtype:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+            del blocks
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total: torch.Tensor):
+        # In place unless the graph is kept for another backward (retain_graph, gradcheck):
+        # a copy of the fp32 weight gradient would be the largest tensor the loss holds.
+        in_place = not _graph_is_kept()
+        grads = []
+        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            if grad is not None:
+                # grad_total is a 0-dim fp32 tensor: the product is taken in fp32 even for a 16-bit grad.
+                grad = grad.mul_(grad_total) if in_place else grad * grad_total
+                grad = grad if grad.dtype == dtype else grad.to(dtype)
+            grads.append(grad)
+        return (*grads, None, None, None, None)
 
 
-def _chunk_logits(hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                  dtype: torch.dtype) -> torch.Tensor:
-    """fp32 logits of ``hidden[idx]`` (the matmul in ``dtype``, as autocast would run it)."""
-    h = hidden[idx].to(dtype)
-    logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
-    return logits.to(_accum_dtype(dtype))
+def _graph_is_kept() -> bool:
+    """Whether the running backward keeps the graph (another backward may read the saved tensors).
+
+    torch.compile's AOT-autograd runtime asks the same private function whether the graph
+    is retained; if it ever disappears, the answer "kept" is the safe one.
+    """
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())
+
+
+class _ChunkBlocks:
+    """The two blocks of logits a chunk works in, allocated once for all chunks.
+
+    ``rows x vocab`` in fp32 (logits, then their gradient) and, when the matmuls run in
+    16 bit, the same in the compute dtype (the matmul's output, then the gradient's
+    copy for the two gradient matmuls). Reusing them also spares the CPU a fresh
+    page-faulted allocation per chunk.
+    """
+
+    def __init__(self, rows: int, vocab: int, compute_dtype: torch.dtype, acc: torch.dtype, device: torch.device):
+        self.acc = torch.empty(rows, vocab, dtype=acc, device=device)
+        self.compute = torch.empty(rows, vocab, dtype=compute_dtype, device=device) if compute_dtype != acc else None
+
+    def logits(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        """fp32 logits of ``h`` (the matmul in the compute dtype, as autocast would run ``lm_head``)."""
+        n = h.shape[0]
+        out = self.acc[:n] if self.compute is None else self.compute[:n]
+        if b is None:
+            torch.mm(h, w.t(), out=out)
+        else:
+            torch.addmm(b, h, w.t(), out=out)
+        return out if self.compute is None else self.acc[:n].copy_(out)
+
+    def low(self, block: torch.Tensor) -> torch.Tensor:
+        """``block`` in the compute dtype (itself when that is the accumulation dtype)."""
+        return block if self.compute is None else self.compute[:block.shape[0]].copy_(block)
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -302,12 +447,14 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                                 bias: Optional[torch.Tensor] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                                 head: Optional[OutputHead] = None) -> torch.Tensor:
+                                 bias: Optional[torch.Tensor] = None,
+                                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Summed cross-entropy of ``hidden [N, H] @ weight.T [H, V] (+ bias)`` against ``targets [N]``.
 
     ``IGNORE_INDEX`` targets contribute nothing. Under autocast the matmuls run in the
-    autocast dtype (as ``lm_head`` would) and everything after them in fp32.
+    autocast dtype (as ``lm_head`` would) and everything after them in fp32. The
+    gradients are computed in this call when grad mode is on and an input requires
+    them (see :class:`ChunkedLinearCrossEntropy`).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
@@ -315,7 +462,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
         raise ValueError(f"weight must be [V, {hidden.shape[1]}] to match the hidden size; got {tuple(weight.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_size, _compute_dtype(hidden), head)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_size, _compute_dtype(hidden),
+                                           torch.is_grad_enabled())
 
 
 # -------------------------------------------------------------------------------------------------
@@ -367,7 +515,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
         with gathered(head.params):
             weight, bias = head.build()
             if impl == "chunked":
-                return chunked_linear_cross_entropy(flat, weight, targets, bias=bias, chunk_size=chunk_size, head=head)
+                return chunked_linear_cross_entropy(flat, weight, targets, bias=bias, chunk_size=chunk_size)
             return _liger_sum(flat, weight, bias, targets)
 
     return _call_as_forward(head.module, loss_of, hidden)
@@ -381,8 +529,9 @@ def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor
     produced it, while the parameter is still gathered. A custom autograd function that
     reads ``lm_head.weight`` outside those hooks returns a full-size gradient for a
     parameter that is an empty shard by then, and accumulating it fails. Called through
-    the module, the loss's backward runs inside the module's backward hooks like
-    ``nn.Linear``'s would. Without hooks (DDP, one device) this is a plain call.
+    the module, the loss's backward (which hands on the gradients the forward computed)
+    runs inside the module's backward hooks like ``nn.Linear``'s would. Without hooks
+    (DDP, one device) this is a plain call.
     """
     module.forward = fn  # an instance attribute shadows the class's forward for this call only
     try:
@@ -447,20 +596,13 @@ class TrainingLoss:
         self.adapter = adapter
         self.chunk_size = chunk_size
         self.requested = impl
-        self.impl = resolve_loss_impl(impl, device)
-        self.reason = ""
+        choice = choose_loss_impl(impl, device_type=torch.device(device).type,
+                                  head_problem=model_head_problem(adapter, model))
+        self.impl, self.reason = choice.impl, choice.reason
+        if self.reason:
+            log.warning("training.loss_impl=%s falls back to materialised logits: %s", impl, self.reason)
         self._captured: list[torch.Tensor] = []
         self._tap, self._tapped, self._armed = None, None, False
-        if self.impl != "materialized":
-            try:
-                _, head_module = adapter.loss_modules(getattr(model, "_orig_mod", model))
-            except NotImplementedError as err:
-                head, self.reason = None, str(err)
-            else:
-                head, self.reason = output_head(head_module)
-            if head is None:
-                log.warning("training.loss_impl=%s falls back to materialised logits: %s", impl, self.reason)
-                self.impl = "materialized"
 
     @property
     def description(self) -> str:

@@ -624,9 +624,9 @@ def estimate_cost(
     s = micro_batch_tokens
     act = (2 * s * d * L + 34 * s * d) if gradient_checkpointing else 34 * s * d * L
     if loss_impl == "auto":
-        import importlib.util
+        from mmtune.training.loss import choose_loss_impl
 
-        loss_impl = "fused" if importlib.util.find_spec("liger_kernel") is not None else "chunked"
+        loss_impl = choose_loss_impl(loss_impl, device_type="cuda").impl  # planned on GPUs; Liger as installed
     head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
     if loss_impl == "chunked":
         c = min(s, max(1, loss_chunk_size))
@@ -864,6 +864,12 @@ def plan_run(
 
     cost = None
     if params is not None and data is not None:
+        from mmtune.training.loss import planned_loss_impl
+
+        try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
+            loss = planned_loss_impl(cfg, _meta_model(cfg.model)[0], zero_stage=stage)
+        except ValueError as err:
+            raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
             full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
@@ -885,7 +891,7 @@ def plan_run(
             gpu=GPU_TYPES[gpu],
             utilization=utilization,
             vision_trains=cfg.training.vision.train,
-            loss_impl=cfg.training.loss_impl,
+            loss_impl=loss.impl,
             loss_chunk_size=cfg.training.loss_chunk_size,
             head_trains=cfg.training.language_model.train and cfg.peft.method == "none",
         )
