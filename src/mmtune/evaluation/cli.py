@@ -144,18 +144,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
         elif args.command == "lmms-command":
             from mmtune.evaluation.config import LmmsEvalConfig
-            from mmtune.evaluation.lmms_eval import build_command
+            from mmtune.evaluation.benchmarks.lmms_eval import build_command
 
             cfg = LmmsEvalConfig(tasks=args.tasks.split(","), model_type=args.model_type)
             print(shlex.join(build_command(args.checkpoint, cfg, family=args.family, output_path=args.out)))
         elif args.command == "lmms-parse":
-            from mmtune.evaluation.lmms_eval import parse_results
+            from mmtune.evaluation.benchmarks.lmms_eval import parse_results
             from mmtune.evaluation.results import write_result
 
             for result in parse_results(args.results, run=args.run, model=args.model):
                 print(write_result(result, args.out))
         elif args.command == "report":
-            from mmtune.evaluation.report import write_report
+            from mmtune.evaluation.reporting.report import write_report
             from mmtune.evaluation.results import read_result
 
             results = []

@@ -268,7 +268,7 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
-    from mmtune.evaluation.benchmarks import get_benchmark, registered_names
+    from mmtune.evaluation.benchmarks.base import get_benchmark, registered_names
 
     problems = []
     for name in cfg.benchmarks:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mmtune.evaluation.benchmarks import RunContext, get_benchmark
+from mmtune.evaluation.benchmarks.base import RunContext, get_benchmark
 from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
@@ -55,7 +55,7 @@ def run_benchmarks(
 
     Every benchmark is checked before any of them runs, so a run that cannot finish
     refuses at start-up. Judge failures above ``eval.judge.max_failed_share`` raise
-    :class:`~mmtune.evaluation.judge.JudgeFailures` after that benchmark's results,
+    :class:`~mmtune.evaluation.judge.client.JudgeFailures` after that benchmark's results,
     details and the report are written.
 
     Args:
@@ -99,7 +99,7 @@ def run_benchmarks(
                 sections[result.benchmark] = bench
                 log.info("%s: %s", result.benchmark, {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k})
             if bench.uses_judge and ctx.has_judge:
-                from mmtune.evaluation.judge import check_failures
+                from mmtune.evaluation.judge.client import check_failures
 
                 stats = ctx.judge.stats
                 if stats.failed:
@@ -108,10 +108,10 @@ def run_benchmarks(
     finally:
         ctx.close()
         if cfg.report and results:
-            from mmtune.evaluation.report import write_report
+            from mmtune.evaluation.reporting.report import write_report
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
-            from mmtune.evaluation.viewer import write_viewer
+            from mmtune.evaluation.reporting.viewer import write_viewer
 
             write_viewer(cfg, out, title=f"Answers of {run_name}")
             if wandb_run is not None:
@@ -135,7 +135,7 @@ def evaluate_model(
     wandb_run: Any = None,
 ) -> dict[str, BenchmarkResult]:
     """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``."""
-    from mmtune.evaluation.generation import DialogueGenerator
+    from mmtune.evaluation.generation.generator import DialogueGenerator
 
     was_training = getattr(model, "training", False)
     try:
@@ -171,8 +171,8 @@ def evaluate_checkpoint(
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
     """
-    from mmtune.evaluation.generation import DialogueGenerator
-    from mmtune.evaluation.loading import load_for_evaluation, resolve_checkpoint
+    from mmtune.evaluation.generation.generator import DialogueGenerator
+    from mmtune.evaluation.generation.loading import load_for_evaluation, resolve_checkpoint
 
     cfg = cfg or EvalConfig()
     model_config = model_config or ModelConfig()

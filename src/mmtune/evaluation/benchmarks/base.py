@@ -1,0 +1,253 @@
+"""The one interface every benchmark implements, and the registry the runner reads.
+
+A benchmark is a :class:`Benchmark` subclass in its own module, registered by name with
+:func:`register`; its settings are the ``eval.<name>`` section of the config. The runner
+calls the same steps for each, with no per-benchmark code:
+
+1. :meth:`Benchmark.check` at start-up (before any model is loaded or judge paid);
+2. :meth:`Benchmark.load` the items (questions and references);
+3. either :meth:`Benchmark.load_predictions` from the configured ``predictions`` file, or
+   :meth:`Benchmark.dialogues` -> the shared generator -> :meth:`Benchmark.from_generations`;
+4. :meth:`Benchmark.score` -> one result plus per-item detail rows;
+5. :meth:`Benchmark.write_files` for benchmark-specific official outputs;
+6. :meth:`Benchmark.report_section` for its part of ``report.md``.
+
+A benchmark that runs elsewhere (lmms-eval) overrides :meth:`Benchmark.evaluate` whole.
+Adding a benchmark: one module with a subclass, its config dataclass in
+``evaluation/config.py`` and one line in :data:`_MODULES` (module import registers it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+from mmtune.evaluation.results import BenchmarkResult
+
+__all__ = ["Benchmark", "DialogueBenchmark", "RunContext", "register", "get_benchmark", "registered_names"]
+
+_REGISTRY: dict[str, type["Benchmark"]] = {}
+#: built-in benchmarks: name -> module whose import registers it
+_MODULES = {
+    "synthetic": "mmtune.evaluation.benchmarks.synthetic",
+    "mmdu": "mmtune.evaluation.benchmarks.mmdu",
+    "mmvet": "mmtune.evaluation.benchmarks.mmvet",
+    "mdi": "mmtune.evaluation.benchmarks.mdi",
+    "lmms_eval": "mmtune.evaluation.benchmarks.lmms_eval",
+}
+
+
+def register(cls: type["Benchmark"]) -> type["Benchmark"]:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_names() -> tuple[str, ...]:
+    return tuple(_MODULES) + tuple(n for n in _REGISTRY if n not in _MODULES)
+
+
+def get_benchmark(name: str) -> "Benchmark":
+    """An instance of the benchmark registered as ``name``.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if name not in _REGISTRY and name in _MODULES:
+        importlib.import_module(_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown benchmark {name!r}; choose from {list(registered_names())}")
+    return _REGISTRY[name]()
+
+
+def _row(row: Any) -> Any:
+    return dataclasses.asdict(row) if dataclasses.is_dataclass(row) else row
+
+
+class RunContext:
+    """What a benchmark may use during a run: config, output folder, the shared
+    generator and judge (both built on first use), labels."""
+
+    def __init__(self, cfg: Any, out: Path, make_generator: Optional[Callable[[], Any]], *, run: str, model: str,
+                 checkpoint: Optional[str] = None, family: Optional[str] = None, model_config: Any = None,
+                 lmms_pretrained: Optional[str] = None, lmms_is_adapter: bool = False,
+                 command_runner: Optional[Callable[..., Any]] = None):
+        import subprocess
+
+        self.cfg, self.out, self._make_generator = cfg, out, make_generator
+        self.run, self.model, self.checkpoint, self.family = run, model, checkpoint, family
+        self.model_config = model_config
+        """The ModelConfig the model is loaded with (lmms-eval's mmtune model loads it the same way)."""
+        self.lmms_pretrained = lmms_pretrained
+        """What lmms-eval loads: the exported checkpoint, or ``model.path`` for a base model."""
+        self.lmms_is_adapter = lmms_is_adapter
+        self.command_runner = command_runner or subprocess.run
+        """Runs external commands (lmms-eval); a dry run replaces it to record them."""
+        self.context_length = cfg.generation.context_length
+        self._generator = None
+        self._judge = None
+
+    @property
+    def generator(self):
+        if self._generator is None:
+            if self._make_generator is None:
+                raise ValueError(
+                    "a benchmark needs generation but no model was given: set `checkpoint` / `model.path`, or set "
+                    "the benchmark's `predictions` file to score existing answers"
+                )
+            self._generator = self._make_generator()
+        return self._generator
+
+    @property
+    def judge(self):
+        if self._judge is None:
+            from mmtune.evaluation.judge.client import JudgeClient
+
+            judge_cfg = self.cfg.judge
+            cache = judge_cfg.cache_path or str(self.out / "judge_cache.sqlite")
+            self._judge = JudgeClient(judge_cfg, cache_path=cache)
+            print(self._judge.describe(), file=sys.stderr, flush=True)
+        return self._judge
+
+    @property
+    def has_judge(self) -> bool:
+        return self._judge is not None
+
+    @property
+    def has_generator(self) -> bool:
+        return self._generator is not None
+
+    def generate(self, name: str, dialogues: Sequence[Any]):
+        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
+                                       progress=self.cfg.progress, run_key=self.run_key(name))
+
+    def run_key(self, name: str) -> dict[str, Any]:
+        """What a benchmark's answers depend on besides decoding: the model and the data file
+        (a resumed generations file made for other weights or data is refused)."""
+        import time
+
+        from mmtune.evaluation.generation.fingerprint import file_identity
+
+        sub = getattr(self.cfg, name)
+        checkpoint = self.model
+        if Path(checkpoint).is_dir():  # the run dir and its final/ name the same weights
+            directory = Path(checkpoint).resolve()
+            if (directory / "final").is_dir() and not (directory / "config.json").exists():
+                directory = directory / "final"
+            checkpoint = str(directory)
+        return {
+            "checkpoint": checkpoint,
+            "data": file_identity(sub.data_path),
+            "image_root": sub.image_root,
+            "about": {"run": self.run, "model": self.model, "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+        }
+
+    def write_details(self, name: str, rows: Sequence[Any]) -> Path:
+        path = self.out / "details" / f"{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(_row(row), ensure_ascii=False, default=str) + "\n")
+        return path
+
+    def close(self) -> None:
+        if self._judge is not None:
+            self._judge.close()
+
+
+class Benchmark:
+    """Base of every benchmark; see the module docstring for the steps."""
+
+    name: ClassVar[str] = ""
+    uses_judge: ClassVar[bool] = False
+    """Whether scoring calls the LLM judge (its failures then fail the run)."""
+    generates: ClassVar[bool] = True
+    """Whether answers come from mmtune's generator (else the benchmark runs its own model)."""
+
+    def settings(self, cfg: Any) -> Any:
+        return getattr(cfg, self.name)
+
+    def preflight(self, ctx: RunContext) -> list[str]:
+        """Problems that need the run's context (model family, checkpoint), found before anything runs."""
+        return []
+
+    def check(self, cfg: Any) -> list[str]:
+        """Problems of this benchmark's settings, found before anything runs."""
+        sub = self.settings(cfg)
+        if not getattr(sub, "data_path", None) and not getattr(sub, "predictions", None):
+            return [f"eval.{self.name}: set data_path (to generate) or predictions (to score a file)"]
+        return []
+
+    def load(self, sub: Any, ctx: RunContext) -> list[Any]:
+        raise NotImplementedError
+
+    def dialogues(self, items: list[Any], sub: Any) -> list[Any]:
+        """The items as dialogues for the generator."""
+        raise NotImplementedError
+
+    def load_predictions(self, path: str, items: list[Any], sub: Any) -> Any:
+        raise NotImplementedError
+
+    def from_generations(self, records: list[Any], items: list[Any]) -> Any:
+        """Predictions from the generator's turn records."""
+        raise NotImplementedError
+
+    def score(self, items: list[Any], predictions: Any, ctx: RunContext, sub: Any) -> tuple[BenchmarkResult, list[Any]]:
+        raise NotImplementedError
+
+    def write_files(self, result: BenchmarkResult, rows: list[Any], items: list[Any], predictions: Any,
+                    ctx: RunContext, sub: Any) -> None:
+        """Benchmark-specific outputs beside the result JSON (official formats)."""
+
+    def evaluate(self, ctx: RunContext) -> list[BenchmarkResult]:
+        sub = self.settings(ctx.cfg)
+        items = self.load(sub, ctx)
+        if getattr(sub, "predictions", None):
+            predictions = self.load_predictions(sub.predictions, items, sub)
+        else:
+            predictions = self.from_generations(list(ctx.generate(self.name, self.dialogues(items, sub))), items)
+        result, rows = self.score(items, predictions, ctx, sub)
+        ctx.write_details(result.benchmark, rows)
+        self.write_files(result, rows, items, predictions, ctx, sub)
+        return [result]
+
+    def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
+        """Markdown lines (and plots) for the report; default: every metric in one table."""
+        from mmtune.evaluation.reporting.report import markdown_table
+
+        return [markdown_table(["metric", "value"], [[k, v] for k, v in result.metrics.items()])], []
+
+
+class DialogueBenchmark(Benchmark):
+    """Items are MMDU-schema dialogues; predictions are answers keyed by (dialogue, exchange)."""
+
+    def load(self, sub: Any, ctx: RunContext) -> list[Any]:
+        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+
+        if not sub.data_path:
+            raise ValueError(f"eval.{self.name}.data_path is required: it holds the questions and reference answers")
+        return load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
+                                   allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+
+    def check(self, cfg: Any) -> list[str]:
+        if not self.settings(cfg).data_path:
+            return [f"eval.{self.name}.data_path is required: it holds the questions and reference answers"]
+        return []
+
+    def dialogues(self, items: list[Any], sub: Any) -> list[Any]:
+        return items
+
+    def load_predictions(self, path: str, items: list[Any], sub: Any) -> Any:
+        from mmtune.evaluation.benchmarks.common import load_turn_predictions
+
+        return load_turn_predictions(path)
+
+    def from_generations(self, records: list[Any], items: list[Any]) -> Any:
+        from mmtune.evaluation.benchmarks.common import TurnPrediction
+
+        return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
+                for r in records if r.answer is not None}
