@@ -28,6 +28,17 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
+def _schema_of(field: dataclasses.Field, annotated: type) -> type:
+    """The class a dataclass field's value really has: its default's when that is a dataclass
+    instance (``EvalConfig()`` builds the class with the registered benchmarks' sections),
+    else the annotated class. OmegaConf reads a structured field's keys the same way."""
+    if field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        default = field.default
+    return type(default) if dataclasses.is_dataclass(default) and not isinstance(default, type) else annotated
+
+
 def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     """``["training.lerning_rate (did you mean training.lr?)", ...]`` for ``node`` (a
     DictConfig or plain dict) checked against the dataclass ``schema``."""
@@ -38,7 +49,7 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     if not isinstance(node, dict) or not dataclasses.is_dataclass(schema):
         return []
     hints = typing.get_type_hints(schema)
-    fields = {f.name for f in dataclasses.fields(schema)}
+    fields = {f.name: f for f in dataclasses.fields(schema)}
     problems = []
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -49,6 +60,7 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
             continue
         kind = _unwrap(hints.get(key))
         if dataclasses.is_dataclass(kind):
+            kind = _schema_of(fields[key], kind)
             problems += unknown_keys(value, kind, f"{name}.")
         elif typing.get_origin(kind) in (list, typing.List) and isinstance(value, list):
             (item,) = typing.get_args(kind) or (None,)

@@ -143,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _print(evaluate_checkpoint(args.checkpoint, cfg, output_dir=args.out, run_name=args.run,
                                        model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
         elif args.command == "lmms-command":
-            from mmtune.evaluation.config import LmmsEvalConfig
+            from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig
             from mmtune.evaluation.benchmarks.lmms_eval import build_command
 
             cfg = LmmsEvalConfig(tasks=args.tasks.split(","), model_type=args.model_type)

@@ -73,7 +73,7 @@ class GenerationEngine:
     def _generator(self, gen_kwargs: dict[str, Any]):
         import json
 
-        from mmtune.evaluation.config import GenerationConfig
+        from mmtune.evaluation.generation.config import GenerationConfig
         from mmtune.evaluation.generation.generator import DialogueGenerator
 
         temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0)

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mmtune.evaluation.benchmarks.base import RunContext, get_benchmark
+from mmtune.evaluation.benchmarks.base import RunContext
+from mmtune.evaluation.benchmarks.registry import get_benchmark
 from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from mmtune.evaluation.config import LmmsEvalConfig
+from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig
 from mmtune.evaluation.benchmarks.lmms_eval import build_command, find_results_file, parse_results
 from mmtune.evaluation.results import read_result, write_result
 

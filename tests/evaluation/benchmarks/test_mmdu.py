@@ -3,7 +3,8 @@ import json
 import pytest
 
 from mmtune.evaluation.benchmarks.common import TurnPrediction, load_mmdu_dialogues
-from mmtune.evaluation.config import JudgeConfig, MMDUConfig
+from mmtune.evaluation.benchmarks.mmdu import MMDUConfig
+from mmtune.evaluation.config import JudgeConfig
 from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge.client import JudgeClient
 from mmtune.evaluation.benchmarks.mmdu import TurnScore, aggregate, parse_scores

@@ -4,7 +4,8 @@ from collections import Counter
 
 import pytest
 
-from mmtune.evaluation.config import JudgeConfig, MMVetConfig
+from mmtune.evaluation.benchmarks.mmvet import MMVetConfig
+from mmtune.evaluation.config import JudgeConfig
 from tests.support.fake_judge import FakeJudgeServer, Scripted
 from mmtune.evaluation.judge.client import JudgeClient
 from mmtune.evaluation.benchmarks.mmvet import (

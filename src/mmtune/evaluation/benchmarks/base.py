@@ -1,8 +1,10 @@
-"""The one interface every benchmark implements, and the registry the runner reads.
+"""The one interface every benchmark implements.
 
-A benchmark is a :class:`Benchmark` subclass in its own module, registered by name with
-:func:`register`; its settings are the ``eval.<name>`` section of the config. The runner
-calls the same steps for each, with no per-benchmark code:
+A benchmark is a :class:`Benchmark` subclass in its own module of this package,
+registered by name with :func:`~mmtune.evaluation.benchmarks.registry.register`; its
+settings are the ``eval.<name>`` section of the config, typed by its ``settings_class``
+(a dataclass in the same module). The runner calls the same steps for each, with no
+per-benchmark code:
 
 1. :meth:`Benchmark.check` at start-up (before any model is loaded or judge paid);
 2. :meth:`Benchmark.load` the items (questions and references);
@@ -13,14 +15,13 @@ calls the same steps for each, with no per-benchmark code:
 6. :meth:`Benchmark.report_section` for its part of ``report.md``.
 
 A benchmark that runs elsewhere (lmms-eval) overrides :meth:`Benchmark.evaluate` whole.
-Adding a benchmark: one module with a subclass, its config dataclass in
-``evaluation/config.py`` and one line in :data:`_MODULES` (module import registers it).
+Adding a benchmark: one module with a settings dataclass and a registered subclass, and
+its ``configs/eval/<name>.yaml``; nothing else names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -28,40 +29,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["Benchmark", "DialogueBenchmark", "RunContext", "register", "get_benchmark", "registered_names"]
-
-_REGISTRY: dict[str, type["Benchmark"]] = {}
-#: built-in benchmarks: name -> module whose import registers it
-_MODULES = {
-    "synthetic": "mmtune.evaluation.benchmarks.synthetic",
-    "mmdu": "mmtune.evaluation.benchmarks.mmdu",
-    "mmvet": "mmtune.evaluation.benchmarks.mmvet",
-    "mdi": "mmtune.evaluation.benchmarks.mdi",
-    "lmms_eval": "mmtune.evaluation.benchmarks.lmms_eval",
-}
-
-
-def register(cls: type["Benchmark"]) -> type["Benchmark"]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registered_names() -> tuple[str, ...]:
-    return tuple(_MODULES) + tuple(n for n in _REGISTRY if n not in _MODULES)
-
-
-def get_benchmark(name: str) -> "Benchmark":
-    """An instance of the benchmark registered as ``name``.
-
-    Raises:
-        ValueError: for an unknown name, listing the known ones.
-    """
-    if name not in _REGISTRY and name in _MODULES:
-        importlib.import_module(_MODULES[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown benchmark {name!r}; choose from {list(registered_names())}")
-    return _REGISTRY[name]()
+__all__ = ["Benchmark", "DialogueBenchmark", "RunContext"]
 
 
 def _row(row: Any) -> Any:
@@ -163,6 +131,8 @@ class Benchmark:
     """Base of every benchmark; see the module docstring for the steps."""
 
     name: ClassVar[str] = ""
+    settings_class: ClassVar[Optional[type]] = None
+    """The dataclass of the ``eval.<name>`` section (every field with a docstring)."""
     uses_judge: ClassVar[bool] = False
     """Whether scoring calls the LLM judge (its failures then fail the run)."""
     generates: ClassVar[bool] = True

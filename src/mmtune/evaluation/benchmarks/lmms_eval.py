@@ -20,15 +20,30 @@ import json
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext, register
-from mmtune.evaluation.config import LmmsEvalConfig
+from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
+from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["MODEL_TYPES", "HEADLINE", "build_command", "parse_results", "find_results_file", "run_lmms_eval",
+__all__ = ["LmmsEvalConfig", "MODEL_TYPES", "HEADLINE", "build_command", "parse_results", "find_results_file", "run_lmms_eval",
            "LmmsEvalBenchmark"]
+
+
+@dataclass
+class LmmsEvalConfig:
+    tasks: list[str] = field(default_factory=lambda: ["mmbench_en_dev", "mmmu_val", "mmstar", "mathvista_testmini", "ai2d", "hallusion_bench_image", "chartqa"])
+    """lmms-eval task names (Table 3 by default; add blink, qbench2, mantis for Table 4)."""
+    model_type: Optional[str] = None
+    """lmms-eval ``--model``; ``None`` picks it from the model family (llava -> llava_hf)."""
+    batch_size: int = 1
+    """lmms-eval ``--batch_size``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments passed through verbatim."""
+    results_path: Optional[str] = None
+    """Parse this recorded lmms-eval results JSON instead of running lmms-eval."""
 
 #: model family -> lmms-eval ``--model`` for an exported HF checkpoint; ``mmtune`` is
 #: mmtune's own generator registered in lmms-eval (any family mmtune can load)
@@ -178,6 +193,7 @@ class LmmsEvalBenchmark(Benchmark):
     """The other Table 3 / Table 4 columns, run by lmms-eval on the same model."""
 
     name = "lmms_eval"
+    settings_class = LmmsEvalConfig
     generates = False
 
     def check(self, cfg: Any) -> list[str]:

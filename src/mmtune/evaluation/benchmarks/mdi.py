@@ -21,12 +21,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext, register
+from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
 from mmtune.evaluation.benchmarks.common import fill_prompt, load_json_or_jsonl, load_prompt
+from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["MDIItem", "parse_options", "extract_option", "extract_option_official", "load_items", "build_prompt",
+__all__ = ["MDIConfig", "MDIItem", "parse_options", "extract_option", "extract_option_official", "load_items", "build_prompt",
            "score_mdi", "MDIBenchmark"]
+
+
+@dataclass
+class MDIConfig:
+    data_path: Optional[str] = None
+    """MDI-Benchmark items (JSON list or JSONL)."""
+    image_root: Optional[str] = None
+    """Directory of the png images (``image_path`` has no extension)."""
+    predictions: Optional[str] = None
+    """Items with a ``response`` field to score instead of generating."""
+    alpha: float = 0.5
+    """Score_final = alpha * level-1 accuracy + (1 - alpha) * level-2 accuracy."""
+    limit: Optional[int] = None
+    """Evaluate only the first N items."""
 
 SCENARIOS = ("architecture", "education", "housework", "social_service", "sport", "transport")
 AGES = ("young", "mid", "old")
@@ -311,6 +326,7 @@ class MDIBenchmark(Benchmark):
     """MDI-Benchmark: multiple choice, no judge; our option extraction and the official one side by side."""
 
     name = "mdi"
+    settings_class = MDIConfig
 
     def check(self, cfg: Any) -> list[str]:
         sub = cfg.mdi

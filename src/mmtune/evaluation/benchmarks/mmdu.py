@@ -29,12 +29,27 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
-from mmtune.evaluation.benchmarks.base import DialogueBenchmark, register
+from mmtune.evaluation.benchmarks.base import DialogueBenchmark
 from mmtune.evaluation.benchmarks.common import TurnPrediction, fill_prompt, load_prompt, question_text
-from mmtune.evaluation.config import MMDUConfig
+from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["DIMENSIONS", "DIMENSION_NAMES", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu", "MMDUBenchmark"]
+__all__ = ["MMDUConfig", "DIMENSIONS", "DIMENSION_NAMES", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu", "MMDUBenchmark"]
+
+
+@dataclass
+class MMDUConfig:
+    data_path: Optional[str] = None
+    """MMDU ``benchmark.json`` (references and questions)."""
+    image_root: Optional[str] = None
+    """Directory the ``image`` paths are relative to (leading ``/`` is stripped)."""
+    predictions: Optional[str] = None
+    """Score this file instead of generating: MMDU-schema dialogues whose assistant turns
+    hold the model's answers, or a generation JSONL written by mmtune."""
+    prompt_file: Optional[str] = None
+    """Replacement judge prompt with ``{question}``, ``{reference}``, ``{answer}`` fields."""
+    limit: Optional[int] = None
+    """Evaluate only the first N dialogues (smoke runs)."""
 
 DIMENSIONS = ("C", "R", "VP", "LC", "AA", "IRU", "Overall")
 DIMENSION_NAMES = {
@@ -296,6 +311,7 @@ class MMDUBenchmark(DialogueBenchmark):
     """MMDU: the LLM judge scores every turn in seven dimensions."""
 
     name = "mmdu"
+    settings_class = MMDUConfig
     uses_judge = True
 
     def score(self, items, predictions, ctx, sub):

@@ -37,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext, register
+from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
 from mmtune.evaluation.benchmarks.common import PROMPT_DIR, fill_prompt
-from mmtune.evaluation.config import MMVetConfig
+from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
 __all__ = [
+    "MMVetConfig",
     "CAPABILITIES",
     "MMVetItem",
     "ItemScore",
@@ -58,6 +59,34 @@ __all__ = [
     "runs_from_grades",
     "MMVetBenchmark",
 ]
+
+
+@dataclass
+class MMVetConfig:
+    data_path: Optional[str] = None
+    """``mm-vet.json``."""
+    image_root: Optional[str] = None
+    """Directory of MM-Vet's images."""
+    predictions: Optional[str] = None
+    """Answers to score instead of generating: MM-Vet results JSON ``{"v1_0": "answer", ...}``
+    or LLaVA-style answer JSONL (``question_id`` / ``text`` per line)."""
+    runs: int = 5
+    """Judge runs; totals are reported as mean and std over runs (the paper uses 5)."""
+    max_tries: int = 5
+    """Tries per item and run; each unparsable reply raises the temperature by 0.5."""
+    judge_model: Optional[str] = None
+    """MM-Vet's own judge model (the paper: ``gpt-4-0613``); ``None`` = ``eval.judge``'s model.
+    MM-Vet is always judged text-only, whatever ``judge.send_images`` says."""
+    max_tokens: int = 3
+    """Reply budget of a judge call: the reply is one number (the official grader allows 3 tokens)."""
+    prompt_file: Optional[str] = None
+    """The official evaluator's prompt saved to a file (no placeholders: the row is appended
+    as the official script does), or a template with ``{question}``, ``{answer}``,
+    ``{prediction}``. ``None`` = mmtune's own prompt (figures not comparable with published ones)."""
+    bard_subset: Optional[str] = None
+    """MM-Vet's ``bard_set.json``: evaluate only those items (file names get ``bardset_``)."""
+    limit: Optional[int] = None
+    """Evaluate only the first N items."""
 
 #: sha256 of the official MM-Vet evaluator's few-shot prompt (surrounding whitespace
 #: stripped). A prompt file with this hash is the official prompt.
@@ -476,6 +505,7 @@ class MMVetBenchmark(Benchmark):
     """MM-Vet: N judge runs of a text-only few-shot grader; official CSVs beside the result."""
 
     name = "mmvet"
+    settings_class = MMVetConfig
     uses_judge = True
 
     def check(self, cfg: Any) -> list[str]:

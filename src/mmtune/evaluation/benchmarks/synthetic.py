@@ -11,16 +11,30 @@ turn index (``turn/<i>``) to show whether later turns degrade.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
 from mmtune.data.synthetic import is_correct
-from mmtune.evaluation.benchmarks.base import DialogueBenchmark, register
+from mmtune.evaluation.benchmarks.base import DialogueBenchmark
 from mmtune.evaluation.benchmarks.common import TurnPrediction
+from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["score_synthetic", "SyntheticBenchmark"]
+__all__ = ["SyntheticConfig", "score_synthetic", "SyntheticBenchmark"]
+
+
+@dataclass
+class SyntheticConfig:
+    data_path: Optional[str] = None
+    """Held-out split in MMDU benchmark schema (written by the data generator)."""
+    image_root: Optional[str] = None
+    """Directory the image paths are relative to (``None``: paths are absolute or relative to the file)."""
+    predictions: Optional[str] = None
+    """Score this file instead of generating (same forms as MMDU)."""
+    limit: Optional[int] = None
+    """Evaluate only the first N dialogues."""
 
 
 def score_synthetic(
@@ -63,6 +77,7 @@ class SyntheticBenchmark(DialogueBenchmark):
     """Exact match on the synthetic held-out split (no judge)."""
 
     name = "synthetic"
+    settings_class = SyntheticConfig
 
     def score(self, items, predictions, ctx, sub):
         return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length)

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 from mmtune.evaluation.benchmarks.common import question_text
-from mmtune.evaluation.config import GenerationConfig
+from mmtune.evaluation.generation.batched_kv import BatchedKVCache
+from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 

@@ -1,7 +1,7 @@
 """LLM-judge client: any OpenAI-compatible endpoint, bounded concurrency, retries, on-disk cache.
 
 The endpoint, model name and key come from environment variables (names configurable
-in :class:`~mmtune.evaluation.config.JudgeConfig`); the key is handed to the ``openai``
+in :class:`~mmtune.evaluation.judge.config.JudgeConfig`); the key is handed to the ``openai``
 SDK and nowhere else: not to logs, results, configs or W&B.
 
 Every reply is stored in an SQLite cache as soon as it arrives, keyed by a hash of
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from mmtune.evaluation.config import JudgeConfig
+from mmtune.evaluation.judge.config import JudgeConfig
 
 __all__ = [
     "JudgeRequest",

@@ -85,7 +85,8 @@ def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, tit
     ``sections`` maps a result's name to the benchmark that produced it (lmms-eval tasks
     and unknown names get a plain metric table).
     """
-    from mmtune.evaluation.benchmarks.base import Benchmark, get_benchmark
+    from mmtune.evaluation.benchmarks.base import Benchmark
+    from mmtune.evaluation.benchmarks.registry import get_benchmark
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
