@@ -155,6 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for result in parse_results(args.results, run=args.run, model=args.model):
                 print(write_result(result, args.out))
         elif args.command == "report":
+            from mmtune.evaluation.benchmarks.registry import benchmarks_for
             from mmtune.evaluation.reporting.report import write_report
             from mmtune.evaluation.results import read_result
 
@@ -164,7 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     results.append(read_result(path))
                 except ValueError:
                     continue  # other JSON files in the directory (MM-Vet's results JSON)
-            print(write_report(results, args.directory)[0])
+            sections = benchmarks_for(r.benchmark for r in results)
+            print(write_report(results, args.directory, sections=sections)[0])
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"mmtune evaluate: {err}", file=sys.stderr)
         return 2

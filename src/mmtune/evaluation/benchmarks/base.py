@@ -187,9 +187,9 @@ class Benchmark:
 
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
         """Markdown lines (and plots) for the report; default: every metric in one table."""
-        from mmtune.evaluation.reporting.report import markdown_table
+        from mmtune.evaluation.reporting.report import metrics_section
 
-        return [markdown_table(["metric", "value"], [[k, v] for k, v in result.metrics.items()])], []
+        return metrics_section(result), []
 
 
 class DialogueBenchmark(Benchmark):

@@ -360,7 +360,8 @@ class MDIBenchmark(Benchmark):
         return score_mdi(items, predictions, alpha=sub.alpha, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
 
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
-        from mmtune.evaluation.reporting.report import _plot_bars, markdown_table
+        from mmtune.evaluation.reporting.plots import plot_bars
+        from mmtune.evaluation.reporting.report import markdown_table
 
         m, c = result.metrics, result.counts
         keys = ["score_final", "level1", "level2", "accuracy"]
@@ -369,5 +370,5 @@ class MDIBenchmark(Benchmark):
                                  ["official rule", *[m.get(f"official/{k}", float("nan")) for k in keys], c.get("official_unreadable", "")]])]
         groups = sorted(k for k in m if k.count("/") == 1 and not k.startswith("official/"))
         lines += ["", markdown_table(["group", "accuracy"], [[k, m[k]] for k in groups])]
-        plots = [_plot_bars(out / "mdi_groups.png", "MDI accuracy", {"accuracy": {k: m[k] for k in groups}}, "accuracy (%)")]
+        plots = [plot_bars(out / "mdi_groups.png", "MDI accuracy", {"accuracy": {k: m[k] for k in groups}}, "accuracy (%)")]
         return lines, plots

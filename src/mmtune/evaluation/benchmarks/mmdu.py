@@ -319,19 +319,20 @@ class MMDUBenchmark(DialogueBenchmark):
                           context_length=ctx.context_length, progress=ctx.cfg.progress)
 
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
-        from mmtune.evaluation.reporting.report import _plot_bars, _plot_line, markdown_table
+        from mmtune.evaluation.reporting.plots import plot_bars, plot_line
+        from mmtune.evaluation.reporting.report import markdown_table
 
         m = result.metrics
         tag = f"context{result.context_length}" if result.context_length else ""
         lines = [markdown_table(["turns", *DIMENSIONS], [["all", *[m[d] for d in DIMENSIONS]],
                                                         ["valid", *[m[f"valid/{d}"] for d in DIMENSIONS]]])]
-        plots = [_plot_bars(out / f"mmdu{tag}_dimensions.png", "MMDU scores (x10)",
+        plots = [plot_bars(out / f"mmdu{tag}_dimensions.png", "MMDU scores (x10)",
                             {"all turns": {d: m[d] for d in DIMENSIONS},
                              "valid turns": {d: m[f"valid/{d}"] for d in DIMENSIONS}}, "score")]
         per_turn = result.meta.get("per_turn_index", {})
         if per_turn:
             xs = sorted(int(k) for k in per_turn)
-            plots.append(_plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
+            plots.append(plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
                                     xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)", ylim=(0, 100)))
             lines += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
         prompt = result.meta.get("prompt") or {}

@@ -555,7 +555,8 @@ class MMVetBenchmark(Benchmark):
         result.meta["official_files"] = {k: p.name for k, p in paths.items()}
 
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
-        from mmtune.evaluation.reporting.report import _plot_bars, markdown_table
+        from mmtune.evaluation.reporting.plots import plot_bars
+        from mmtune.evaluation.reporting.report import markdown_table
 
         m = result.metrics
         caps = [k for k in CAPABILITIES if k in m]
@@ -569,5 +570,5 @@ class MMVetBenchmark(Benchmark):
                       f"(sha256 {str(prompt.get('sha256', ''))[:12]}); comparable with published figures: "
                       f"{'yes' if comparable else 'no'}"]
         lines += [f"- {note}" for note in result.meta.get("comparability_notes", [])]
-        plots = [_plot_bars(out / "mmvet_capabilities.png", "MM-Vet by capability", {"score": {c: m[c] for c in caps}}, "score")]
+        plots = [plot_bars(out / "mmvet_capabilities.png", "MM-Vet by capability", {"score": {c: m[c] for c in caps}}, "score")]
         return lines, plots

@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.evaluation.benchmarks.base import Benchmark
 
-__all__ = ["register", "registered_names", "get_benchmark", "settings_classes"]
+__all__ = ["register", "registered_names", "get_benchmark", "benchmarks_for", "settings_classes"]
 
 _REGISTRY: dict[str, type["Benchmark"]] = {}
 _DISCOVERED = False
@@ -70,6 +70,13 @@ def get_benchmark(name: str) -> "Benchmark":
     if name not in _REGISTRY:
         raise ValueError(f"unknown benchmark {name!r}; choose from {list(_REGISTRY)}")
     return _REGISTRY[name]()
+
+
+def benchmarks_for(names: Iterable[str]) -> dict[str, "Benchmark"]:
+    """``{name: benchmark}`` for those of ``names`` that are registered benchmarks (a result
+    read back from a file names its benchmark; lmms-eval task names are not benchmarks)."""
+    _discover()
+    return {name: _REGISTRY[name]() for name in names if name in _REGISTRY}
 
 
 def settings_classes() -> dict[str, type]:

@@ -83,13 +83,14 @@ class SyntheticBenchmark(DialogueBenchmark):
         return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
 
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
-        from mmtune.evaluation.reporting.report import _plot_line, markdown_table
+        from mmtune.evaluation.reporting.plots import plot_line
+        from mmtune.evaluation.reporting.report import markdown_table
 
         m = result.metrics
         turns = sorted(int(k.split("/")[1]) for k in m if k.startswith("turn/"))
         lines = [markdown_table(["metric", "value"], [["exact_match", m["exact_match"]]] + [[f"turn {t}", m[f"turn/{t}"]] for t in turns])]
         plots = []
         if turns:
-            plots.append(_plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
+            plots.append(plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
                                     [m[f"turn/{t}"] for t in turns], "exact match (%)", ylim=(0, 100)))
         return lines, plots

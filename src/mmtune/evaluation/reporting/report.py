@@ -1,20 +1,21 @@
-"""Markdown report with tables and matplotlib plots for one evaluation's result files.
+"""Markdown report with tables and plots for one evaluation's result files.
 
-``write_report(results, out_dir)`` writes ``report.md`` and PNGs beside it: MMDU
-per-dimension bars (all turns vs valid turns), Overall score by turn index, synthetic
-exact match by turn index, MM-Vet per-capability bars and MDI accuracy by level /
-scenario / age.
+``write_report(results, out_dir, sections=...)`` writes ``report.md`` and PNGs beside it.
+Each result's section comes from the benchmark that produced it (its
+``report_section``: MMDU per-dimension bars and Overall by turn index, synthetic exact
+match by turn index, MM-Vet per-capability bars, MDI accuracy by level / scenario / age);
+this module knows no benchmark by name.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["write_report", "markdown_table"]
+__all__ = ["write_report", "markdown_table", "metrics_section"]
 
 
 def _fmt(value: object) -> str:
@@ -29,65 +30,22 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
-def _plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: no display on training nodes
-    import matplotlib.pyplot as plt
-
-    names = list(next(iter(groups.values())).keys())
-    width = 0.8 / max(1, len(groups))
-    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(names) + 2), 3.5))
-    for i, (label, values) in enumerate(groups.items()):
-        xs = [j + i * width for j in range(len(names))]
-        ax.bar(xs, [values.get(n, float("nan")) for n in names], width=width, label=label)
-    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(names))], names, rotation=30, ha="right")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    if len(groups) > 1:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: str,
-               ylim: tuple[float, float] | None = None) -> Path:
-    """A line over turn indices; ``ylim`` fixes the value axis (a flat line at 0% or 100% is
-    otherwise drawn on an axis of +-0.04)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(xs, ys, marker="o")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if ylim is not None:
-        pad = 0.04 * (ylim[1] - ylim[0])
-        ax.set_ylim(ylim[0] - pad, ylim[1] + pad)
-    ax.set_xlabel("turn index")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def metrics_section(result: BenchmarkResult) -> list[str]:
+    """Every metric of ``result`` in one two-column table: the section of a result no
+    benchmark describes (an lmms-eval task, a result read back from a file)."""
+    return [markdown_table(["metric", "value"], [[k, v] for k, v in result.metrics.items()])]
 
 
 def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, title: str = "Evaluation report",
-                 sections: Optional[dict[str, Any]] = None) -> tuple[Path, list[Path]]:
+                 sections: Optional[Mapping[str, Any]] = None) -> tuple[Path, list[Path]]:
     """Write ``report.md`` (+ PNG plots) for ``results``; return its path and the plots.
 
-    Each result's section comes from its benchmark (:meth:`Benchmark.report_section`);
-    ``sections`` maps a result's name to the benchmark that produced it (lmms-eval tasks
-    and unknown names get a plain metric table).
+    Args:
+        sections: result name -> the object that writes its section, anything with
+            ``report_section(result, out_dir) -> (markdown lines, plots)`` (the benchmark
+            that produced it; the runner and ``mmtune evaluate report`` pass them). A result
+            without one gets :func:`metrics_section`.
     """
-    from mmtune.evaluation.benchmarks.base import Benchmark
-    from mmtune.evaluation.benchmarks.registry import get_benchmark
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots: list[Path] = []
@@ -97,13 +55,8 @@ def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, tit
     for result in results:
         ctx = f" (context {result.context_length})" if result.context_length else ""
         parts += [f"## {result.benchmark}{ctx}", ""]
-        bench = (sections or {}).get(result.benchmark)
-        if bench is None:
-            try:
-                bench = get_benchmark(result.benchmark)
-            except ValueError:
-                bench = Benchmark()
-        lines, section_plots = bench.report_section(result, out)
+        writer = (sections or {}).get(result.benchmark)
+        lines, section_plots = writer.report_section(result, out) if writer is not None else (metrics_section(result), [])
         parts += lines
         plots += section_plots
         if result.counts:
