@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,7 +33,7 @@ from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
 
-__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks"]
+__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,10 @@ def run_benchmarks(
         ctx.close()
         if cfg.report and results:
             from mmtune.evaluation.reporting.report import write_report
-
-            _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
             from mmtune.evaluation.reporting.viewer import write_viewer
 
-            write_viewer(cfg, out, title=f"Answers of {run_name}")
+            _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
+            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}")
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
@@ -122,6 +122,26 @@ def run_benchmarks(
                 flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
                 wandb_run.log(flat)
     return results
+
+
+def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{benchmark: ViewerSection}`` for the benchmarks of ``cfg`` that left details in
+    ``output_dir`` and have a viewer tab; each benchmark builds its own entries.
+
+    lmms-eval tasks are left out: their per-sample logs are lmms-eval's own format.
+    """
+    from mmtune.evaluation.reporting.viewer import ViewerSection
+
+    out = Path(output_dir)
+    found = {}
+    for name in cfg.benchmarks:
+        if not (out / "details" / f"{name}.jsonl").is_file():
+            continue
+        bench = get_benchmark(name)
+        entries = bench.viewer_entries(bench.settings(cfg), out)
+        if entries is not None:
+            found[name] = ViewerSection(entries, bench.viewer_scale)
+    return found
 
 
 def evaluate_model(

@@ -14,8 +14,8 @@ import pytest
 
 from mmtune.data.synthetic import generate_synthetic
 from mmtune.evaluation.config import EvalConfig
-from mmtune.evaluation.runner import run_benchmarks
 from mmtune.evaluation.reporting.viewer import THUMBNAIL_PX, write_viewer
+from mmtune.evaluation.runner import collect_entries, run_benchmarks
 
 
 def payload(html_path):
@@ -93,7 +93,7 @@ def test_images_are_linked_relatively_past_the_embedding_budget(data, tmp_path):
     out = tmp_path / "eval"
     (out / "details").mkdir(parents=True)
     (out / "details" / "synthetic.jsonl").write_text("")
-    page = write_viewer(cfg, out, embed_budget_bytes=0)
+    page = write_viewer(collect_entries(cfg, out), out, embed_budget_bytes=0)
     sources = payload(page)["images"]
     assert sources and all(not s.startswith("data:") for s in sources.values())
     for key, rel in sources.items():
@@ -111,7 +111,7 @@ def test_mmdu_viewer_shows_judge_scores_reply_and_dimension_facets(data, tmp_pat
              "reply": "The answer names the wrong colour.\n{...}"},
             {"dialogue_id": records[0]["id"], "turn": 1, "status": "failed", "scores": {}, "na": [], "detail": "HTTP 500"}]
     (out / "details" / "mmdu.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    entries = {e["id"]: e for e in payload(write_viewer(cfg, out))["benchmarks"][0]["entries"]}
+    entries = {e["id"]: e for e in payload(write_viewer(collect_entries(cfg, out), out))["benchmarks"][0]["entries"]}
     first = entries[records[0]["id"]]
     assert first["turns"][0]["scores"]["Overall"] == 3.0
     assert first["turns"][0]["rationale"].startswith("The answer names the wrong colour")
@@ -145,7 +145,7 @@ def test_mmvet_and_mdi_items_carry_their_facets(tmp_path):
         {"id": "v1_0", "run": 1, "score": 0.5, "tries": 1, "status": "ok"},
         {"id": "v1_1", "run": 0, "score": 0.0, "tries": 1, "status": "ok"}]) + "\n")
     run_benchmarks(EvalConfig(benchmarks=["mdi"], progress=False, mdi=cfg.mdi), output_dir=str(out), run_name="r", model_label="m")
-    benches = {b["name"]: b for b in payload(write_viewer(cfg, out))["benchmarks"]}
+    benches = {b["name"]: b for b in payload(write_viewer(collect_entries(cfg, out), out))["benchmarks"]}
     vet = {e["id"]: e for e in benches["mmvet"]["entries"]}
     assert vet["v1_0"]["score"] == pytest.approx(75.0) and vet["v1_0"]["facets"]["capability"] == ["ocr", "spat"]
     assert vet["v1_0"]["turns"][0]["answer"] == "x!" and vet["v1_0"]["turns"][0]["scores"] == {"run 0": 1.0, "run 1": 0.5}
@@ -157,7 +157,7 @@ def test_mmvet_and_mdi_items_carry_their_facets(tmp_path):
 
 def test_no_viewer_without_per_item_details(tmp_path):
     cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
-    assert write_viewer(cfg, tmp_path) is None and not (tmp_path / "viewer.html").exists()
+    assert write_viewer(collect_entries(cfg, tmp_path), tmp_path) is None and not (tmp_path / "viewer.html").exists()
 
 
 # ---------------------------------------------------------------- in a real browser

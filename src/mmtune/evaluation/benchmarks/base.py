@@ -191,6 +191,16 @@ class Benchmark:
 
         return metrics_section(result), []
 
+    viewer_scale: ClassVar[str] = ""
+    """How to read an entry's score in ``viewer.html`` (``% correct``, ``x100``)."""
+
+    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+        """The rows of this benchmark's tab in ``viewer.html``
+        (:class:`~mmtune.evaluation.reporting.viewer.ViewerEntry`), from its data file and
+        the evaluation's files under ``out`` (``details/<name>.jsonl``, generations).
+        ``None`` (the default): the benchmark has no tab."""
+        return None
+
 
 class DialogueBenchmark(Benchmark):
     """Items are MMDU-schema dialogues; predictions are answers keyed by (dialogue, exchange)."""
@@ -221,3 +231,45 @@ class DialogueBenchmark(Benchmark):
 
         return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
                 for r in records if r.answer is not None}
+
+    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+        """One entry per dialogue, one turn per question/answer exchange; each turn's scores
+        and status come from :meth:`viewer_turn`, the entry's score from :meth:`viewer_score`."""
+        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+        from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
+
+        dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit)
+        details = {(r["dialogue_id"], int(r["turn"])): r for r in read_jsonl(out / "details" / f"{self.name}.jsonl")}
+        generated = {(r["dialogue_id"], int(r["turn"])): r.get("answer")
+                     for r in read_jsonl(out / "generations" / f"{self.name}.jsonl")}
+        entries = []
+        for dialogue in dialogues:
+            turns, rows = [], []
+            shown = 0
+            for t, (u, a) in enumerate(dialogue.exchanges()):
+                row = details.get((dialogue.id, t), {})
+                question = []
+                for segment in dialogue.turns[u].segments:
+                    if isinstance(segment, str):
+                        question.append(segment)
+                    else:
+                        shown += 1  # numbered as the thumbnails are: the k-th image of the dialogue
+                        question.append(f"[image #{shown}]")
+                turn = {"question": "".join(question).strip(), "images": [i.path for i in dialogue.turns[u].images],
+                        "answer": row.get("answer", generated.get((dialogue.id, t))),
+                        "reference": dialogue.turns[a].text, "scores": {}, "status": row.get("status", ""),
+                        "rationale": row.get("reply") or ""}
+                self.viewer_turn(turn, row)
+                turns.append(turn)
+                rows.append(row)
+            score, facets = self.viewer_score(turns, rows)
+            facets["images"] = dialogue.num_images
+            entries.append(ViewerEntry(dialogue.id, score, turns, facets))
+        return entries
+
+    def viewer_turn(self, turn: dict[str, Any], row: dict[str, Any]) -> None:
+        """Fill ``turn``'s ``scores`` / ``status`` / ``rationale`` from its detail ``row`` (in place)."""
+
+    def viewer_score(self, turns: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[Optional[float], dict[str, Any]]:
+        """The dialogue's score and facets from its turns and detail rows."""
+        return None, {}

@@ -359,6 +359,26 @@ class MDIBenchmark(Benchmark):
     def score(self, items, predictions, ctx, sub):
         return score_mdi(items, predictions, alpha=sub.alpha, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
 
+    viewer_scale = "% correct"
+
+    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+        """One entry per scored item: the reply, the option read from it and by which rule."""
+        from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
+
+        items = {i.id: i for i in load_items(sub.predictions or sub.data_path, image_root=sub.image_root, limit=sub.limit)}
+        entries = []
+        for row in read_jsonl(out / "details" / "mdi.jsonl"):
+            item = items.get(str(row["id"]))
+            question = (item.question + "\n" + item.option_text) if item else ""
+            turn = {"question": question.strip(), "images": [item.image] if item and item.image else [],
+                    "answer": row.get("response"), "reference": row.get("answer"),
+                    "scores": {"correct": 1.0 if row.get("correct") else 0.0},
+                    "status": f"extracted {row.get('extracted')!s} ({row.get('rule')})", "rationale": ""}
+            entries.append(ViewerEntry(str(row["id"]), 100.0 if row.get("correct") else 0.0, [turn],
+                                       {"level": f"level{row.get('level')}", "scenario": row.get("scenario"),
+                                        "age": row.get("age")}))
+        return entries
+
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
         from mmtune.evaluation.reporting.plots import plot_bars
         from mmtune.evaluation.reporting.report import markdown_table

@@ -318,6 +318,22 @@ class MMDUBenchmark(DialogueBenchmark):
         return score_mmdu(items, predictions, ctx.judge, sub, run=ctx.run, model=ctx.model,
                           context_length=ctx.context_length, progress=ctx.cfg.progress)
 
+    viewer_scale = "x10 (Overall unless a dimension is chosen)"
+
+    def viewer_turn(self, turn: dict[str, Any], row: dict[str, Any]) -> None:
+        turn["scores"] = {d: v for d, v in (row.get("scores") or {}).items() if v is not None}
+        if row.get("status") != "ok" and row.get("detail"):
+            turn["rationale"] = turn["rationale"] or row["detail"]
+
+    def viewer_score(self, turns: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[Optional[float], dict[str, Any]]:
+        from mmtune.evaluation.reporting.viewer import finite_mean
+
+        # the benchmark's "all turns" rule: an unscored turn counts 0
+        dims = {d: [((row.get("scores") or {}).get(d) or 0.0) if row.get("status") == "ok" else 0.0 for row in rows]
+                for d in DIMENSIONS}
+        facets = {f"dim:{d}": (10 * finite_mean(v) if v else None) for d, v in dims.items()}
+        return facets["dim:Overall"], facets
+
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
         from mmtune.evaluation.reporting.plots import plot_bars, plot_line
         from mmtune.evaluation.reporting.report import markdown_table

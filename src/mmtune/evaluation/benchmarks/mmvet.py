@@ -554,6 +554,32 @@ class MMVetBenchmark(Benchmark):
                                      judge_model=result.meta.get("judge_model") or "judge", bard_subset=bool(sub.bard_subset))
         result.meta["official_files"] = {k: p.name for k, p in paths.items()}
 
+    viewer_scale = "x100 (mean over judge runs)"
+
+    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+        """One entry per item: its answer and the score of every judge run."""
+        from mmtune.evaluation.reporting.viewer import ViewerEntry, finite_mean, read_jsonl
+
+        items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit)
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for row in read_jsonl(out / "details" / "mmvet.jsonl"):
+            runs.setdefault(row["id"], []).append(row)
+        answers = {r["dialogue_id"]: r.get("answer") for r in read_jsonl(out / "generations" / "mmvet.jsonl")}
+        if not answers and (out / "mmvet_results.json").is_file():
+            answers = json.loads((out / "mmvet_results.json").read_text(encoding="utf-8"))
+        entries = []
+        for item in items:
+            scored = sorted(runs.get(item.id, []), key=lambda r: r.get("run", 0))
+            scores = {f"run {r.get('run', i)}": float(r["score"]) for i, r in enumerate(scored)}
+            status = ", ".join(sorted({r.get("status", "") for r in scored})) or "unscored"
+            turn = {"question": item.question, "images": [item.image] if item.image else [],
+                    "answer": answers.get(item.id), "reference": item.answer, "scores": scores, "status": status,
+                    "rationale": ""}
+            score = finite_mean(list(scores.values()))
+            entries.append(ViewerEntry(item.id, None if score is None else 100.0 * score, [turn],
+                                       {"capability": list(item.capability)}))
+        return entries
+
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
         from mmtune.evaluation.reporting.plots import plot_bars
         from mmtune.evaluation.reporting.report import markdown_table

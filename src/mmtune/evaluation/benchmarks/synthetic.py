@@ -82,6 +82,18 @@ class SyntheticBenchmark(DialogueBenchmark):
     def score(self, items, predictions, ctx, sub):
         return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
 
+    viewer_scale = "% correct"
+
+    def viewer_turn(self, turn: dict[str, Any], row: dict[str, Any]) -> None:
+        correct = bool(row.get("correct"))
+        turn["scores"] = {"correct": 1.0 if correct else 0.0}
+        turn["status"] = "correct" if correct else ("missing" if turn["answer"] is None else "wrong")
+
+    def viewer_score(self, turns: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[Optional[float], dict[str, Any]]:
+        from mmtune.evaluation.reporting.viewer import finite_mean
+
+        return finite_mean([100.0 * t["scores"]["correct"] for t in turns]), {}
+
     def report_section(self, result: BenchmarkResult, out: Path) -> tuple[list[str], list[Path]]:
         from mmtune.evaluation.reporting.plots import plot_line
         from mmtune.evaluation.reporting.report import markdown_table

@@ -1,14 +1,16 @@
 """A static results viewer: ``viewer.html`` beside an evaluation's report.
 
-Tables say how good a model is; reading its answers says why. ``write_viewer`` gathers,
-for every benchmark of an evaluation, the questions and images (from the benchmark's own
-data file), the model's answers and the per-turn / per-item scores (``details/*.jsonl``)
-into one self-contained HTML page: no server, no network, no JavaScript library. Open it
-straight from disk.
+Tables say how good a model is; reading its answers says why. ``write_viewer`` renders,
+for every benchmark of an evaluation, the questions and images, the model's answers and
+the per-turn / per-item scores into one self-contained HTML page: no server, no network,
+no JavaScript library. Open it straight from disk. Each benchmark builds its own entries
+from its data file and the evaluation's ``details/*.jsonl``
+(:meth:`~mmtune.evaluation.benchmarks.base.Benchmark.viewer_entries`); this module knows
+no benchmark by name.
 
 The page lists the dialogues (MMDU, synthetic) or items (MM-Vet, MDI) of one benchmark
 with their scores, worst first; the list sorts by any column and filters by text and by
-the benchmark's facet (MM-Vet capability, MDI level / scenario / age, MMDU scoring
+the benchmark's facets (MM-Vet capability, MDI level / scenario / age, MMDU scoring
 dimension). Selecting an entry shows every turn: image thumbnails, the question, the
 model's answer, the reference and the judge's scores and reply. The URL fragment holds the
 selection (``viewer.html#b=synthetic&d=syn-test-000003``), so a view can be linked.
@@ -32,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from mmtune.evaluation.config import EvalConfig
-
-__all__ = ["THUMBNAIL_PX", "EMBED_BUDGET_BYTES", "ViewerEntry", "collect_entries", "write_viewer"]
+__all__ = ["THUMBNAIL_PX", "EMBED_BUDGET_BYTES", "ViewerEntry", "ViewerSection", "read_jsonl", "finite_mean",
+           "write_viewer"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,21 @@ class ViewerEntry:
     """Filterable labels (capability, level, scenario, age) and per-dimension scores."""
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+@dataclass
+class ViewerSection:
+    """One benchmark's tab: its entries and what their scores mean."""
+
+    entries: list[ViewerEntry]
+    scale: str = ""
+    """How to read an entry's score (``% correct``, ``x10, Overall``), shown under the page."""
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (``[]`` when it does not exist).
+
+    Raises:
+        ValueError: naming the file and line that is not JSON.
+    """
     if not path.is_file():
         return []
     rows = []
@@ -70,124 +85,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _mean(values: list[float]) -> Optional[float]:
+def finite_mean(values: list[Optional[float]]) -> Optional[float]:
+    """The mean of the finite values, or ``None`` when there is none."""
     values = [v for v in values if v is not None and math.isfinite(v)]
     return sum(values) / len(values) if values else None
-
-
-def _generated_answers(out: Path, name: str) -> dict[tuple[str, int], str]:
-    return {(r["dialogue_id"], int(r["turn"])): r.get("answer") for r in _read_jsonl(out / "generations" / f"{name}.jsonl")}
-
-
-def _dialogue_entries(name: str, sub: Any, out: Path) -> list[ViewerEntry]:
-    """Synthetic and MMDU: one entry per dialogue, one turn per question/answer exchange."""
-    from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
-    from mmtune.evaluation.benchmarks.mmdu import DIMENSIONS
-
-    dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=name, limit=sub.limit)
-    details = {(r["dialogue_id"], int(r["turn"])): r for r in _read_jsonl(out / "details" / f"{name}.jsonl")}
-    generated = _generated_answers(out, name)
-    entries = []
-    for dialogue in dialogues:
-        turns, dims = [], {d: [] for d in DIMENSIONS}
-        shown = 0
-        for t, (u, a) in enumerate(dialogue.exchanges()):
-            row = details.get((dialogue.id, t), {})
-            user = dialogue.turns[u]
-            question = []
-            for segment in user.segments:
-                if isinstance(segment, str):
-                    question.append(segment)
-                else:
-                    # numbered as the thumbnails are: the k-th image of the dialogue
-                    shown += 1
-                    question.append(f"[image #{shown}]")
-            turn = {"question": "".join(question).strip(), "images": [image.path for image in user.images],
-                    "answer": row.get("answer", generated.get((dialogue.id, t))),
-                    "reference": dialogue.turns[a].text, "scores": {}, "status": row.get("status", ""),
-                    "rationale": row.get("reply") or ""}
-            if name == "synthetic":
-                correct = bool(row.get("correct"))
-                turn["scores"] = {"correct": 1.0 if correct else 0.0}
-                turn["status"] = "correct" if correct else ("missing" if turn["answer"] is None else "wrong")
-            else:
-                turn["scores"] = {d: v for d, v in (row.get("scores") or {}).items() if v is not None}
-                for d in DIMENSIONS:
-                    # the benchmark's "all turns" rule: an unscored turn counts 0
-                    dims[d].append((row.get("scores") or {}).get(d) or 0.0 if row.get("status") == "ok" else 0.0)
-                if row.get("status") != "ok" and row.get("detail"):
-                    turn["rationale"] = turn["rationale"] or row["detail"]
-            turns.append(turn)
-        if name == "synthetic":
-            score = _mean([100.0 * t["scores"]["correct"] for t in turns])
-            facets = {"images": dialogue.num_images}
-        else:
-            facets = {f"dim:{d}": (10 * _mean(v) if v else None) for d, v in dims.items()}
-            score = facets.get("dim:Overall")
-            facets["images"] = dialogue.num_images
-        entries.append(ViewerEntry(dialogue.id, score, turns, facets))
-    return entries
-
-
-def _mmvet_entries(sub: Any, out: Path) -> list[ViewerEntry]:
-    from mmtune.evaluation.benchmarks.mmvet import load_items
-
-    items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit)
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for row in _read_jsonl(out / "details" / "mmvet.jsonl"):
-        runs.setdefault(row["id"], []).append(row)
-    answers = {r["dialogue_id"]: r.get("answer") for r in _read_jsonl(out / "generations" / "mmvet.jsonl")}
-    if not answers and (out / "mmvet_results.json").is_file():
-        answers = json.loads((out / "mmvet_results.json").read_text(encoding="utf-8"))
-    entries = []
-    for item in items:
-        scored = sorted(runs.get(item.id, []), key=lambda r: r.get("run", 0))
-        scores = {f"run {r.get('run', i)}": float(r["score"]) for i, r in enumerate(scored)}
-        status = ", ".join(sorted({r.get("status", "") for r in scored})) or "unscored"
-        turn = {"question": item.question, "images": [item.image] if item.image else [], "answer": answers.get(item.id),
-                "reference": item.answer, "scores": scores, "status": status, "rationale": ""}
-        score = _mean(list(scores.values()))
-        entries.append(ViewerEntry(item.id, None if score is None else 100.0 * score, [turn],
-                                   {"capability": list(item.capability)}))
-    return entries
-
-
-def _mdi_entries(sub: Any, out: Path) -> list[ViewerEntry]:
-    from mmtune.evaluation.benchmarks.mdi import load_items
-
-    items = {i.id: i for i in load_items(sub.predictions or sub.data_path, image_root=sub.image_root, limit=sub.limit)}
-    entries = []
-    for row in _read_jsonl(out / "details" / "mdi.jsonl"):
-        item = items.get(str(row["id"]))
-        question = (item.question + "\n" + item.option_text) if item else ""
-        turn = {"question": question.strip(), "images": [item.image] if item and item.image else [],
-                "answer": row.get("response"), "reference": row.get("answer"),
-                "scores": {"correct": 1.0 if row.get("correct") else 0.0},
-                "status": f"extracted {row.get('extracted')!s} ({row.get('rule')})", "rationale": ""}
-        entries.append(ViewerEntry(str(row["id"]), 100.0 if row.get("correct") else 0.0, [turn],
-                                   {"level": f"level{row.get('level')}", "scenario": row.get("scenario"),
-                                    "age": row.get("age")}))
-    return entries
-
-
-def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str, list[ViewerEntry]]:
-    """``{benchmark: entries}`` for the benchmarks of ``cfg`` that left details in ``output_dir``.
-
-    lmms-eval tasks are left out: their per-sample logs are lmms-eval's own format.
-    """
-    out = Path(output_dir)
-    found: dict[str, list[ViewerEntry]] = {}
-    for name in cfg.benchmarks:
-        if not (out / "details" / f"{name}.jsonl").is_file():
-            continue
-        sub = getattr(cfg, name, None)
-        if name in ("synthetic", "mmdu"):
-            found[name] = _dialogue_entries(name, sub, out)
-        elif name == "mmvet":
-            found[name] = _mmvet_entries(sub, out)
-        elif name == "mdi":
-            found[name] = _mdi_entries(sub, out)
-    return found
 
 
 class _Images:
@@ -246,37 +147,40 @@ def _summary(out: Path, name: str) -> dict[str, Any]:
 
 
 def write_viewer(
-    cfg: EvalConfig,
+    sections: dict[str, ViewerSection],
     output_dir: str | os.PathLike,
     *,
     title: str = "Evaluation answers",
     embed_images: bool = True,
     embed_budget_bytes: int = EMBED_BUDGET_BYTES,
 ) -> Optional[Path]:
-    """Write ``output_dir/viewer.html`` for the evaluation whose files are in ``output_dir``.
+    """Write ``output_dir/viewer.html`` with one tab per benchmark of ``sections``.
 
     Args:
-        cfg: the evaluation's config (where each benchmark's questions and images are).
+        sections: benchmark name -> its entries (each benchmark builds its own, see
+            :meth:`~mmtune.evaluation.benchmarks.base.Benchmark.viewer_entries`;
+            :func:`mmtune.evaluation.runner.collect_entries` asks them).
         title: the page title.
         embed_images: embed JPEG thumbnails (<= :data:`THUMBNAIL_PX` px a side) until
             ``embed_budget_bytes`` is spent; otherwise link the image files relatively.
 
     Returns:
-        The page's path, or ``None`` when no benchmark left per-item details.
+        The page's path, or ``None`` when ``sections`` is empty.
     """
     out = Path(output_dir)
-    entries = collect_entries(cfg, out)
-    if not entries:
+    if not sections:
         return None
     images = _Images(out, embed=embed_images, budget=embed_budget_bytes)
     benchmarks = []
-    for name, rows in entries.items():
+    for name, section in sections.items():
+        rows = section.entries
         for entry in rows:
             for turn in entry.turns:
                 turn["images"] = [images.add(p) for p in turn["images"]]
         facet_keys = sorted({k for e in rows for k in e.facets if not k.startswith("dim:") and k != "images"})
         benchmarks.append({
             "name": name,
+            "scale": section.scale,
             "summary": _summary(out, name),
             "facets": facet_keys,
             "dimensions": sorted({k[4:] for e in rows for k in e.facets if k.startswith("dim:")}),
@@ -530,7 +434,8 @@ $("facet").addEventListener("change", (ev) => { state.facet = ev.target.value; r
 $("dimension").addEventListener("change", (ev) => { state.dimension = ev.target.value; renderList(); });
 window.addEventListener("hashchange", fromHash);
 $("plots").replaceChildren(...DATA.plots.map((p) => el("a", { href: p }, el("img", { src: p, alt: p }))));
-$("note").textContent = DATA.note + " Scores: synthetic and MDI in % correct, MM-Vet x100, MMDU x10 (Overall unless a dimension is chosen). Entries are listed worst first.";
+const scales = DATA.benchmarks.filter((b) => b.scale).map((b) => `${b.name} ${b.scale}`);
+$("note").textContent = DATA.note + (scales.length ? " Scores: " + scales.join(", ") + "." : "") + " Entries are listed worst first.";
 fromHash();
 </script>
 </body></html>
