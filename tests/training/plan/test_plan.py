@@ -7,6 +7,7 @@ directories hold only a config.json: plan never reads weights.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -194,7 +195,7 @@ def test_tiny_model_counts_exactly(env):
 
     model_cfg = ModelConfig(family="llava", path=None, architecture={"text_config": {"vocab_size": 512}})
     real = build_adapter(model_cfg).load_model()
-    args = plan_mod.argparse.Namespace
+    args = argparse.Namespace
     counts = plan_mod.count_parameters(model_cfg, args(method="none", r=0, target_modules=None),
                                        args(vision=args(train=False), projector=args(train=True),
                                             language_model=args(train=True)))
