@@ -14,6 +14,11 @@ per-benchmark code:
 5. :meth:`Benchmark.write_files` for benchmark-specific official outputs;
 6. :meth:`Benchmark.report_section` for its part of ``report.md``.
 
+Around a run a benchmark also answers for itself: :meth:`Benchmark.viewer_entries` (its
+tab in ``viewer.html``), :meth:`Benchmark.count_work` (what ``mmtune plan`` prints: items,
+answers, judge calls, images) and :meth:`Benchmark.cli_defaults` (the decoding defaults
+of ``mmtune evaluate``, from its ``configs/eval/<name>.yaml``).
+
 A benchmark that runs elsewhere (lmms-eval) overrides :meth:`Benchmark.evaluate` whole.
 Adding a benchmark: one module with a settings dataclass and a registered subclass, and
 its ``configs/eval/<name>.yaml``; nothing else names it.
@@ -23,13 +28,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["Benchmark", "DialogueBenchmark", "RunContext"]
+__all__ = ["Benchmark", "DialogueBenchmark", "RunContext", "BenchmarkWork", "count_image_items"]
+
+
+@dataclass
+class BenchmarkWork:
+    """What evaluating one benchmark takes, counted from its data without a model (``mmtune plan``)."""
+
+    name: str
+    data_path: Optional[str]
+    items: int
+    """Dialogues or questions; 0 when nothing is read (a predictions file, lmms-eval)."""
+    answers: int
+    """Answers the model generates."""
+    judge_calls: int
+    """Judge calls (before the cache: a re-run pays nothing again)."""
+    images: int
+    note: str = ""
+    """What the counts leave out, when they are zero."""
 
 
 def _row(row: Any) -> Any:
@@ -191,6 +215,30 @@ class Benchmark:
 
         return metrics_section(result), []
 
+    def count_work(self, sub: Any, cache_dir: Optional[str]) -> tuple[BenchmarkWork, list[str]]:
+        """What evaluating ``sub`` takes, and every problem that would stop it (missing
+        files or images), found without loading a model. A ``predictions`` file is only
+        checked to exist; otherwise :meth:`count_items` reads ``data_path``."""
+        problems: list[str] = []
+        if getattr(sub, "predictions", None):
+            if not os.path.isfile(sub.predictions):
+                problems.append(f"eval.{self.name}.predictions={sub.predictions!r} does not exist")
+            return BenchmarkWork(self.name, sub.predictions, 0, 0, 0, 0, note="scores an existing predictions file"), problems
+        path = getattr(sub, "data_path", None)
+        if not path or not os.path.isfile(path):
+            problems.append(f"eval.{self.name}.data_path={path!r} does not exist (download the benchmark or set the path)")
+            return BenchmarkWork(self.name, path, 0, 0, 0, 0), problems
+        return self.count_items(sub, cache_dir, problems), problems
+
+    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
+        """Count the existing ``sub.data_path`` (appending problems). Default: its records (a
+        JSON list or dict, or JSON lines) as single-turn items, one answer each, judged
+        when :attr:`uses_judge`; images are not counted."""
+        from mmtune.evaluation.benchmarks.common import load_json_or_jsonl
+
+        n = len(load_json_or_jsonl(sub.data_path))
+        return BenchmarkWork(self.name, sub.data_path, n, n, n if self.uses_judge else 0, 0)
+
     viewer_scale: ClassVar[str] = ""
     """How to read an entry's score in ``viewer.html`` (``% correct``, ``x100``)."""
 
@@ -267,9 +315,41 @@ class DialogueBenchmark(Benchmark):
             entries.append(ViewerEntry(dialogue.id, score, turns, facets))
         return entries
 
+    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
+        """Dialogues read through the data layer (MMDU schema, images checked to exist), one
+        answer per question/answer exchange, one judge call each when :attr:`uses_judge`."""
+        from mmtune.data.config import SourceConfig
+        from mmtune.data.readers import load_source
+
+        source = SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
+        loaded = load_source(source, mode="skip", cache_dir=cache_dir, check_images="exists")
+        if loaded.report.records_skipped:
+            problems.append(f"eval.{self.name}: {loaded.report.records_skipped} dialogue(s) cannot be evaluated\n"
+                            + loaded.report.render())
+        answers = sum(sum(1 for _ in d.exchanges()) for d in loaded.dialogues)
+        return BenchmarkWork(self.name, sub.data_path, len(loaded), answers, answers if self.uses_judge else 0,
+                             loaded.report.images)
+
     def viewer_turn(self, turn: dict[str, Any], row: dict[str, Any]) -> None:
         """Fill ``turn``'s ``scores`` / ``status`` / ``rationale`` from its detail ``row`` (in place)."""
 
     def viewer_score(self, turns: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[Optional[float], dict[str, Any]]:
         """The dialogue's score and facets from its turns and detail rows."""
         return None, {}
+
+
+def count_image_items(bench: Benchmark, sub: Any, problems: list[str], image_of: Callable[[dict], str],
+                      judge_calls_per_item: int) -> BenchmarkWork:
+    """:meth:`Benchmark.count_items` of a benchmark whose records (a JSON list or dict) are
+    single-turn questions about one image each, ``image_of(record)`` naming its file under
+    ``sub.image_root``; missing image files are reported as one problem."""
+    from mmtune.evaluation.benchmarks.common import load_json_or_jsonl
+
+    data = load_json_or_jsonl(sub.data_path)
+    items = list(data.values()) if isinstance(data, dict) else list(data)
+    missing = 0
+    if sub.image_root:
+        missing = sum(not os.path.isfile(os.path.join(sub.image_root, image_of(item))) for item in items)
+    if missing:
+        problems.append(f"eval.{bench.name}: {missing} of {len(items)} images are missing under {sub.image_root}")
+    return BenchmarkWork(bench.name, sub.data_path, len(items), len(items), len(items) * judge_calls_per_item, len(items))

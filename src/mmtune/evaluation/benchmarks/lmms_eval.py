@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
+from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunContext
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
@@ -221,6 +221,10 @@ class LmmsEvalBenchmark(Benchmark):
                 "eval.lmms_eval.model_type=mmtune (mmtune's generator loads adapters)"
             )
         return problems
+
+    def count_work(self, sub: Any, cache_dir: Optional[str]) -> tuple[BenchmarkWork, list[str]]:
+        """Nothing to count here: lmms-eval reads its own task data."""
+        return BenchmarkWork(self.name, None, 0, 0, 0, 0, note="lmms-eval tasks " + ", ".join(sub.tasks)), []
 
     def evaluate(self, ctx: RunContext) -> list[BenchmarkResult]:
         import dataclasses

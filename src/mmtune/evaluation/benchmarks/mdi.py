@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
+from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunContext, count_image_items
 from mmtune.evaluation.benchmarks.common import fill_prompt, load_json_or_jsonl, load_prompt
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
@@ -358,6 +358,15 @@ class MDIBenchmark(Benchmark):
 
     def score(self, items, predictions, ctx, sub):
         return score_mdi(items, predictions, alpha=sub.alpha, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
+
+    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
+        """One answer per item, no judge; images are ``image_path`` (``.png`` added) under ``image_root``."""
+
+        def image_of(item: dict) -> str:
+            image = str(item.get("image_path", ""))
+            return image if image.endswith(".png") else image + ".png"
+
+        return count_image_items(self, sub, problems, image_of, 0)
 
     viewer_scale = "% correct"
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.evaluation.benchmarks.base import Benchmark, RunContext
+from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunContext, count_image_items
 from mmtune.evaluation.benchmarks.common import PROMPT_DIR, fill_prompt
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
@@ -553,6 +553,10 @@ class MMVetBenchmark(Benchmark):
         paths = write_official_files(items, runs, str(ctx.out), model=ctx.model,
                                      judge_model=result.meta.get("judge_model") or "judge", bard_subset=bool(sub.bard_subset))
         result.meta["official_files"] = {k: p.name for k, p in paths.items()}
+
+    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
+        """One answer per item, ``runs`` judge calls each; images are ``imagename`` under ``image_root``."""
+        return count_image_items(self, sub, problems, lambda item: str(item.get("imagename", "")), sub.runs)
 
     viewer_scale = "x100 (mean over judge runs)"
 

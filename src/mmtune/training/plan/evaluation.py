@@ -11,25 +11,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.compose import compose_config
+from mmtune.evaluation.benchmarks.base import BenchmarkWork
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES, GPU_TYPES, OVERHEAD_GIB, GpuType
 from mmtune.training.plan.model import ParamCounts, checkpoint_config, count_parameters
 
 __all__ = ["EvalPlan", "plan_evaluation", "plan_generation", "render_generation_estimates"]
-
-
-@dataclass
-class BenchmarkPlan:
-    name: str
-    data_path: Optional[str]
-    items: int
-    """Dialogues (MMDU, synthetic) or questions (MM-Vet, MDI); 0 for lmms-eval."""
-    answers: int
-    """Answers the model generates."""
-    judge_calls: int
-    """Judge calls (before the cache: a re-run pays nothing again)."""
-    images: int
-    note: str = ""
 
 
 @dataclass
@@ -70,43 +57,7 @@ class EvalPlan:
         return "\n".join(lines)
 
 
-def _count_benchmark(name: str, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkPlan:
-    """Read a benchmark's data through the data layer (MMDU schema) or as JSON, checking images."""
-    if getattr(sub, "predictions", None):
-        if not os.path.isfile(sub.predictions):
-            problems.append(f"eval.{name}.predictions={sub.predictions!r} does not exist")
-        return BenchmarkPlan(name, sub.predictions, 0, 0, 0, 0, note="scores an existing predictions file")
-    path = sub.data_path
-    if not path or not os.path.isfile(path):
-        problems.append(f"eval.{name}.data_path={path!r} does not exist (download the benchmark or set the path)")
-        return BenchmarkPlan(name, path, 0, 0, 0, 0)
-    if name in ("mmdu", "synthetic"):
-        from mmtune.data.config import SourceConfig
-        from mmtune.data.readers import load_source
-
-        sd = load_source(SourceConfig(name=f"eval_{name}", format="mmdu", path=path, image_root=sub.image_root),
-                         mode="skip", cache_dir=cache_dir, check_images="exists")
-        if sd.report.records_skipped:
-            problems.append(f"eval.{name}: {sd.report.records_skipped} dialogue(s) cannot be evaluated\n"
-                            + sd.report.render())
-        answers = sum(sum(1 for _ in d.exchanges()) for d in sd.dialogues)
-        return BenchmarkPlan(name, path, len(sd), answers, answers if name == "mmdu" else 0, sd.report.images)
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    items = list(data.values()) if isinstance(data, dict) else list(data)
-    key = "imagename" if name == "mmvet" else "image_path"
-    missing = 0
-    if sub.image_root:
-        for item in items:
-            image = str(item.get(key, ""))
-            image = image if name == "mmvet" or image.endswith(".png") else image + ".png"
-            missing += not os.path.isfile(os.path.join(sub.image_root, image))
-    if missing:
-        problems.append(f"eval.{name}: {missing} of {len(items)} images are missing under {sub.image_root}")
-    runs = getattr(sub, "runs", 1) if name == "mmvet" else 0
-    return BenchmarkPlan(name, path, len(items), len(items), len(items) * runs, len(items))
-
-
-def plan_generation(gen_cfg: Any, model_cfg: Any, params: ParamCounts, benches: Sequence[BenchmarkPlan],
+def plan_generation(gen_cfg: Any, model_cfg: Any, params: ParamCounts, benches: Sequence[BenchmarkWork],
                     gpu: GpuType) -> list[dict[str, Any]]:
     """Generation time of each benchmark on the batched KV path (or re-encoding), at the
     batch size the config resolves to for this model; see :mod:`mmtune.evaluation.generation.throughput`."""
@@ -152,6 +103,7 @@ def render_generation_estimates(estimates: Sequence[dict[str, Any]]) -> list[str
 
 def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalPlan:
     """Resolve one ``recipes/evaluate.py`` run: model, benchmark data, judge calls, memory."""
+    from mmtune.evaluation.benchmarks.registry import get_benchmark
     from mmtune.evaluation.config import to_evaluate_config
 
     if gpu not in GPU_TYPES:
@@ -181,11 +133,10 @@ def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalP
     cache_dir = os.path.join(default_cache_dir(), "eval")
     benches = []
     for name in cfg.eval.benchmarks:
-        if name == "lmms_eval":
-            benches.append(BenchmarkPlan("lmms_eval", None, 0, 0, 0, 0,
-                                         note="lmms-eval tasks " + ", ".join(cfg.eval.lmms_eval.tasks)))
-        else:
-            benches.append(_count_benchmark(name, getattr(cfg.eval, name), cache_dir, problems))
+        bench = get_benchmark(name)
+        work, found = bench.count_work(bench.settings(cfg.eval), cache_dir)
+        benches.append(work)
+        problems += found
     if problems:
         raise PlanError(f"evaluation [{' '.join(overrides)}]:\n" + "\n".join(problems))
     g = GPU_TYPES[gpu]
