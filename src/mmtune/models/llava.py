@@ -188,6 +188,31 @@ class LlavaAdapter(PieceAdapter):
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and projector
     lora_exclude_modules = r".*(vision_tower|multi_modal_projector).*"
+    #: the public LLaVA-1.5 checkpoints the shipped configs name (``mmtune plan`` sizes them offline)
+    known_architectures = {
+        "llava-hf/llava-1.5-7b-hf": {
+            "model_type": "llava",
+            "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                            "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                              "patch_size": 14, "projection_dim": 768},
+            "vision_feature_layer": -2,
+            "image_token_index": 32000,
+        },
+        "llava-hf/llava-1.5-13b-hf": {
+            "model_type": "llava",
+            "text_config": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824,
+                            "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                            "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                              "patch_size": 14, "projection_dim": 768},
+            "vision_feature_layer": -2,
+            "image_token_index": 32000,
+        },
+    }
 
     def __init__(self, config: ModelConfig):
         from transformers import AutoConfig, AutoProcessor, LlavaConfig

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from mmtune.training import plan as plan_mod
+from mmtune.models.internlm_xcomposer2 import InternLMXComposer2Adapter
+from mmtune.models.llava import LlavaAdapter
 from mmtune.training.plan import (
     GPU_TYPES,
-    KNOWN_ARCHITECTURES,
     ParamCounts,
     PlanError,
     estimate_cost,
@@ -72,11 +73,11 @@ def standin(tmp_path_factory) -> Path:
 
     # Checkpoints: only config.json (the stage-1 LLaVA for "add to the pool", and the
     # final/ directories the *_eval rows evaluate).
-    llava = AutoConfig.for_model(**KNOWN_ARCHITECTURES["llava-hf/llava-1.5-7b-hf"])
+    llava = AutoConfig.for_model(**LlavaAdapter.known_architectures["llava-hf/llava-1.5-7b-hf"])
     stage1 = root / "ckpt" / "llava-v1.5-7b-pretrain-hf"
     stage1.mkdir(parents=True)
     llava.to_json_file(str(stage1 / "config.json"))
-    xc2_config = xc2.native_config_from_official(KNOWN_ARCHITECTURES["internlm/internlm-xcomposer2-vl-7b"],
+    xc2_config = xc2.native_config_from_official(InternLMXComposer2Adapter.known_architectures["internlm/internlm-xcomposer2-vl-7b"],
                                                  image_size=490, plora_r=256)
     for run in ("table3_llava15_7b_mmdu45k", "table5_mmdu45k_8k", "table5_sft_continue", "table5_sft_pool",
                 "table3_xc2_mmdu45k"):

@@ -1061,6 +1061,17 @@ class InternLMXComposer2Adapter(PieceAdapter):
     lora_preset: dict[str, Any] = {"r": 64, "lora_alpha": 64, "lora_dropout": 0.05}
     #: keeps LoRA off the vision tower and projector (their names never match anyway)
     lora_exclude_modules = r".*(vit|vision_proj).*"
+    #: the official remote-code config of the VL variant (490 px, 1225 image tokens), so
+    #: ``mmtune plan`` sizes it offline
+    known_architectures = {
+        "internlm/internlm-xcomposer2-vl-7b": {
+            "model_type": "internlmxcomposer2", "vocab_size": 92544, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000,
+            "rope_scaling": {"type": "dynamic", "factor": 1.0}, "img_size": 490,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+        },
+    }
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -1299,9 +1310,22 @@ class InternLMXComposer2Adapter(PieceAdapter):
             self._local_path, dtype=dtype, attn_implementation=attn, **kwargs
         )
 
+    @classmethod
+    def meta_model(cls, config: ModelConfig, checkpoint_config: dict[str, Any] | None) -> tuple[nn.Module, ModuleGroups]:
+        """A native or an official checkpoint's model on the meta device (see the base class);
+        an official config gets Partial LoRA rank 256, as in the released weights."""
+        if checkpoint_config is None:
+            return super().meta_model(config, checkpoint_config)
+        if checkpoint_config.get("model_type") == InternLMXComposer2Config.model_type:
+            model_config = InternLMXComposer2Config.from_dict(checkpoint_config)
+        else:  # the official remote-code config
+            model_config = native_config_from_official(checkpoint_config, image_size=config.image_size, plora_r=256)
+        with torch.device("meta"):
+            model = InternLMXComposer2ForCausalLM(model_config)
+        return model, _module_groups(model)
+
     def module_groups(self, model: nn.Module) -> ModuleGroups:
-        inner = unwrap_model(model)
-        return ModuleGroups(vision=[inner.vit], projector=[inner.vision_proj], language_model=[inner.model, inner.output])
+        return _module_groups(unwrap_model(model))
 
     def loss_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         """The InternLM2 decoder (``model``, output normed) and the output head (``output``)."""
@@ -1324,6 +1348,10 @@ class InternLMXComposer2Adapter(PieceAdapter):
             1, vision.num_channels, vision.image_size, vision.image_size, dtype=param.dtype, device=param.device
         )
         return inner.get_image_features(pixel_values).sum() * 0.0
+
+
+def _module_groups(model: InternLMXComposer2ForCausalLM) -> ModuleGroups:
+    return ModuleGroups(vision=[model.vit], projector=[model.vision_proj], language_model=[model.model, model.output])
 
 
 def _resolve_path(path: str) -> str:

@@ -23,7 +23,7 @@ from mmtune.training.plan.cost import CostEstimate, estimate_cost
 from mmtune.training.plan.data import DataPlan
 from mmtune.training.plan.evaluation import EvalPlan, plan_evaluation
 from mmtune.training.plan.gpus import GPU_TYPES, GpuType
-from mmtune.training.plan.model import KNOWN_ARCHITECTURES, ParamCounts, count_parameters
+from mmtune.training.plan.model import ParamCounts, count_parameters
 from mmtune.training.plan.run import RunPlan, plan_run
 from mmtune.training.plan.sweeps import experiment_recipe, sweep_accelerate_config, sweep_grid, sweep_recipe
 
