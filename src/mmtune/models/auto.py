@@ -38,6 +38,7 @@ from mmtune.models.base import (
     ModuleGroups,
     TokenChunk,
     find_module_groups,
+    unwrap_model,
 )
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
@@ -58,17 +59,6 @@ class TemplateNotPrefixStableError(ValueError):
 
 class UnsupportedProcessorError(ValueError):
     """The processor does not expand an image into repeated copies of one image token."""
-
-
-def _unwrap(model: "nn.Module") -> "nn.Module":
-    for _ in range(8):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif hasattr(model, "module") and not hasattr(model, "config"):
-            model = model.module
-        else:
-            return model
-    return model
 
 
 @register_adapter
@@ -304,7 +294,7 @@ class AutoAdapter(ModelAdapter):
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
         """transformers' ``model`` attribute (the multimodal body) and the output embeddings."""
-        top = _unwrap(model)
+        top = unwrap_model(model)
         body = getattr(top, "model", None)
         head = top.get_output_embeddings()
         if body is None or head is None:
@@ -325,7 +315,7 @@ class AutoAdapter(ModelAdapter):
         """0 x the model's ``get_image_features`` on a blank image (see the base class)."""
         import torch
 
-        top = _unwrap(model)
+        top = unwrap_model(model)
         param = next(p for p in top.parameters() if p.is_floating_point())
         inputs = {
             k: (v.to(device=param.device, dtype=param.dtype) if v.is_floating_point() else v.to(param.device))

@@ -41,7 +41,7 @@ from mmtune.models._utils import (
     load_dtype_and_attention,
     state_fingerprint,
 )
-from mmtune.models.base import ModuleGroups
+from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
@@ -60,7 +60,6 @@ __all__ = [
     "TINY_ARCHITECTURE",
     "TINY_SPECIAL_TOKENS",
     "LlavaAdapter",
-    "unwrap_model",
 ]
 
 VICUNA_V1_SYSTEM = (
@@ -140,6 +139,13 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
+def _llava(model: "nn.Module") -> "nn.Module":
+    """The ``LlavaForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
+    from transformers import LlavaForConditionalGeneration
+
+    return unwrap_model(model, LlavaForConditionalGeneration)
+
+
 def _merge_text(segments) -> list:
     """Adjacent text segments joined (the official prompt is one string)."""
     out: list = []
@@ -149,27 +155,6 @@ def _merge_text(segments) -> list:
         elif not isinstance(segment, str) or segment:
             out.append(segment)
     return out
-
-
-def unwrap_model(model: "nn.Module") -> "nn.Module":
-    """Return the ``LlavaForConditionalGeneration`` inside DeepSpeed / DDP / peft wrappers."""
-    from transformers import LlavaForConditionalGeneration
-
-    seen = 0
-    while not isinstance(model, LlavaForConditionalGeneration):
-        if hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
-            model = model.module
-        else:
-            raise TypeError(
-                f"expected a LlavaForConditionalGeneration (possibly wrapped by peft/DDP/DeepSpeed), "
-                f"got {type(model).__name__}; check `model.family` in the config"
-            )
-        seen += 1
-        if seen > 8:
-            raise TypeError(f"could not unwrap {type(model).__name__} to a LlavaForConditionalGeneration")
-    return model
 
 
 @register_adapter
@@ -633,7 +618,7 @@ class LlavaAdapter(PieceAdapter):
         )
 
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        inner = unwrap_model(model)
+        inner = _llava(model)
         return ModuleGroups(
             vision=[inner.model.vision_tower],
             projector=[inner.model.multi_modal_projector],
@@ -645,7 +630,7 @@ class LlavaAdapter(PieceAdapter):
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
         """``LlavaModel`` (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
-        inner = unwrap_model(model)
+        inner = _llava(model)
         return inner.model, inner.lm_head
 
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
@@ -657,7 +642,7 @@ class LlavaAdapter(PieceAdapter):
         """
         import torch
 
-        inner = unwrap_model(model)
+        inner = _llava(model)
         vc = inner.config.vision_config
         projector = inner.model.multi_modal_projector
         param = next(projector.parameters())

@@ -64,7 +64,7 @@ from mmtune.models._utils import (
     load_dtype_and_attention,
     state_fingerprint,
 )
-from mmtune.models.base import ModuleGroups
+from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
@@ -95,7 +95,6 @@ __all__ = [
     "InternLM2Tokenizer",
     "IMAGE_TOKEN",
     "TINY_ARCHITECTURE",
-    "unwrap_model",
 ]
 
 # -------------------------------------------------------------------------------------------------
@@ -1017,23 +1016,6 @@ def _strip_segments(segments) -> list:
     return out
 
 
-def unwrap_model(model: nn.Module) -> InternLMXComposer2ForCausalLM:
-    """Return the ``InternLMXComposer2ForCausalLM`` inside DeepSpeed / DDP / peft wrappers."""
-    for _ in range(8):
-        if isinstance(model, InternLMXComposer2ForCausalLM):
-            return model
-        if hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
-            model = model.module
-        else:
-            break
-    raise TypeError(
-        f"expected an InternLMXComposer2ForCausalLM (possibly wrapped by peft/DDP/DeepSpeed), got "
-        f"{type(model).__name__}; check `model.family` in the config"
-    )
-
-
 @register_adapter
 class InternLMXComposer2Adapter(PieceAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
@@ -1325,11 +1307,11 @@ class InternLMXComposer2Adapter(PieceAdapter):
         return model, _module_groups(model)
 
     def module_groups(self, model: nn.Module) -> ModuleGroups:
-        return _module_groups(unwrap_model(model))
+        return _module_groups(unwrap_model(model, InternLMXComposer2ForCausalLM))
 
     def loss_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
         """The InternLM2 decoder (``model``, output normed) and the output head (``output``)."""
-        inner = unwrap_model(model)
+        inner = unwrap_model(model, InternLMXComposer2ForCausalLM)
         return inner.model, inner.output
 
     def text_config(self, config: Any) -> Any:
@@ -1341,7 +1323,7 @@ class InternLMXComposer2Adapter(PieceAdapter):
         Exactly zero, but autograd reaches every vision/projector parameter, so they get
         zero (not None) gradients and every rank calls the same modules (ZeRO-3).
         """
-        inner = unwrap_model(model)
+        inner = unwrap_model(model, InternLMXComposer2ForCausalLM)
         vision = inner.config.vision_config
         param = inner.vision_proj[0].weight
         pixel_values = torch.zeros(
