@@ -43,11 +43,11 @@ from mmtune.models._utils import (
 )
 from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import ModelConfig
+from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    import numpy as np
     import torch
     from torch import nn
 
@@ -158,7 +158,7 @@ def _merge_text(segments) -> list:
 
 
 @register_adapter
-class LlavaAdapter(PieceAdapter):
+class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
 
     ``encode_dialogue`` / ``encode_many`` render with the Vicuna v1 template: a leading
@@ -264,6 +264,10 @@ class LlavaAdapter(PieceAdapter):
             # square resize without crop, so the whole image stays visible
             self.image_processor.size = {"height": size, "width": size}
             self.image_processor.do_center_crop = False
+        # the same pixels as that processor (a test checks it bit for bit), decoded and
+        # squared once into the pixel cache; normalize_uint8 does the rest per batch
+        self.image_transform = SquareImage(size, pad=config.image_aspect_ratio == "pad",
+                                           fill=tuple(int(x * 255) for x in mean))
 
         image_token = "<image>"
         self.image_token_id = int(self.model_config.image_token_id)
@@ -518,48 +522,12 @@ class LlavaAdapter(PieceAdapter):
         """Preprocess already decoded PIL images with the image processor ([N, 3, S, S])."""
         return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
 
-    def load_uint8(self, path: str) -> "np.ndarray":
-        """Decode, pad/resize one image: uint8 [3, S, S] (what the pixel cache stores).
-
-        The same operations as the image processor, done on the PIL image (the original
-        LLaVA ``expand2square`` + a square bicubic resize): equal pixels, less copying.
-        """
-        import numpy as np
-        from PIL import Image as PILImage
-
-        p = self.image_processor
-        size = self.model_config.vision_config.image_size
-        with PILImage.open(path) as handle:
-            handle.load()
-            image = handle if handle.mode == "RGB" else handle.convert("RGB")  # no copy for RGB files
-        width, height = image.size
-        colour = tuple(int(x * 255) for x in p.image_mean)
-        if p.do_pad and width > height:
-            # Landscape: PIL resamples horizontally, then vertically (uint8 in between), so
-            # the horizontal pass can skip the constant pad rows: the same pixels as
-            # resizing the padded square (a test checks equality), with 1/4 less work.
-            image = image.resize((size, height), PILImage.BICUBIC)
-            canvas = PILImage.new("RGB", (size, width), colour)
-            canvas.paste(image, (0, (width - height) // 2))
-            image = canvas
-        elif p.do_pad and width != height:
-            side = max(width, height)
-            canvas = PILImage.new("RGB", (side, side), colour)
-            canvas.paste(image, ((side - width) // 2, (side - height) // 2))
-            image = canvas
-        if image.size == (size, size) or p.do_pad or not p.do_center_crop:
-            image = image.resize((size, size), PILImage.BICUBIC) if image.size != (size, size) else image
-            array = np.asarray(image)
-        else:  # shortest-edge resize + centre crop, as CLIP's own preprocessing
-            array = self.image_processor(images=[image], do_rescale=False, do_normalize=False)["pixel_values"][0]
-            return np.asarray(array, dtype=np.uint8)
-        return np.ascontiguousarray(array.transpose(2, 0, 1))
-
     def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
         """uint8 [..., 3, S, S] -> normalised float32 pixel values (CLIP mean / std).
 
-        One conversion and two in-place passes (x * (1/255/std) - mean/std): the collator
-        normalises a whole batch at once, which is most of the cost of a cached image.
+        One conversion and two in-place passes (x * (1/255/std) - mean/std), the rescale and
+        normalise of the transformers image processor in one: the collator normalises a
+        whole batch at once, which is most of the cost of a cached image.
         """
         import torch
 
@@ -569,29 +537,6 @@ class LlavaAdapter(PieceAdapter):
         shift = (-torch.tensor(p.image_mean, dtype=torch.float64) / std).to(torch.float32).view(3, 1, 1)
         out = pixels.to(torch.float32)
         return out.mul_(scale).add_(shift)
-
-    def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
-        import numpy as np
-        import torch
-
-        if not paths:
-            vc = self.model_config.vision_config
-            return torch.zeros(0, 3, vc.image_size, vc.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.load_uint8(path) for path in paths])))
-
-    def processor_settings(self) -> dict[str, Any]:
-        """What determines the pixels an image becomes (part of the pixel cache key)."""
-        p = self.image_processor
-        return {
-            "class": type(p).__name__,
-            "size": dict(p.size) if p.size else None,
-            "crop": dict(p.crop_size) if p.crop_size else None,
-            "center_crop": bool(p.do_center_crop),
-            "pad": bool(p.do_pad),
-            "mean": list(p.image_mean),
-            "std": list(p.image_std),
-            "resample": int(p.resample),
-        }
 
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> "nn.Module":

@@ -66,12 +66,11 @@ from mmtune.models._utils import (
 )
 from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import ModelConfig
+from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    import numpy as np
-
     from mmtune.data.dialogue import Dialogue
 
 __all__ = [
@@ -1017,7 +1016,7 @@ def _strip_segments(segments) -> list:
 
 
 @register_adapter
-class InternLMXComposer2Adapter(PieceAdapter):
+class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
 
     Rendering (no system prompt in the official fine-tuning data)::
@@ -1118,6 +1117,8 @@ class InternLMXComposer2Adapter(PieceAdapter):
         self.stop_token_ids = [int(tokenizer.eos_token_id), self.end_id]
         self.num_image_tokens = self.model_config.num_image_tokens
         self.image_size = self.model_config.vision_config.image_size
+        # the official torchvision Resize on PIL inputs: a square bicubic resize, no crop
+        self.image_transform = SquareImage(self.image_size)
 
     # -- saving / caching ---------------------------------------------------------------------
     def save_pretrained(self, directory: str) -> None:
@@ -1221,23 +1222,9 @@ class InternLMXComposer2Adapter(PieceAdapter):
         # fixed for a square resize: never opens the file
         return self.num_image_tokens
 
-    def _resize_uint8(self, image) -> "np.ndarray":
-        import numpy as np
-        from PIL import Image as PILImage
-
-        # PIL's bicubic resize is what the official torchvision ``Resize`` does on PIL inputs.
-        resized = image.convert("RGB").resize((self.image_size, self.image_size), PILImage.BICUBIC)
-        return np.ascontiguousarray(np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1))
-
-    def load_uint8(self, path: str) -> "np.ndarray":
-        """Decode and square-resize one image: uint8 [3, S, S] (what the pixel cache stores)."""
-        from PIL import Image as PILImage
-
-        with PILImage.open(path) as handle:
-            return self._resize_uint8(handle)
-
     def normalize_uint8(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 [..., 3, S, S] -> float32 pixel values normalised with CLIP mean / std."""
+        """uint8 [..., 3, S, S] -> float32 pixel values normalised with CLIP mean / std, in the
+        official order (torchvision's ``ToTensor`` then ``Normalize``: divide, subtract, divide)."""
         mean = torch.tensor(_CLIP_MEAN, dtype=torch.float32).view(3, 1, 1)
         std = torch.tensor(_CLIP_STD, dtype=torch.float32).view(3, 1, 1)
         return (pixels.to(torch.float32) / 255.0 - mean) / std
@@ -1248,19 +1235,7 @@ class InternLMXComposer2Adapter(PieceAdapter):
 
         if not images:
             return torch.zeros(0, 3, self.image_size, self.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self._resize_uint8(image) for image in images])))
-
-    def preprocess_images(self, paths: list[str]) -> torch.Tensor:
-        import numpy as np
-
-        if not paths:
-            return torch.zeros(0, 3, self.image_size, self.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.load_uint8(path) for path in paths])))
-
-    def processor_settings(self) -> dict[str, Any]:
-        """What determines the pixels an image becomes (part of the pixel cache key)."""
-        return {"class": "xc2-square-bicubic-resize", "size": self.image_size, "mean": list(_CLIP_MEAN),
-                "std": list(_CLIP_STD)}  # fmt: skip
+        return self.normalize_uint8(torch.from_numpy(np.stack([self.image_transform.from_pil(image) for image in images])))
 
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> nn.Module:
