@@ -492,7 +492,7 @@ def test_official_state_dict_loads_with_no_missing_keys(adapter, model, tmp_path
     official = _official_checkpoint(model, tmp_path)
     assert any(k.startswith("vit.vision_tower.vision_model.") for k in official)
     # the official config has no vision sizes (ViT-L/14 is implied); patch in the tiny ones
-    monkeypatch.setattr(xc2, "_CLIP_VIT_L_14", {**xc2._CLIP_VIT_L_14, **_tiny_vision_override(model)})
+    monkeypatch.setattr(xc2.conversion, "CLIP_VIT_L_14", {**xc2.conversion.CLIP_VIT_L_14, **_tiny_vision_override(model)})
     loaded = load_official_checkpoint(str(tmp_path), image_size=56, attn_implementation="eager")
     assert loaded.config.text_config.plora_r == model.config.text_config.plora_r
     for key, value in model.state_dict().items():
@@ -508,7 +508,7 @@ def test_official_position_embeddings_are_resized_bicubically_keeping_cls(model,
     import mmtune.models.internlm_xcomposer2 as xc2
 
     official = _official_checkpoint(model, tmp_path, grid=3)  # a 3x3 grid, resized to the 4x4 of 56 px
-    monkeypatch.setattr(xc2, "_CLIP_VIT_L_14", {**xc2._CLIP_VIT_L_14, **_tiny_vision_override(model)})
+    monkeypatch.setattr(xc2.conversion, "CLIP_VIT_L_14", {**xc2.conversion.CLIP_VIT_L_14, **_tiny_vision_override(model)})
     loaded = load_official_checkpoint(str(tmp_path), image_size=56)
     weight = loaded.vit.vision_tower.embeddings.position_embedding.weight
     source = official["vit.vision_tower.vision_model.embeddings.position_embedding.weight"]
@@ -528,7 +528,7 @@ def test_official_checkpoint_errors_list_every_problem(model, tmp_path, monkeypa
         drop=["model.layers.1.feed_forward.w2.Plora_B.weight"],
         extra={"model.plora_glb_GN": torch.zeros(1, 1, 64), "output.weight": torch.zeros(3, 64)},
     )
-    monkeypatch.setattr(xc2, "_CLIP_VIT_L_14", {**xc2._CLIP_VIT_L_14, **_tiny_vision_override(model)})
+    monkeypatch.setattr(xc2.conversion, "CLIP_VIT_L_14", {**xc2.conversion.CLIP_VIT_L_14, **_tiny_vision_override(model)})
     with pytest.raises(CheckpointMismatchError) as err:
         load_official_checkpoint(str(tmp_path), image_size=56)
     message = str(err.value)
@@ -611,7 +611,7 @@ def test_converted_official_checkpoint_loads_through_the_adapter(adapter, model,
     src.mkdir()
     _official_checkpoint(model, src, shards=1)
     adapter.tokenizer.save_pretrained(src)
-    monkeypatch.setattr(xc2, "_CLIP_VIT_L_14", {**xc2._CLIP_VIT_L_14, **_tiny_vision_override(model)})
+    monkeypatch.setattr(xc2.conversion, "CLIP_VIT_L_14", {**xc2.conversion.CLIP_VIT_L_14, **_tiny_vision_override(model)})
     xc2.convert_official_checkpoint(str(src), str(dst), image_size=56, dtype="float32")
     native = build_adapter(ModelConfig(family="internlm_xcomposer2", path=str(dst)))
     reloaded = native.load_model(attn_implementation="eager").eval()
