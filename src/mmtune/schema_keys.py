@@ -1,4 +1,5 @@
-"""Keys a composed config has that its typed schema does not: the ``+key`` typo catcher.
+"""Schema introspection: keys a composed config has that its typed schema does not (the
+``+key`` typo catcher), and the docstrings of a schema's fields (command-line help).
 
 OmegaConf rejects an unknown key while merging a YAML file into a structured config, but
 Hydra's ``+key=value`` (which Hydra itself suggests when a key is missing) adds a key
@@ -16,7 +17,7 @@ import difflib
 import typing
 from typing import Any
 
-__all__ = ["unknown_keys", "model_path_problem"]
+__all__ = ["unknown_keys", "field_docs", "model_path_problem"]
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -69,6 +70,29 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
                 for i, element in enumerate(value):
                     problems += unknown_keys(element, item, f"{name}[{i}].")
     return problems
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """``{field: docstring}`` of a dataclass whose fields carry docstrings (the string
+    literal below each field, as every config schema here writes them), read from the
+    source of the class and its dataclass bases; a field without one is left out."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):  # built at run time (no source): its bases still count
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
 
 
 def model_path_problem(path: str | None, key: str = "model.path") -> str | None:

@@ -76,3 +76,26 @@ def test_every_registered_benchmark_counts_its_work_without_a_model():
         bench = get_benchmark(name)
         work, problems = bench.count_work(bench.settings(EvalConfig()), None)
         assert work.name == name and (problems or work.note)
+
+
+def test_cli_defaults_are_the_generation_section_of_each_benchmark_config():
+    from omegaconf import OmegaConf
+
+    for name in registered_names():
+        bench = get_benchmark(name)
+        path = bench.config_file()
+        generation = (OmegaConf.to_container(OmegaConf.load(path)).get("generation") or {}) if path.is_file() else {}
+        assert bench.cli_defaults() == {f"generation.{k}": v for k, v in generation.items()}
+    assert get_benchmark("mdi").cli_defaults()["generation.max_new_tokens"] == 512
+
+
+def test_a_wrong_generation_key_in_a_benchmark_config_names_the_file(tmp_path, monkeypatch, capsys):
+    from mmtune.evaluation.benchmarks.mdi import MDIBenchmark
+    from mmtune.evaluation.cli import main
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "mdi.yaml").write_text("generation:\n  max_new_tokenz: 5\n")
+    monkeypatch.setattr(MDIBenchmark, "config_root", str(tmp_path))
+    assert get_benchmark("mdi").cli_defaults() == {"generation.max_new_tokenz": 5}
+    assert main(["checkpoint", "c", "mdi", "--out", "o"]) == 2
+    assert f"{tmp_path}/eval/mdi.yaml: generation.max_new_tokenz is not an eval setting" in capsys.readouterr().err

@@ -162,8 +162,37 @@ class Benchmark:
     generates: ClassVar[bool] = True
     """Whether answers come from mmtune's generator (else the benchmark runs its own model)."""
 
+    config_root: ClassVar[Optional[str]] = None
+    """The configs folder holding this benchmark's ``eval/<name>.yaml``; ``None``: the
+    project's ``configs/`` (a benchmark kept elsewhere names its own folder)."""
+
     def settings(self, cfg: Any) -> Any:
         return getattr(cfg, self.name)
+
+    def config_file(self) -> Path:
+        """This benchmark's ``eval/<name>.yaml``: the settings it is meant to be run with."""
+        from mmtune.data.config import configs_dir
+
+        return Path(self.config_root or configs_dir()) / "eval" / f"{self.name}.yaml"
+
+    def cli_defaults(self) -> dict[str, Any]:
+        """``{"generation.max_new_tokens": 512, ...}``: the decoding settings (``generation``
+        section) of :meth:`config_file`, which ``mmtune evaluate checkpoint`` starts from, so
+        the command decodes as the benchmark's config does. Data paths and the judge come
+        from the command's flags and the environment instead. ``{}`` without a file.
+
+        Raises:
+            ValueError: the file's ``generation`` section is not a mapping.
+        """
+        from omegaconf import OmegaConf
+
+        path = self.config_file()
+        if not path.is_file():
+            return {}
+        generation = (OmegaConf.to_container(OmegaConf.load(path)) or {}).get("generation") or {}
+        if not isinstance(generation, dict):
+            raise ValueError(f"{path}: `generation` must be a mapping of eval.generation settings")
+        return {f"generation.{key}": value for key, value in generation.items()}
 
     def preflight(self, ctx: RunContext) -> list[str]:
         """Problems that need the run's context (model family, checkpoint), found before anything runs."""
