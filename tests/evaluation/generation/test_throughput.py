@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from mmtune.evaluation.benchmarks.base import BenchmarkWork
 from mmtune.evaluation.config import EvalConfig, GenerationConfig, validate_eval_config
 from mmtune.evaluation.generation.throughput import (
     DECODE_EFFICIENCY,
@@ -11,7 +12,8 @@ from mmtune.evaluation.generation.throughput import (
     resolve_batch_size,
 )
 from mmtune.models.config import ModelConfig
-from mmtune.training.plan import GPU_TYPES, BenchmarkPlan, ParamCounts, plan_generation, render_generation_estimates
+from mmtune.training.plan import GPU_TYPES, ParamCounts
+from mmtune.training.plan.evaluation import plan_generation, render_generation_estimates
 
 
 def test_batch_size_by_model_size():
@@ -56,8 +58,8 @@ def test_plan_estimates_generation_per_benchmark():
                          trainable=0, trainable_language_model=0, lora=0, hidden_size=4096, num_layers=32,
                          vocab_size=32064, image_tokens=576, source="test")
     model = ModelConfig(family="llava", path="llava-hf/llava-1.5-7b-hf", torch_dtype="bfloat16")
-    benches = [BenchmarkPlan("mmdu", "b.json", 110, 1645, 1645, 421), BenchmarkPlan("mmvet", "m.json", 218, 218, 1090, 218),
-               BenchmarkPlan("lmms_eval", None, 0, 0, 0, 0)]
+    benches = [BenchmarkWork("mmdu", "b.json", 110, 1645, 1645, 421), BenchmarkWork("mmvet", "m.json", 218, 218, 1090, 218),
+               BenchmarkWork("lmms_eval", None, 0, 0, 0, 0)]
     gen = GenerationConfig(max_new_tokens=2048, context_length=8192)
     out = plan_generation(gen, model, params, benches, GPU_TYPES["h100"])
     assert [e["benchmark"] for e in out] == ["mmdu", "mmvet"]
