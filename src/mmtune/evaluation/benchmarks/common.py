@@ -23,7 +23,6 @@ __all__ = [
     "resolve_image",
     "fill_prompt",
     "load_prompt",
-    "question_text",
     "load_turn_predictions",
 ]
 
@@ -125,11 +124,6 @@ def load_mmdu_dialogues(
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise ValueError(f"{path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(shown))
     return dialogues
-
-
-def question_text(turn: Turn) -> str:
-    """A user turn as text for a judge prompt; images shown as ``<image>`` where they stood."""
-    return "".join(s if isinstance(s, str) else "<image>" for s in turn.segments).strip()
 
 
 def load_prompt(default_name: str, user_file: Optional[str], fields: Iterable[str]) -> str:

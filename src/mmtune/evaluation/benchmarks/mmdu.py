@@ -30,7 +30,8 @@ from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue
 from mmtune.evaluation.benchmarks.base import DialogueBenchmark
-from mmtune.evaluation.benchmarks.common import TurnPrediction, fill_prompt, load_prompt, question_text
+from mmtune.evaluation.benchmarks.common import TurnPrediction, fill_prompt, load_prompt
+from mmtune.evaluation.generation.generator import question_text
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 

@@ -49,13 +49,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.evaluation.benchmarks.common import question_text
 from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 
-__all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "read_generations"]
+__all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "question_text", "read_generations"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +87,12 @@ class TurnRecord:
     """``stop`` (a stop token), ``length`` (max_new_tokens or window end) or ``context`` (skipped)."""
     context: Optional[dict[str, Any]] = None
     """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
+
+
+def question_text(turn: Turn) -> str:
+    """A user turn as text, images shown as ``<image>`` where they stood: the ``question`` of
+    a :class:`TurnRecord` (checked on resume) and of a judge prompt."""
+    return "".join(s if isinstance(s, str) else "<image>" for s in turn.segments).strip()
 
 
 def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
