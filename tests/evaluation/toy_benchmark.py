@@ -1,7 +1,7 @@
 """A benchmark that lives outside mmtune: this module and ``configs/eval/toy.yaml`` are all of it.
 
 "toy" scores whether each answer contains its reference (case-insensitive unless
-``case_sensitive``), on MMDU-schema dialogues. Importing the module registers it; the
+``case_sensitive``), on MMDU-schema dialogues such as the synthetic held-out split. Importing the module registers it; the
 config section ``eval.toy``, the runner, ``report.md``, ``viewer.html``, ``mmtune plan`` and
 ``mmtune evaluate score|checkpoint toy`` then know it without an edit anywhere else
 (``tests/evaluation/test_toy_benchmark.py`` checks each).
@@ -15,21 +15,16 @@ from typing import Any, Optional
 
 from mmtune.evaluation.benchmarks.base import DialogueBenchmark
 from mmtune.evaluation.benchmarks.registry import register
+from mmtune.evaluation.benchmarks.synthetic import SyntheticConfig
 from mmtune.evaluation.results import BenchmarkResult
 
 CONFIGS = Path(__file__).parent / "configs"
 
 
 @dataclass
-class ToyConfig:
-    data_path: Optional[str] = None
-    """Dialogues in MMDU benchmark schema (questions and references)."""
-    image_root: Optional[str] = None
-    """Directory the image paths are relative to (``None``: the data file's folder)."""
-    predictions: Optional[str] = None
-    """Score this file instead of generating (MMDU-schema answers or a generation JSONL)."""
-    limit: Optional[int] = None
-    """Evaluate only the first N dialogues."""
+class ToyConfig(SyntheticConfig):
+    """The synthetic benchmark's settings (the toy reads the same kind of file), plus its own."""
+
     case_sensitive: bool = False
     """Compare answer and reference as they are (default: lower-cased)."""
 
