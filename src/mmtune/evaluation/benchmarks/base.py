@@ -30,8 +30,8 @@ import dataclasses
 import json
 import os
 import sys
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
@@ -165,6 +165,8 @@ class Benchmark:
     config_root: ClassVar[Optional[str]] = None
     """The configs folder holding this benchmark's ``eval/<name>.yaml``; ``None``: the
     project's ``configs/`` (a benchmark kept elsewhere names its own folder)."""
+    viewer_scale: ClassVar[str] = ""
+    """How to read an entry's score in ``viewer.html`` (``% correct``, ``x100``)."""
 
     def settings(self, cfg: Any) -> Any:
         return getattr(cfg, self.name)
@@ -268,9 +270,6 @@ class Benchmark:
         n = len(load_json_or_jsonl(sub.data_path))
         return BenchmarkWork(self.name, sub.data_path, n, n, n if self.uses_judge else 0, 0)
 
-    viewer_scale: ClassVar[str] = ""
-    """How to read an entry's score in ``viewer.html`` (``% correct``, ``x100``)."""
-
     def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
         """The rows of this benchmark's tab in ``viewer.html``
         (:class:`~mmtune.evaluation.reporting.viewer.ViewerEntry`), from its data file and
@@ -309,6 +308,21 @@ class DialogueBenchmark(Benchmark):
         return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
                 for r in records if r.answer is not None}
 
+    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
+        """Dialogues read through the data layer (MMDU schema, images checked to exist), one
+        answer per question/answer exchange, one judge call each when :attr:`uses_judge`."""
+        from mmtune.data.config import SourceConfig
+        from mmtune.data.readers import load_source
+
+        source = SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
+        loaded = load_source(source, mode="skip", cache_dir=cache_dir, check_images="exists")
+        if loaded.report.records_skipped:
+            problems.append(f"eval.{self.name}: {loaded.report.records_skipped} dialogue(s) cannot be evaluated\n"
+                            + loaded.report.render())
+        answers = sum(sum(1 for _ in d.exchanges()) for d in loaded.dialogues)
+        return BenchmarkWork(self.name, sub.data_path, len(loaded), answers, answers if self.uses_judge else 0,
+                             loaded.report.images)
+
     def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
         """One entry per dialogue, one turn per question/answer exchange; each turn's scores
         and status come from :meth:`viewer_turn`, the entry's score from :meth:`viewer_score`."""
@@ -343,21 +357,6 @@ class DialogueBenchmark(Benchmark):
             facets["images"] = dialogue.num_images
             entries.append(ViewerEntry(dialogue.id, score, turns, facets))
         return entries
-
-    def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
-        """Dialogues read through the data layer (MMDU schema, images checked to exist), one
-        answer per question/answer exchange, one judge call each when :attr:`uses_judge`."""
-        from mmtune.data.config import SourceConfig
-        from mmtune.data.readers import load_source
-
-        source = SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
-        loaded = load_source(source, mode="skip", cache_dir=cache_dir, check_images="exists")
-        if loaded.report.records_skipped:
-            problems.append(f"eval.{self.name}: {loaded.report.records_skipped} dialogue(s) cannot be evaluated\n"
-                            + loaded.report.render())
-        answers = sum(sum(1 for _ in d.exchanges()) for d in loaded.dialogues)
-        return BenchmarkWork(self.name, sub.data_path, len(loaded), answers, answers if self.uses_judge else 0,
-                             loaded.report.images)
 
     def viewer_turn(self, turn: dict[str, Any], row: dict[str, Any]) -> None:
         """Fill ``turn``'s ``scores`` / ``status`` / ``rationale`` from its detail ``row`` (in place)."""
