@@ -97,7 +97,7 @@ def main() -> None:
     import torch
 
     from mmtune.evaluation.config import GenerationConfig
-    from mmtune.evaluation.generation import DialogueGenerator
+    from mmtune.evaluation.generation.generator import DialogueGenerator
     from mmtune.models.config import ModelConfig
     from mmtune.models.registry import build_adapter
 

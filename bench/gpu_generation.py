@@ -8,13 +8,13 @@
 Two measurements, printed side by side:
 
 1. Decode tokens/s at each batch size: ``B`` rows, each holding ``--context`` cached
-   tokens in a :class:`~mmtune.evaluation.batched_kv.BatchedKVCache` (rows of different
+   tokens in a :class:`~mmtune.evaluation.generation.batched_kv.BatchedKVCache` (rows of different
    lengths, so the mask has holes as in real use), then ``--steps`` timed one-token steps.
-   Next to it, the roofline estimate of :mod:`mmtune.evaluation.throughput` for this GPU
+   Next to it, the roofline estimate of :mod:`mmtune.evaluation.generation.throughput` for this GPU
    (weights + KV read once per step at ``DECODE_EFFICIENCY`` of the HBM bandwidth);
    measured / estimated calibrates that efficiency.
 2. End to end (``--dialogues``, 0 skips it): MMDU-shaped dialogues (336 px images, 576
-   tokens each) answered by :class:`~mmtune.evaluation.generation.DialogueGenerator` at
+   tokens each) answered by :class:`~mmtune.evaluation.generation.generator.DialogueGenerator` at
    batch 1 and at the largest batch size: wall time, forward calls, tokens, and how many
    answers equal batch 1's (bf16: padding changes rounding, so a few greedy answers may
    diverge; the fp32 equality is what the test suite checks).
@@ -50,7 +50,7 @@ def decode_rate(gen, batch: int, context: int, steps: int) -> float:
     """Tokens/s of ``steps`` one-token decode steps of ``batch`` rows with ~``context`` cached tokens each."""
     import torch
 
-    from mmtune.evaluation.batched_kv import BatchedKVCache
+    from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 
     g = torch.Generator().manual_seed(batch)
     vocab = min(len(gen.adapter.tokenizer), 500)
@@ -94,8 +94,8 @@ def main() -> None:
 
     from mmtune.data.dialogue import Dialogue, Image, Turn
     from mmtune.evaluation.config import GenerationConfig
-    from mmtune.evaluation.generation import DialogueGenerator
-    from mmtune.evaluation.throughput import DECODE_EFFICIENCY
+    from mmtune.evaluation.generation.generator import DialogueGenerator
+    from mmtune.evaluation.generation.throughput import DECODE_EFFICIENCY
     from mmtune.models.config import ModelConfig
     from mmtune.models.registry import build_adapter
     from mmtune.training.plan import GPU_TYPES

@@ -29,7 +29,7 @@ def main() -> None:
 
     from mmtune.evaluation.config import JudgeConfig
     from tests.support.fake_judge import FakeJudgeServer, Scripted
-    from mmtune.evaluation.judge import JudgeClient, JudgeRequest
+    from mmtune.evaluation.judge.client import JudgeClient, JudgeRequest
 
     reply = '{"Creativity": 5, "Richness": 5, "Visual Perception": 5, "Logical Coherence": 5, "Answer Accuracy": 5, "Image Relationship Understanding": 5, "Overall Score": 5}'
     requests = [JudgeRequest(f"question {i}: " + "context " * 200) for i in range(args.requests)]

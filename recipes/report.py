@@ -4,12 +4,12 @@
     python recipes/report.py --results outputs --tables tiny_table5 --out reports/tiny
 
 Writes report.md, report.html, report.json and one PNG per table; cells without a result
-show "—". The work happens in mmtune.evaluation.report_tables.
+show "—". The work happens in mmtune.evaluation.reporting.tables.
 """
 
 import sys
 
-from mmtune.evaluation.report_tables import main
+from mmtune.evaluation.reporting.tables import main
 
 if __name__ == "__main__":
     sys.exit(main())

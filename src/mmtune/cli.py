@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "data": ("mmtune.data.check", "validate data (`mmtune data check CONFIG`) or build it (`mmtune data build CONFIG`)"),
     "demo": ("mmtune.training.demo", "generate synthetic data, train the tiny LLaVA on CPU, evaluate it"),
     "plan": ("mmtune.training.plan", "resolve a run or sweep without loading weights; print steps, tokens, cost"),
-    "report": ("mmtune.evaluation.report_tables", "render the paper's tables with our numbers beside them"),
+    "report": ("mmtune.evaluation.reporting.tables", "render the paper's tables with our numbers beside them"),
     "evaluate": ("mmtune.evaluation.cli", "score a predictions file or evaluate a checkpoint"),
 }
 

@@ -1,4 +1,5 @@
-"""Keys a composed config has that its typed schema does not: the ``+key`` typo catcher.
+"""Schema introspection: keys a composed config has that its typed schema does not (the
+``+key`` typo catcher), and the docstrings of a schema's fields (command-line help).
 
 OmegaConf rejects an unknown key while merging a YAML file into a structured config, but
 Hydra's ``+key=value`` (which Hydra itself suggests when a key is missing) adds a key
@@ -16,7 +17,7 @@ import difflib
 import typing
 from typing import Any
 
-__all__ = ["unknown_keys", "model_path_problem"]
+__all__ = ["unknown_keys", "field_docs", "model_path_problem"]
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -26,6 +27,17 @@ def _unwrap(annotation: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return annotation
+
+
+def _schema_of(field: dataclasses.Field, annotated: type) -> type:
+    """The class a dataclass field's value really has: its default's when that is a dataclass
+    instance (``EvalConfig()`` builds the class with the registered benchmarks' sections),
+    else the annotated class. OmegaConf reads a structured field's keys the same way."""
+    if field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        default = field.default
+    return type(default) if dataclasses.is_dataclass(default) and not isinstance(default, type) else annotated
 
 
 def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
@@ -38,7 +50,7 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     if not isinstance(node, dict) or not dataclasses.is_dataclass(schema):
         return []
     hints = typing.get_type_hints(schema)
-    fields = {f.name for f in dataclasses.fields(schema)}
+    fields = {f.name: f for f in dataclasses.fields(schema)}
     problems = []
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -49,6 +61,7 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
             continue
         kind = _unwrap(hints.get(key))
         if dataclasses.is_dataclass(kind):
+            kind = _schema_of(fields[key], kind)
             problems += unknown_keys(value, kind, f"{name}.")
         elif typing.get_origin(kind) in (list, typing.List) and isinstance(value, list):
             (item,) = typing.get_args(kind) or (None,)
@@ -57,6 +70,29 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
                 for i, element in enumerate(value):
                     problems += unknown_keys(element, item, f"{name}[{i}].")
     return problems
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """``{field: docstring}`` of a dataclass whose fields carry docstrings (the string
+    literal below each field, as every config schema here writes them), read from the
+    source of the class and its dataclass bases; a field without one is left out."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):  # built at run time (no source): its bases still count
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
 
 
 def model_path_problem(path: str | None, key: str = "model.path") -> str | None:

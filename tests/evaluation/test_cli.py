@@ -56,3 +56,86 @@ def test_lmms_command_and_parse(tmp_path, capsys):
     assert main(["lmms-parse", str(fixture), "--out", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.glob("*.json")} == {"ai2d.json", "chartqa.json", "mmmu_val.json"}
     assert main(["report", str(tmp_path)]) == 0 and "## ai2d" in (tmp_path / "report.md").read_text()
+
+
+def _flag_value(kind):
+    return {int: "7", float: "0.25", str: "some/value"}[kind]
+
+
+def _scalar_fields(settings_class):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(settings_class)
+    for field in dataclasses.fields(settings_class):
+        kind = hints[field.name]
+        if typing.get_origin(kind) is typing.Union:
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if kind in (int, float, str):
+            yield field.name, kind
+
+
+def test_every_setting_of_every_benchmark_is_a_flag_of_its_commands():
+    from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
+    from mmtune.evaluation.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    benches = [get_benchmark(n) for n in registered_names() if get_benchmark(n).generates]
+    assert {b.name for b in benches} >= {"synthetic", "mmdu", "mmvet", "mdi"}
+    for bench in benches:
+        for name, kind in _scalar_fields(bench.settings_class):
+            flag = "--data" if name == "data_path" else f"--{name.replace('_', '-')}"
+            if flag == "--judge-model":  # the judge's own flag; the benchmark's setting is prefixed
+                flag = f"--{bench.name}-judge-model"
+            required = [] if name == "predictions" else ["--predictions", "p.json"]
+            args = parser.parse_args(["score", bench.name, "--out", "o", *required, flag, _flag_value(kind)])
+            value = getattr(getattr(config_from_args(args), bench.name), name)
+            assert value == kind(_flag_value(kind)), (bench.name, name)
+
+
+def test_a_flag_of_another_benchmark_is_refused(capsys):
+    import pytest
+
+    from mmtune.evaluation.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["score", "mdi", "--predictions", "p.json", "--out", "o", "--runs", "3"])
+    assert "unrecognized arguments: --runs 3" in capsys.readouterr().err
+
+
+def test_checkpoint_decodes_as_the_benchmark_config_unless_a_flag_says_otherwise():
+    from omegaconf import OmegaConf
+
+    from mmtune.data.config import configs_dir
+    from mmtune.evaluation.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    for name in ("synthetic", "mmdu", "mmvet", "mdi"):
+        expected = OmegaConf.load(configs_dir() / "eval" / f"{name}.yaml").generation.max_new_tokens
+        cfg = config_from_args(parser.parse_args(["checkpoint", "ckpt", name, "--out", "o"]))
+        assert cfg.generation.max_new_tokens == expected and cfg.benchmarks == [name]
+        cfg = config_from_args(parser.parse_args(["checkpoint", "ckpt", name, "--out", "o", "--max-new-tokens", "5",
+                                                  "--no-kv-reuse", "--batch-size", "3", "--quiet"]))
+        assert (cfg.generation.max_new_tokens, cfg.generation.kv_reuse, cfg.generation.batch_size, cfg.progress) == (
+            5, False, 3, False)
+    assert {32, 512, 1024, 2048} == {
+        config_from_args(parser.parse_args(["checkpoint", "c", n, "--out", "o"])).generation.max_new_tokens
+        for n in ("synthetic", "mmdu", "mmvet", "mdi")}
+
+
+def test_checkpoint_command_generates_with_the_benchmark_defaults(tmp_path):
+    from mmtune.data.synthetic import generate_synthetic
+    from mmtune.evaluation.cli import main
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    data = generate_synthetic(tmp_path / "syn", n_train=0, n_test=2, n_llava=0, image_size=56, max_turns=2)
+    adapter = build_adapter(ModelConfig(family="llava"))
+    adapter.load_model(seed=0).save_pretrained(tmp_path / "final")
+    adapter.save_pretrained(str(tmp_path / "final"))
+    assert main(["checkpoint", str(tmp_path / "final"), "synthetic", "--data", data.test_json, "--image-root",
+                 data.image_dir, "--out", str(tmp_path / "out"), "--quiet", "--batch-size", "2"]) == 0
+    result = json.loads((tmp_path / "out" / "synthetic.json").read_text())
+    assert result["meta"]["generation"]["max_new_tokens"] == 32 and result["meta"]["generation"]["batch_size"] == 2
+    records = json.loads(open(data.test_json).read())
+    assert result["counts"]["turns"] == sum(sum(m["from"] == "user" for m in r["conversations"]) for r in records)

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from PIL import Image as PILImage
 
 from mmtune.data.synthetic import generate_synthetic
-from mmtune.evaluation import lmms_eval
+from mmtune.evaluation.benchmarks import lmms_eval
 from mmtune.evaluation.config import register_configs, to_evaluate_config
-from mmtune.evaluation.generation import DialogueGenerator
+from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.evaluation.runner import evaluate_checkpoint
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
@@ -174,9 +174,9 @@ def test_lmms_eval_missing_refuses_at_start_up(tmp_path, monkeypatch):
 
 
 def test_adapter_checkpoint_with_hf_wrapper_refuses_at_start_up(tmp_path, monkeypatch):
-    from mmtune.evaluation.benchmarks import RunContext
+    from mmtune.evaluation.benchmarks.base import RunContext
     from mmtune.evaluation.config import EvalConfig
-    from mmtune.evaluation.lmms_eval import LmmsEvalBenchmark
+    from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalBenchmark
 
     monkeypatch.setattr(lmms_eval, "lmms_eval_installed", lambda: True)
     cfg = EvalConfig(benchmarks=["lmms_eval"])

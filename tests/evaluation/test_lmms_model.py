@@ -119,8 +119,8 @@ def test_registered_model_answers_generation_requests_for_xcomposer2(fake_lmms_e
 
 
 def test_launcher_command_for_xcomposer2():
-    from mmtune.evaluation.config import LmmsEvalConfig
-    from mmtune.evaluation.lmms_eval import build_command
+    from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig
+    from mmtune.evaluation.benchmarks.lmms_eval import build_command
 
     cmd = build_command("/runs/xc2/final", LmmsEvalConfig(tasks=["mmstar"]), family="internlm_xcomposer2",
                         output_path="/o", python="python", model_config_file="/o/mmtune_model.json")

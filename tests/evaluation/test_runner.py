@@ -67,8 +67,8 @@ def test_synthetic_end_to_end_on_saved_checkpoint(data, saved, tmp_path):
 
 
 def test_lora_adapter_dir_is_merged_and_equals_merged_model(data, saved, tmp_path):
-    from mmtune.evaluation.common import load_mmdu_dialogues
-    from mmtune.evaluation.generation import DialogueGenerator
+    from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+    from mmtune.evaluation.generation.generator import DialogueGenerator
 
     out = tmp_path / "eval"
     evaluate_checkpoint(str(saved["lora"]), _cfg(data), output_dir=str(out), run_name="lora")

@@ -19,6 +19,7 @@ dialogue and the turn; datasets in ``skip`` mode catch it and count the sample i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -99,9 +100,11 @@ class ImagePipeline:
     """Loads the images of examples as the adapter's ``pixel_values``, through a pixel cache.
 
     Args:
-        adapter: the model adapter. When it provides ``load_uint8(path)`` and
-            ``normalize_uint8(tensor)`` (the LLaVA adapter does) the cache holds uint8
-            pixels; otherwise it holds the float tensors of ``preprocess_images``.
+        adapter: the model adapter. When it has an ``image_transform``
+            (:class:`~mmtune.models.images.SquareImage`: LLaVA, XComposer2) the cache holds
+            the uint8 pixels of its ``load_uint8``, keyed on every field of the transform,
+            and ``normalize_uint8`` makes them float per batch; otherwise it holds the float
+            tensors of ``preprocess_images``, keyed on the image processor's settings.
         cache_dir: where to keep processed images; ``None`` disables the cache.
         key: ``"content"`` (hash of file bytes) or ``"stat"`` (path, size, mtime).
     """
@@ -113,10 +116,11 @@ class ImagePipeline:
         self.cache_dir = cache_dir
         self.key = key
         self.stats = ImageStats()
-        self._uint8 = hasattr(adapter, "load_uint8") and hasattr(adapter, "normalize_uint8")
+        transform = getattr(adapter, "image_transform", None)
+        self._uint8 = dataclasses.is_dataclass(transform)
         settings: Any
-        if hasattr(adapter, "processor_settings"):
-            settings = adapter.processor_settings()
+        if self._uint8:  # every setting that produces the pixels is a field of the transform
+            settings = {"transform": type(transform).__qualname__, **dataclasses.asdict(transform)}
         else:
             processor = getattr(adapter, "image_processor", None)
             settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)

@@ -8,6 +8,11 @@
     mmtune evaluate lmms-parse eval/lmms/results.json --out eval/
     mmtune evaluate report eval/
 
+Each benchmark's flags are its ``eval.<name>`` settings (``mmtune evaluate score mmvet -h``
+lists them with their docs), plus the judge's; ``checkpoint`` decodes as the benchmark's
+``configs/eval/<name>.yaml`` does (its ``generation`` section: 32 new tokens for synthetic,
+512 for MDI, 1024 for MM-Vet, 2048 for MMDU) unless a flag says otherwise.
+
 Judge settings come from the environment (MMTUNE_JUDGE_BASE_URL, MMTUNE_JUDGE_API_KEY,
 MMTUNE_JUDGE_MODEL; OPENAI_BASE_URL / OPENAI_API_KEY when those are unset) or
 ``--judge-model``. A judge call that still fails after retries makes the command exit
@@ -17,63 +22,132 @@ non-zero (``--max-failed-share`` to allow some). For a full Hydra config use rec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
+import typing
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from mmtune.evaluation.config import EvalConfig
 
-__all__ = ["main"]
+__all__ = ["build_parser", "config_from_args", "main"]
 
 
-def _eval_config(args: argparse.Namespace, benchmark: str) -> EvalConfig:
-    cfg = EvalConfig(benchmarks=[benchmark], progress=not args.quiet)
-    sub = getattr(cfg, benchmark)
-    sub.data_path = args.data
-    sub.image_root = args.image_root
-    if getattr(args, "predictions", None):
-        sub.predictions = args.predictions
-    if args.limit is not None:
-        sub.limit = args.limit
-    if getattr(args, "prompt_file", None) and hasattr(sub, "prompt_file"):
-        sub.prompt_file = args.prompt_file
-    if benchmark == "mmvet" and args.runs is not None:
-        cfg.mmvet.runs = args.runs
-    if benchmark == "mdi" and args.alpha is not None:
-        cfg.mdi.alpha = args.alpha
-    if args.judge_model:
-        cfg.judge.model = args.judge_model
-    cfg.judge.send_images = args.send_images
-    cfg.allow_absolute_image_paths = args.allow_absolute_paths
-    if args.concurrency is not None:
-        cfg.judge.concurrency = args.concurrency
-    if args.max_failed_share is not None:
-        cfg.judge.max_failed_share = args.max_failed_share
-    if benchmark == "mmvet" and args.bard_subset:
-        cfg.mmvet.bard_subset = args.bard_subset
-    return cfg
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    """A command-line flag of one ``eval`` setting; its type and help come from the schema."""
+
+    key: str
+    """Dotted key in :class:`EvalConfig` (``judge.model``, ``mmvet.runs``)."""
+    const: Any = None
+    """For a bool setting: the value the flag sets (``--no-kv-reuse`` sets False)."""
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", help="benchmark file (questions / references)")
-    parser.add_argument("--image-root", help="directory image paths are relative to")
+#: flags of the settings outside the benchmark's own section, on every benchmark's command
+_COMMON = {
+    "--judge-model": _Flag("judge.model"),
+    "--send-images": _Flag("judge.send_images", True),
+    "--concurrency": _Flag("judge.concurrency"),
+    "--max-failed-share": _Flag("judge.max_failed_share"),
+    "--allow-absolute-paths": _Flag("allow_absolute_image_paths", True),
+    "--quiet": _Flag("progress", False),
+}
+#: decoding flags of ``checkpoint``; their defaults are the benchmark's (its configs/eval/<name>.yaml)
+_GENERATION = {
+    "--max-new-tokens": _Flag("generation.max_new_tokens"),
+    "--context-length": _Flag("generation.context_length"),
+    "--no-kv-reuse": _Flag("generation.kv_reuse", False),
+    "--batch-size": _Flag("generation.batch_size"),
+    "--device": _Flag("generation.device"),
+}
+#: a benchmark setting's flag is ``--<field-name>`` unless it has other names here
+_SETTING_FLAGS = {"data_path": ("--data", "--data-path")}
+_DEST = "eval:"  # argparse dest prefix of the flags that set an eval key
+
+
+def _schema_field(cfg: EvalConfig, key: str) -> tuple[Any, str]:
+    """(the dataclass instance holding ``key``, the field name)."""
+    *path, name = key.split(".")
+    owner = cfg
+    for part in path:
+        owner = getattr(owner, part)
+    if name not in {f.name for f in dataclasses.fields(owner)}:
+        raise ValueError(f"{key} is not an eval setting ({type(owner).__name__} has no field {name!r})")
+    return owner, name
+
+
+def _add_flag(parser: argparse.ArgumentParser, names: tuple[str, ...], flag: _Flag, cfg: EvalConfig,
+              required: bool = False) -> bool:
+    """Add one flag typed and documented by its schema field; False when the field is not a
+    scalar (lists and dicts are set in a YAML config instead)."""
+    from mmtune.schema_keys import field_docs
+
+    owner, name = _schema_field(cfg, flag.key)
+    kind = typing.get_type_hints(type(owner))[name]
+    if typing.get_origin(kind) is typing.Union:
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+    doc = " ".join(field_docs(type(owner)).get(name, "").split()).replace("%", "%%")
+    default = getattr(owner, name)
+    kwargs: dict[str, Any] = {"dest": _DEST + flag.key, "default": argparse.SUPPRESS, "required": required}
+    if kind is bool:
+        const = True if flag.const is None else flag.const
+        kwargs.update(action="store_const", const=const, help=f"set {flag.key}={str(const).lower()}. {doc}")
+    elif kind in (int, float, str):
+        shown = "" if required else f"; default: {default}"
+        kwargs.update(type=kind, metavar=name.upper(), help=f"{doc} ({flag.key}{shown})")
+    else:
+        return False
+    parser.add_argument(*names, **kwargs)
+    return True
+
+
+def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
+    """The parser of ``score <name>`` / ``checkpoint ... <name>``: the benchmark's own settings
+    (every scalar field of its ``settings_class``), the judge and path flags, and for
+    ``checkpoint`` the decoding flags with the benchmark's defaults."""
+    cfg = EvalConfig(benchmarks=[bench.name])
+    defaults = bench.cli_defaults() if generate else {}
+    for key, value in defaults.items():
+        try:
+            owner, name = _schema_field(cfg, key)
+        except ValueError as err:
+            raise ValueError(f"{bench.config_file()}: {err}; fix the file's `generation` section") from None
+        setattr(owner, name, value)
+    doc = (type(bench).__doc__ or "").strip().splitlines()[0] if type(bench).__doc__ else bench.name
+    parser = parent.add_parser(bench.name, help=doc, description=doc)
     parser.add_argument("--out", required=True, help="output directory for results, details and the report")
     parser.add_argument("--run", default="eval", help="run label written into the results")
-    parser.add_argument("--limit", type=int, help="only the first N dialogues / items")
-    parser.add_argument("--judge-model", help="judge model name (else $MMTUNE_JUDGE_MODEL)")
-    parser.add_argument("--send-images", action="store_true", help="attach images to judge calls")
-    parser.add_argument("--allow-absolute-paths", action="store_true",
-                        help="accept absolute image paths outside --image-root (default: rejected as path_outside_root)")
-    parser.add_argument("--concurrency", type=int, help="judge calls in flight")
-    parser.add_argument("--runs", type=int, help="MM-Vet judge runs (default 5)")
-    parser.add_argument("--alpha", type=float, help="MDI Score_final weight of level 1 (default 0.5)")
-    parser.add_argument("--prompt-file", help="judge prompt: a template (MMDU / MM-Vet) or MM-Vet's official prompt "
-                                              "saved to a file (reports record its name and hash)")
-    parser.add_argument("--bard-subset", help="MM-Vet: evaluate only the items of this bard_set.json")
-    parser.add_argument("--max-failed-share", type=float,
-                        help="share of judge calls allowed to fail before exiting non-zero (default 0: any failure)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    if not generate:
+        parser.add_argument("--model", default="external", help="model label written into the results")
+    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
+    for field in dataclasses.fields(bench.settings_class):
+        if generate and field.name == "predictions":
+            continue  # `checkpoint` generates the answers
+        names = _SETTING_FLAGS.get(field.name, (f"--{field.name.replace('_', '-')}",))
+        names = tuple(n if n not in taken else f"--{bench.name}-{n[2:]}" for n in names)
+        _add_flag(parser, names, _Flag(f"{bench.name}.{field.name}"), cfg,
+                  required=not generate and field.name == "predictions")
+    for flags in (_COMMON, _GENERATION) if generate else (_COMMON,):
+        for name, flag in flags.items():
+            _add_flag(parser, (name,), flag, cfg)
+    if generate:
+        parser.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
+        parser.add_argument("--trust-remote-code", action="store_true",
+                            help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
+    parser.set_defaults(cli_defaults=defaults)
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The :class:`EvalConfig` of a parsed ``score`` / ``checkpoint`` command: the benchmark's
+    decoding defaults (``checkpoint``), then every flag given, on a fresh config."""
+    cfg = EvalConfig(benchmarks=[args.benchmark])
+    values = dict(args.cli_defaults)
+    values.update({k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)})
+    for key, value in values.items():
+        owner, name = _schema_field(cfg, key)
+        setattr(owner, name, value)
+    return cfg
 
 
 def _print(results) -> None:
@@ -82,28 +156,25 @@ def _print(results) -> None:
         print(f"{name}: {headline}  counts={result.counts}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mmtune evaluate`` parser, one ``score`` / ``checkpoint`` command per registered benchmark."""
+    from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
+
     parser = argparse.ArgumentParser(prog="mmtune evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    # every registered benchmark that mmtune generates answers for; lmms-eval has its own commands
+    benchmarks = [bench for bench in map(get_benchmark, registered_names()) if bench.generates]
 
     score = sub.add_parser("score", help="score an existing predictions file (no model needed)")
-    score.add_argument("benchmark", choices=["synthetic", "mmdu", "mmvet", "mdi"])
-    score.add_argument("--predictions", required=True, help="MMDU-schema answers / generation JSONL, MM-Vet results JSON, MDI items with 'response'")
-    score.add_argument("--model", default="external", help="model label written into the results")
-    _common(score)
+    score_benchmarks = score.add_subparsers(dest="benchmark", required=True, metavar="benchmark")
+    for bench in benchmarks:
+        _benchmark_parser(score_benchmarks, bench, generate=False)
 
     ckpt = sub.add_parser("checkpoint", help="generate with a saved checkpoint and score")
     ckpt.add_argument("checkpoint", help="run dir, final/, LoRA adapter dir")
-    ckpt.add_argument("benchmark", choices=["synthetic", "mmdu", "mmvet", "mdi"])
-    ckpt.add_argument("--max-new-tokens", type=int, help="default 2048")
-    ckpt.add_argument("--context-length", type=int, help="evaluation context window (tokens)")
-    ckpt.add_argument("--no-kv-reuse", action="store_true", help="re-encode the history every turn")
-    ckpt.add_argument("--batch-size", type=int, default=None, help="dialogues decoded together (default: by model size)")
-    ckpt.add_argument("--device", default="auto")
-    ckpt.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
-    ckpt.add_argument("--trust-remote-code", action="store_true",
-                      help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
-    _common(ckpt)
+    ckpt_benchmarks = ckpt.add_subparsers(dest="benchmark", required=True, metavar="benchmark")
+    for bench in benchmarks:
+        _benchmark_parser(ckpt_benchmarks, bench, generate=True)
 
     cmd = sub.add_parser("lmms-command", help="print the lmms-eval command for an exported checkpoint")
     cmd.add_argument("checkpoint")
@@ -120,42 +191,37 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     report = sub.add_parser("report", help="rebuild report.md and plots from the result JSONs in a directory")
     report.add_argument("directory")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Optional[list[str]] = None) -> int:
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "score":
             from mmtune.evaluation.runner import run_benchmarks
 
-            results = run_benchmarks(_eval_config(args, args.benchmark), output_dir=args.out, run_name=args.run, model_label=args.model)
+            results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run, model_label=args.model)
             _print(results)
         elif args.command == "checkpoint":
             from mmtune.evaluation.runner import evaluate_checkpoint
-
-            cfg = _eval_config(args, args.benchmark)
-            if args.max_new_tokens:
-                cfg.generation.max_new_tokens = args.max_new_tokens
-            cfg.generation.context_length = args.context_length
-            cfg.generation.kv_reuse = not args.no_kv_reuse
-            cfg.generation.batch_size = args.batch_size
-            cfg.generation.device = args.device
             from mmtune.models.config import ModelConfig
 
-            _print(evaluate_checkpoint(args.checkpoint, cfg, output_dir=args.out, run_name=args.run,
+            _print(evaluate_checkpoint(args.checkpoint, config_from_args(args), output_dir=args.out, run_name=args.run,
                                        model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
         elif args.command == "lmms-command":
-            from mmtune.evaluation.config import LmmsEvalConfig
-            from mmtune.evaluation.lmms_eval import build_command
+            from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig, build_command
 
             cfg = LmmsEvalConfig(tasks=args.tasks.split(","), model_type=args.model_type)
             print(shlex.join(build_command(args.checkpoint, cfg, family=args.family, output_path=args.out)))
         elif args.command == "lmms-parse":
-            from mmtune.evaluation.lmms_eval import parse_results
+            from mmtune.evaluation.benchmarks.lmms_eval import parse_results
             from mmtune.evaluation.results import write_result
 
             for result in parse_results(args.results, run=args.run, model=args.model):
                 print(write_result(result, args.out))
         elif args.command == "report":
-            from mmtune.evaluation.report import write_report
+            from mmtune.evaluation.benchmarks.registry import benchmarks_for
+            from mmtune.evaluation.reporting.report import write_report
             from mmtune.evaluation.results import read_result
 
             results = []
@@ -164,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     results.append(read_result(path))
                 except ValueError:
                     continue  # other JSON files in the directory (MM-Vet's results JSON)
-            print(write_report(results, args.directory)[0])
+            sections = benchmarks_for(r.benchmark for r in results)
+            print(write_report(results, args.directory, sections=sections)[0])
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"mmtune evaluate: {err}", file=sys.stderr)
         return 2

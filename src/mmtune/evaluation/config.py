@@ -1,222 +1,55 @@
 """Typed configs of the evaluator (the ``eval/`` Hydra group and ``configs/evaluate.yaml``).
 
 Every field has a docstring; Hydra validates YAML against these dataclasses, so an
-unknown key fails at start-up. Secrets are not config: the judge's base URL and key are
-read from the environment variables *named* here, never stored.
+unknown key fails at start-up. Each room owns its section: decoding is
+:class:`~mmtune.evaluation.generation.config.GenerationConfig` (``eval.generation``),
+the judge :class:`~mmtune.evaluation.judge.config.JudgeConfig` (``eval.judge``), and
+every benchmark its ``eval.<name>`` section, typed by the ``settings_class`` its module
+declares. :class:`EvalConfig` holds them together; its benchmark sections are those of
+the registered benchmarks, so a new benchmark brings its section without an edit here.
+Secrets are not config: the judge's base URL and key are read from the environment
+variables *named* in ``eval.judge``, never stored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.judge.config import JudgeConfig
 from mmtune.models.config import ModelConfig
 
 __all__ = [
     "GenerationConfig",
     "JudgeConfig",
-    "MMDUConfig",
-    "MMVetConfig",
-    "MDIConfig",
-    "SyntheticConfig",
-    "LmmsEvalConfig",
     "EvalConfig",
     "EvaluateConfig",
-    "BENCHMARKS",
+    "eval_config_class",
+    "default_output_dir",
+    "validate_eval_config",
+    "register_configs",
+    "to_evaluate_config",
 ]
-
-BENCHMARKS = ("synthetic", "mmdu", "mmvet", "mdi", "lmms_eval")
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 2048
-    """Upper bound of tokens generated per answer (MMDU's official setting is 2048)."""
-    do_sample: bool = False
-    """Greedy decoding (False, the MMDU protocol) or sampling with temperature/top_p."""
-    temperature: float = 1.0
-    """Sampling temperature; ignored when ``do_sample`` is False."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; ignored when ``do_sample`` is False."""
-    repetition_penalty: float = 1.0
-    """>1 discourages repeats (XComposer2's chat used 1.005)."""
-    seed: int = 0
-    """Seed of the sampling generator (only used when ``do_sample``)."""
-    kv_reuse: bool = True
-    """Keep the KV cache across turns and feed only the new tokens (the history is a
-    prefix of the next prompt). False re-encodes the whole history every turn; that path
-    batches several dialogues per forward pass."""
-    batch_size: Optional[int] = None
-    """Dialogues decoded together. On the KV path they share one batched cache and each
-    turn feeds only its new tokens; a slot whose dialogue ends takes the next one. Answers
-    do not depend on it (greedy). ``None``: by model size, from ``batch_size_by_size``."""
-    batch_schedule: str = "auto"
-    """How rows of a batched KV cache take turns: ``continuous`` (a row starts its next
-    turn as soon as its answer ends: fewest forward calls, best where decoding is bound by
-    memory bandwidth, i.e. on a GPU), ``lockstep`` (rows start turns together: far less
-    padding, faster where every token costs compute, i.e. on a CPU), or ``auto``
-    (continuous on CUDA, lockstep elsewhere). Answers do not depend on it (greedy)."""
-    batch_size_by_size: dict[str, int] = field(default_factory=lambda: {"3B": 16, "9B": 8, "20B": 4, "inf": 2})
-    """Batch size for models up to each size (``"9B"``: up to 9e9 parameters). Each row
-    keeps a KV cache of up to ``context_length`` tokens (LLaVA-1.5-7B in bf16: 0.5 MiB
-    per token, 4 GiB per 8k dialogue), so larger models get smaller batches."""
-    context_length: Optional[int] = None
-    """Context window in tokens used for the overflow policy; ``None`` = the model's
-    ``max_position_embeddings``. Table 5 evaluates the same model at 2k/4k/8k."""
-    overflow: str = "drop_oldest"
-    """What to do when prompt + ``min_new_tokens`` exceeds the window: ``drop_oldest``
-    (drop the oldest exchanges, keep images later turns refer to by name) or ``stop``
-    (answer no more turns of that dialogue). Recorded per turn."""
-    min_new_tokens: int = 64
-    """Room kept free for the answer when deciding whether a prompt fits."""
-    system_prompt: Optional[str] = None
-    """Overrides the chat template's system prompt (``""`` = none; ``None`` = template default)."""
-    device: str = "auto"
-    """``auto`` (cuda if available), ``cpu`` or ``cuda:N``."""
-
-
-@dataclass
-class JudgeConfig:
-    model: Optional[str] = None
-    """Judge model name (e.g. ``gpt-4o-2024-05-13``); ``None`` reads the env var ``model_env``."""
-    model_env: str = "MMTUNE_JUDGE_MODEL"
-    """Environment variable holding the judge model name when ``model`` is unset."""
-    base_url_env: str = "MMTUNE_JUDGE_BASE_URL"
-    """Environment variable with the OpenAI-compatible base URL (unset = api.openai.com)."""
-    api_key_env: str = "MMTUNE_JUDGE_API_KEY"
-    """Environment variable with the API key. The key is never logged or written anywhere.
-    When this variable and ``base_url_env`` are unset, the openai SDK's own
-    ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` are used (the start-up line names the source)."""
-    max_failed_share: float = 0.0
-    """Largest share of judge calls allowed to fail (after retries) before the evaluation
-    exits with an error. 0.0 = any failed call is an error: a judge that fails must never
-    look like a model that scored zero. Results and details are written first either way."""
-    stop_after_failures: int = 20
-    """Stop sending once this many calls failed and none succeeded (bad key, wrong URL,
-    server down): the remaining items fail at once instead of paying retries each."""
-    concurrency: int = 8
-    """Judge calls in flight at once. Raise it for a local vLLM server; lower it on 429s."""
-    timeout_s: float = 120.0
-    """Per-request timeout; a timeout is retried."""
-    max_retries: int = 6
-    """Retries on 429 / 5xx / timeouts / malformed replies before the item counts as failed."""
-    backoff_base_s: float = 1.0
-    """First backoff; attempt n waits uniform(0, min(backoff_max_s, base * 2**n)) (full jitter)."""
-    backoff_max_s: float = 60.0
-    """Cap of one backoff wait."""
-    max_tokens: int = 2048
-    """Max tokens of a judge reply."""
-    send_images: bool = False
-    """Attach the item's images to judge calls (MMDU's official judge does; VLMEvalKit's
-    port does not). Off = text-only judging, which needs no image files."""
-    cache_path: Optional[str] = None
-    """SQLite cache of judge replies; ``None`` = ``<output_dir>/judge_cache.sqlite``."""
-    prices: dict[str, Any] = field(
-        default_factory=lambda: {
-            "gpt-4o": {"input": 2.5, "output": 10.0},
-            "gpt-4o-mini": {"input": 0.15, "output": 0.6},
-            "gpt-4-0613": {"input": 30.0, "output": 60.0},
-        }
-    )
-    """USD per million input / output tokens, by model name (longest matching prefix wins)."""
-
-
-@dataclass
-class MMDUConfig:
-    data_path: Optional[str] = None
-    """MMDU ``benchmark.json`` (references and questions)."""
-    image_root: Optional[str] = None
-    """Directory the ``image`` paths are relative to (leading ``/`` is stripped)."""
-    predictions: Optional[str] = None
-    """Score this file instead of generating: MMDU-schema dialogues whose assistant turns
-    hold the model's answers, or a generation JSONL written by mmtune."""
-    prompt_file: Optional[str] = None
-    """Replacement judge prompt with ``{question}``, ``{reference}``, ``{answer}`` fields."""
-    limit: Optional[int] = None
-    """Evaluate only the first N dialogues (smoke runs)."""
-
-
-@dataclass
-class MMVetConfig:
-    data_path: Optional[str] = None
-    """``mm-vet.json``."""
-    image_root: Optional[str] = None
-    """Directory of MM-Vet's images."""
-    predictions: Optional[str] = None
-    """Answers to score instead of generating: MM-Vet results JSON ``{"v1_0": "answer", ...}``
-    or LLaVA-style answer JSONL (``question_id`` / ``text`` per line)."""
-    runs: int = 5
-    """Judge runs; totals are reported as mean and std over runs (the paper uses 5)."""
-    max_tries: int = 5
-    """Tries per item and run; each unparsable reply raises the temperature by 0.5."""
-    judge_model: Optional[str] = None
-    """MM-Vet's own judge model (the paper: ``gpt-4-0613``); ``None`` = ``eval.judge``'s model.
-    MM-Vet is always judged text-only, whatever ``judge.send_images`` says."""
-    max_tokens: int = 3
-    """Reply budget of a judge call: the reply is one number (the official grader allows 3 tokens)."""
-    prompt_file: Optional[str] = None
-    """The official evaluator's prompt saved to a file (no placeholders: the row is appended
-    as the official script does), or a template with ``{question}``, ``{answer}``,
-    ``{prediction}``. ``None`` = mmtune's own prompt (figures not comparable with published ones)."""
-    bard_subset: Optional[str] = None
-    """MM-Vet's ``bard_set.json``: evaluate only those items (file names get ``bardset_``)."""
-    limit: Optional[int] = None
-    """Evaluate only the first N items."""
-
-
-@dataclass
-class MDIConfig:
-    data_path: Optional[str] = None
-    """MDI-Benchmark items (JSON list or JSONL)."""
-    image_root: Optional[str] = None
-    """Directory of the png images (``image_path`` has no extension)."""
-    predictions: Optional[str] = None
-    """Items with a ``response`` field to score instead of generating."""
-    alpha: float = 0.5
-    """Score_final = alpha * level-1 accuracy + (1 - alpha) * level-2 accuracy."""
-    limit: Optional[int] = None
-    """Evaluate only the first N items."""
-
-
-@dataclass
-class SyntheticConfig:
-    data_path: Optional[str] = None
-    """Held-out split in MMDU benchmark schema (written by the data generator)."""
-    image_root: Optional[str] = None
-    """Directory the image paths are relative to (``None``: paths are absolute or relative to the file)."""
-    predictions: Optional[str] = None
-    """Score this file instead of generating (same forms as MMDU)."""
-    limit: Optional[int] = None
-    """Evaluate only the first N dialogues."""
-
-
-@dataclass
-class LmmsEvalConfig:
-    tasks: list[str] = field(default_factory=lambda: ["mmbench_en_dev", "mmmu_val", "mmstar", "mathvista_testmini", "ai2d", "hallusion_bench_image", "chartqa"])
-    """lmms-eval task names (Table 3 by default; add blink, qbench2, mantis for Table 4)."""
-    model_type: Optional[str] = None
-    """lmms-eval ``--model``; ``None`` picks it from the model family (llava -> llava_hf)."""
-    batch_size: int = 1
-    """lmms-eval ``--batch_size``."""
-    extra_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments passed through verbatim."""
-    results_path: Optional[str] = None
-    """Parse this recorded lmms-eval results JSON instead of running lmms-eval."""
 
 
 @dataclass
 class EvalConfig:
-    """The ``eval/`` group: which benchmarks, how to generate, how to judge."""
+    """The ``eval/`` group: which benchmarks, how to generate, how to judge, and one
+    section per registered benchmark (``eval.mmdu``, ``eval.mmvet``, ...).
+
+    The benchmark sections are not written out here: ``EvalConfig(...)`` returns an
+    instance of :func:`eval_config_class`, this class extended by one field per
+    registered benchmark (typed by its ``settings_class``). So Hydra, OmegaConf and
+    Python code (``EvalConfig(benchmarks=["mdi"], mdi=MDIConfig(alpha=0.3))``) all see
+    the sections of every benchmark registered when the config is built.
+    """
 
     benchmarks: list[str] = field(default_factory=lambda: ["synthetic"])
-    """Benchmarks to run, from: synthetic, mmdu, mmvet, mdi, lmms_eval."""
+    """Benchmarks to run, by registered name (built-in: lmms_eval, mdi, mmdu, mmvet, synthetic)."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    mmdu: MMDUConfig = field(default_factory=MMDUConfig)
-    mmvet: MMVetConfig = field(default_factory=MMVetConfig)
-    mdi: MDIConfig = field(default_factory=MDIConfig)
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    lmms_eval: LmmsEvalConfig = field(default_factory=LmmsEvalConfig)
     allow_absolute_image_paths: bool = False
     """Accept absolute image paths outside a benchmark's ``image_root`` (default: the data
     file's folder). Off: such a path, or one escaping the root through ``..``/symlinks,
@@ -225,6 +58,43 @@ class EvalConfig:
     """Write ``report.md`` with tables and PNG plots next to the result JSONs."""
     progress: bool = True
     """Show progress bars for generation and judging."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "EvalConfig":
+        if cls is EvalConfig:
+            cls = eval_config_class()
+        return super().__new__(cls)
+
+    def __reduce__(self):
+        # the class is built at run time, so pickles and deep copies name EvalConfig itself
+        return EvalConfig, (), dict(self.__dict__)
+
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def eval_config_class() -> type:
+    """:class:`EvalConfig` with one field per registered benchmark, named after it and typed
+    by its ``settings_class`` (built once per set of registered benchmarks).
+
+    Raises:
+        ValueError: a benchmark's name is one of the common fields (``eval.judge`` ...).
+    """
+    from mmtune.evaluation.benchmarks.registry import settings_classes
+
+    sections = settings_classes()
+    key = tuple(sections.items())
+    if key not in _CLASSES:
+        common = {f.name for f in dataclasses.fields(EvalConfig)}
+        clash = sorted(common & set(sections))
+        if clash:
+            raise ValueError(f"benchmark name(s) {clash} collide with the eval config's own keys; rename the benchmark")
+        cls = dataclasses.make_dataclass(
+            "EvalConfig", [(name, settings, field(default_factory=settings)) for name, settings in sections.items()],
+            bases=(EvalConfig,),
+        )
+        cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "EvalConfig", EvalConfig.__doc__
+        _CLASSES[key] = cls
+    return _CLASSES[key]
 
 
 @dataclass
@@ -268,7 +138,7 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
-    from mmtune.evaluation.benchmarks import get_benchmark, registered_names
+    from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
 
     problems = []
     for name in cfg.benchmarks:

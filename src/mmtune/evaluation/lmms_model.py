@@ -5,7 +5,7 @@ InternLM-XComposer2 the way mmtune does (natively, no remote code). This module 
 lmms-eval run any model mmtune can load, with the same chat template, image handling
 and decoding as mmtune's own benchmarks:
 
-* :class:`GenerationEngine` loads the model (:func:`~mmtune.evaluation.loading.load_for_evaluation`)
+* :class:`GenerationEngine` loads the model (:func:`~mmtune.evaluation.generation.loading.load_for_evaluation`)
   and answers one lmms-eval request: context text + the document's images + the task's
   generation settings (``max_new_tokens``, ``temperature``, ``top_p``, ``until``);
 * ``MMTuneLMM`` (built on first access, so importing this module needs no lmms-eval)
@@ -15,7 +15,7 @@ and decoding as mmtune's own benchmarks:
   lmms-eval >= 0.4, or the older ``register_model`` decorator); :func:`manifest` is the
   payload for lmms-eval's ``lmms_eval.models`` entry-point group;
 * ``python -m mmtune.evaluation.lmms_model <lmms-eval arguments>`` registers the model
-  and hands over to lmms-eval's own command line. :func:`~mmtune.evaluation.lmms_eval.build_command`
+  and hands over to lmms-eval's own command line. :func:`~mmtune.evaluation.benchmarks.lmms_eval.build_command`
   writes that command when ``model_type`` is ``mmtune``.
 
 Model arguments (``--model_args``): ``pretrained`` (a directory mmtune saved, a local HF
@@ -60,7 +60,7 @@ class GenerationEngine:
         config = ModelConfig(**{k: v for k, v in values.items() if k in fields})
         config = dataclasses.replace(config, family=family, path=pretrained)
         if loader is None:
-            from mmtune.evaluation.loading import load_for_evaluation as loader
+            from mmtune.evaluation.generation.loading import load_for_evaluation as loader
         # a directory mmtune can resolve (run dir, final/, adapter, HF dir) is a checkpoint;
         # a hub id is a model path
         checkpoint = pretrained if Path(pretrained).is_dir() else None
@@ -73,8 +73,8 @@ class GenerationEngine:
     def _generator(self, gen_kwargs: dict[str, Any]):
         import json
 
-        from mmtune.evaluation.config import GenerationConfig
-        from mmtune.evaluation.generation import DialogueGenerator
+        from mmtune.evaluation.generation.config import GenerationConfig
+        from mmtune.evaluation.generation.generator import DialogueGenerator
 
         temperature = float(gen_kwargs.get("temperature", 0.0) or 0.0)
         settings = GenerationConfig(

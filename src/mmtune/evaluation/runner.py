@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mmtune.evaluation.benchmarks import RunContext, get_benchmark
+from mmtune.evaluation.benchmarks.base import RunContext
+from mmtune.evaluation.benchmarks.registry import get_benchmark
 from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
 
-__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks"]
+__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ def run_benchmarks(
 
     Every benchmark is checked before any of them runs, so a run that cannot finish
     refuses at start-up. Judge failures above ``eval.judge.max_failed_share`` raise
-    :class:`~mmtune.evaluation.judge.JudgeFailures` after that benchmark's results,
+    :class:`~mmtune.evaluation.judge.client.JudgeFailures` after that benchmark's results,
     details and the report are written.
 
     Args:
@@ -99,7 +101,7 @@ def run_benchmarks(
                 sections[result.benchmark] = bench
                 log.info("%s: %s", result.benchmark, {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k})
             if bench.uses_judge and ctx.has_judge:
-                from mmtune.evaluation.judge import check_failures
+                from mmtune.evaluation.judge.client import check_failures
 
                 stats = ctx.judge.stats
                 if stats.failed:
@@ -108,12 +110,11 @@ def run_benchmarks(
     finally:
         ctx.close()
         if cfg.report and results:
-            from mmtune.evaluation.report import write_report
+            from mmtune.evaluation.reporting.report import write_report
+            from mmtune.evaluation.reporting.viewer import write_viewer
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
-            from mmtune.evaluation.viewer import write_viewer
-
-            write_viewer(cfg, out, title=f"Answers of {run_name}")
+            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}")
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
@@ -121,6 +122,26 @@ def run_benchmarks(
                 flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
                 wandb_run.log(flat)
     return results
+
+
+def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{benchmark: ViewerSection}`` for the benchmarks of ``cfg`` that left details in
+    ``output_dir`` and have a viewer tab; each benchmark builds its own entries.
+
+    lmms-eval tasks are left out: their per-sample logs are lmms-eval's own format.
+    """
+    from mmtune.evaluation.reporting.viewer import ViewerSection
+
+    out = Path(output_dir)
+    found = {}
+    for name in cfg.benchmarks:
+        if not (out / "details" / f"{name}.jsonl").is_file():
+            continue
+        bench = get_benchmark(name)
+        entries = bench.viewer_entries(bench.settings(cfg), out)
+        if entries is not None:
+            found[name] = ViewerSection(entries, bench.viewer_scale)
+    return found
 
 
 def evaluate_model(
@@ -135,7 +156,7 @@ def evaluate_model(
     wandb_run: Any = None,
 ) -> dict[str, BenchmarkResult]:
     """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``."""
-    from mmtune.evaluation.generation import DialogueGenerator
+    from mmtune.evaluation.generation.generator import DialogueGenerator
 
     was_training = getattr(model, "training", False)
     try:
@@ -171,8 +192,8 @@ def evaluate_checkpoint(
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
     """
-    from mmtune.evaluation.generation import DialogueGenerator
-    from mmtune.evaluation.loading import load_for_evaluation, resolve_checkpoint
+    from mmtune.evaluation.generation.generator import DialogueGenerator
+    from mmtune.evaluation.generation.loading import load_for_evaluation, resolve_checkpoint
 
     cfg = cfg or EvalConfig()
     model_config = model_config or ModelConfig()

@@ -37,6 +37,8 @@ from mmtune.models.base import (
     ModelAdapter,
     ModuleGroups,
     TokenChunk,
+    find_module_groups,
+    unwrap_model,
 )
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import register_adapter
@@ -49,8 +51,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["AutoAdapter", "TemplateNotPrefixStableError", "UnsupportedProcessorError"]
 
-_VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder")
-_PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "merger")
 
 
 class TemplateNotPrefixStableError(ValueError):
@@ -59,17 +59,6 @@ class TemplateNotPrefixStableError(ValueError):
 
 class UnsupportedProcessorError(ValueError):
     """The processor does not expand an image into repeated copies of one image token."""
-
-
-def _unwrap(model: "nn.Module") -> "nn.Module":
-    for _ in range(8):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif hasattr(model, "module") and not hasattr(model, "config"):
-            model = model.module
-        else:
-            return model
-    return model
 
 
 @register_adapter
@@ -301,24 +290,11 @@ class AutoAdapter(ModelAdapter):
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
         """Vision tower and projector found by their transformers attribute names; every other
         module (language model, lm_head) is the language-model group."""
-        top = _unwrap(model)
-        inner = getattr(top, "model", top)
-        vision = [getattr(inner, n) for n in _VISION_NAMES if hasattr(inner, n)]
-        projector = [getattr(inner, n) for n in _PROJECTOR_NAMES if hasattr(inner, n)]
-        if not vision:
-            raise ValueError(
-                f"cannot find the vision tower of {type(top).__name__} (looked for {list(_VISION_NAMES)}); "
-                "write a family adapter for this model"
-            )
-        taken = {id(m) for m in vision + projector}
-        language = [m for m in inner.children() if id(m) not in taken]
-        if inner is not top:
-            language += [m for m in top.children() if m is not inner]
-        return ModuleGroups(vision=vision, projector=projector, language_model=language)
+        return find_module_groups(model)
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
         """transformers' ``model`` attribute (the multimodal body) and the output embeddings."""
-        top = _unwrap(model)
+        top = unwrap_model(model)
         body = getattr(top, "model", None)
         head = top.get_output_embeddings()
         if body is None or head is None:
@@ -339,7 +315,7 @@ class AutoAdapter(ModelAdapter):
         """0 x the model's ``get_image_features`` on a blank image (see the base class)."""
         import torch
 
-        top = _unwrap(model)
+        top = unwrap_model(model)
         param = next(p for p in top.parameters() if p.is_floating_point())
         inputs = {
             k: (v.to(device=param.device, dtype=param.dtype) if v.is_floating_point() else v.to(param.device))

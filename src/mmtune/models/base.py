@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.data.dialogue import Dialogue, Image
+    from mmtune.models.config import ModelConfig
 
 IGNORE_INDEX = -100
 
@@ -108,6 +109,67 @@ class ModuleGroups:
     language_model: list["nn.Module"]
 
 
+#: attribute names transformers' image-text models give their vision tower and projector
+VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder")
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "merger")
+
+
+def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = None) -> "nn.Module":
+    """The model inside peft (``get_base_model``) and DDP / DeepSpeed (``module``) wrappers.
+
+    Unwrapping stops at the first ``expected`` instance (a class or a tuple of classes; default: the first transformers
+    ``PreTrainedModel``), at most 8 wrappers deep.
+
+    Raises:
+        TypeError: ``expected`` is given and no such model is inside ``model``.
+    """
+    from transformers import PreTrainedModel
+
+    target = expected or PreTrainedModel
+    inner = model
+    for _ in range(8):
+        if isinstance(inner, target):
+            return inner
+        if hasattr(inner, "get_base_model"):  # peft
+            inner = inner.get_base_model()
+        elif hasattr(inner, "module"):  # DeepSpeed engine, DDP
+            inner = inner.module
+        else:
+            break
+    if expected is None:
+        return inner
+    names = " / ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+    raise TypeError(
+        f"expected a {names} (possibly wrapped by peft/DDP/DeepSpeed), got {type(model).__name__}; "
+        "check `model.family` in the config"
+    )
+
+
+def find_module_groups(model: "nn.Module") -> ModuleGroups:
+    """The groups of a transformers image-text model, found by attribute names: the vision
+    tower and projector under the model's ``model`` body (:data:`VISION_TOWER_NAMES`,
+    :data:`PROJECTOR_NAMES`); every other module (language model, ``lm_head``) is the
+    language model.
+
+    Raises:
+        ValueError: no vision tower under any of the known names.
+    """
+    top = unwrap_model(model)
+    inner = getattr(top, "model", top)
+    vision = [getattr(inner, n) for n in VISION_TOWER_NAMES if hasattr(inner, n)]
+    projector = [getattr(inner, n) for n in PROJECTOR_NAMES if hasattr(inner, n)]
+    if not vision:
+        raise ValueError(
+            f"cannot find the vision tower of {type(top).__name__} (looked for {list(VISION_TOWER_NAMES)}); "
+            "write a family adapter for this model"
+        )
+    taken = {id(m) for m in vision + projector}
+    language = [m for m in inner.children() if id(m) not in taken]
+    if inner is not top:
+        language += [m for m in top.children() if m is not inner]
+    return ModuleGroups(vision=vision, projector=projector, language_model=language)
+
+
 class ModelAdapter(ABC):
     """Base class of one model family's adapter (one file per family).
 
@@ -124,6 +186,39 @@ class ModelAdapter(ABC):
     stop_token_ids: list[int]
     #: default LoRA target module names (peft ``target_modules``)
     default_lora_targets: ClassVar[list[str]] = []
+    #: hub id -> ``config.json`` of public checkpoints the shipped configs name, so
+    #: ``mmtune plan`` sizes them without network access or a download
+    known_architectures: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def meta_model(cls, config: "ModelConfig", checkpoint_config: dict[str, Any] | None) -> tuple["nn.Module", ModuleGroups]:
+        """The family's model built on the meta device (no weight read, no memory used) and
+        its module groups: what ``mmtune plan`` counts parameters on.
+
+        Args:
+            config: the run's model config.
+            checkpoint_config: the checkpoint's ``config.json`` as a dict; ``None`` for a
+                random-weight model (``config.path`` is None).
+
+        Default: a random-weight model through the adapter's own :meth:`load_model` and
+        :meth:`module_groups`; a checkpoint through ``AutoModelForImageTextToText`` grouped
+        by :func:`find_module_groups`. A family whose checkpoints transformers cannot build
+        from their config overrides this.
+        """
+        import torch
+
+        if checkpoint_config is None:
+            adapter = cls(config)
+            # every tensor is created on the meta device: no allocation and no initialisation
+            with torch.device("meta"):
+                model = adapter.load_model()
+            return model, adapter.module_groups(model)
+        import transformers
+
+        model_config = transformers.AutoConfig.for_model(**checkpoint_config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageTextToText.from_config(model_config)
+        return model, find_module_groups(model)
 
     @abstractmethod
     def encode_dialogue(

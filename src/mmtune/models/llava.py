@@ -46,13 +46,13 @@ from mmtune.models._utils import (
     sentencepiece_from_fast_tokenizer,
     state_fingerprint,
 )
-from mmtune.models.base import ModuleGroups
+from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import ModelConfig
+from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    import numpy as np
     import torch
     from torch import nn
 
@@ -67,7 +67,6 @@ __all__ = [
     "TINY_ARCHITECTURE",
     "TINY_SPECIAL_TOKENS",
     "LlavaAdapter",
-    "unwrap_model",
 ]
 
 VICUNA_V1_SYSTEM = (
@@ -151,6 +150,13 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
+def _llava(model: "nn.Module") -> "nn.Module":
+    """The ``LlavaForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
+    from transformers import LlavaForConditionalGeneration
+
+    return unwrap_model(model, LlavaForConditionalGeneration)
+
+
 def _merge_text(segments) -> list:
     """Adjacent text segments joined (the official prompt is one string)."""
     out: list = []
@@ -162,29 +168,8 @@ def _merge_text(segments) -> list:
     return out
 
 
-def unwrap_model(model: "nn.Module") -> "nn.Module":
-    """Return the ``LlavaForConditionalGeneration`` inside DeepSpeed / DDP / peft wrappers."""
-    from transformers import LlavaForConditionalGeneration
-
-    seen = 0
-    while not isinstance(model, LlavaForConditionalGeneration):
-        if hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
-            model = model.module
-        else:
-            raise TypeError(
-                f"expected a LlavaForConditionalGeneration (possibly wrapped by peft/DDP/DeepSpeed), "
-                f"got {type(model).__name__}; check `model.family` in the config"
-            )
-        seen += 1
-        if seen > 8:
-            raise TypeError(f"could not unwrap {type(model).__name__} to a LlavaForConditionalGeneration")
-    return model
-
-
 @register_adapter
-class LlavaAdapter(PieceAdapter):
+class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
 
     ``encode_dialogue`` / ``encode_many`` render with the Vicuna v1 template: a leading
@@ -199,6 +184,31 @@ class LlavaAdapter(PieceAdapter):
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and projector
     lora_exclude_modules = r".*(vision_tower|multi_modal_projector).*"
+    #: the public LLaVA-1.5 checkpoints the shipped configs name (``mmtune plan`` sizes them offline)
+    known_architectures = {
+        "llava-hf/llava-1.5-7b-hf": {
+            "model_type": "llava",
+            "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                            "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                              "patch_size": 14, "projection_dim": 768},
+            "vision_feature_layer": -2,
+            "image_token_index": 32000,
+        },
+        "llava-hf/llava-1.5-13b-hf": {
+            "model_type": "llava",
+            "text_config": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824,
+                            "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+                            "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                              "patch_size": 14, "projection_dim": 768},
+            "vision_feature_layer": -2,
+            "image_token_index": 32000,
+        },
+    }
 
     def __init__(self, config: ModelConfig):
         from transformers import AutoConfig, AutoProcessor, LlavaConfig
@@ -265,6 +275,10 @@ class LlavaAdapter(PieceAdapter):
             # square resize without crop, so the whole image stays visible
             self.image_processor.size = {"height": size, "width": size}
             self.image_processor.do_center_crop = False
+        # the same pixels as that processor (a test checks it bit for bit), decoded and
+        # squared once into the pixel cache; normalize_uint8 does the rest per batch
+        self.image_transform = SquareImage(size, pad=config.image_aspect_ratio == "pad",
+                                           fill=tuple(int(x * 255) for x in mean))
 
         image_token = "<image>"
         self.image_token_id = int(self.model_config.image_token_id)
@@ -528,48 +542,12 @@ class LlavaAdapter(PieceAdapter):
         """Preprocess already decoded PIL images with the image processor ([N, 3, S, S])."""
         return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
 
-    def load_uint8(self, path: str) -> "np.ndarray":
-        """Decode, pad/resize one image: uint8 [3, S, S] (what the pixel cache stores).
-
-        The same operations as the image processor, done on the PIL image (the original
-        LLaVA ``expand2square`` + a square bicubic resize): equal pixels, less copying.
-        """
-        import numpy as np
-        from PIL import Image as PILImage
-
-        p = self.image_processor
-        size = self.model_config.vision_config.image_size
-        with PILImage.open(path) as handle:
-            handle.load()
-            image = handle if handle.mode == "RGB" else handle.convert("RGB")  # no copy for RGB files
-        width, height = image.size
-        colour = tuple(int(x * 255) for x in p.image_mean)
-        if p.do_pad and width > height:
-            # Landscape: PIL resamples horizontally, then vertically (uint8 in between), so
-            # the horizontal pass can skip the constant pad rows: the same pixels as
-            # resizing the padded square (a test checks equality), with 1/4 less work.
-            image = image.resize((size, height), PILImage.BICUBIC)
-            canvas = PILImage.new("RGB", (size, width), colour)
-            canvas.paste(image, (0, (width - height) // 2))
-            image = canvas
-        elif p.do_pad and width != height:
-            side = max(width, height)
-            canvas = PILImage.new("RGB", (side, side), colour)
-            canvas.paste(image, ((side - width) // 2, (side - height) // 2))
-            image = canvas
-        if image.size == (size, size) or p.do_pad or not p.do_center_crop:
-            image = image.resize((size, size), PILImage.BICUBIC) if image.size != (size, size) else image
-            array = np.asarray(image)
-        else:  # shortest-edge resize + centre crop, as CLIP's own preprocessing
-            array = self.image_processor(images=[image], do_rescale=False, do_normalize=False)["pixel_values"][0]
-            return np.asarray(array, dtype=np.uint8)
-        return np.ascontiguousarray(array.transpose(2, 0, 1))
-
     def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
         """uint8 [..., 3, S, S] -> normalised float32 pixel values (CLIP mean / std).
 
-        One conversion and two in-place passes (x * (1/255/std) - mean/std): the collator
-        normalises a whole batch at once, which is most of the cost of a cached image.
+        One conversion and two in-place passes (x * (1/255/std) - mean/std), the rescale and
+        normalise of the transformers image processor in one: the collator normalises a
+        whole batch at once, which is most of the cost of a cached image.
         """
         import torch
 
@@ -579,29 +557,6 @@ class LlavaAdapter(PieceAdapter):
         shift = (-torch.tensor(p.image_mean, dtype=torch.float64) / std).to(torch.float32).view(3, 1, 1)
         out = pixels.to(torch.float32)
         return out.mul_(scale).add_(shift)
-
-    def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
-        import numpy as np
-        import torch
-
-        if not paths:
-            vc = self.model_config.vision_config
-            return torch.zeros(0, 3, vc.image_size, vc.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.load_uint8(path) for path in paths])))
-
-    def processor_settings(self) -> dict[str, Any]:
-        """What determines the pixels an image becomes (part of the pixel cache key)."""
-        p = self.image_processor
-        return {
-            "class": type(p).__name__,
-            "size": dict(p.size) if p.size else None,
-            "crop": dict(p.crop_size) if p.crop_size else None,
-            "center_crop": bool(p.do_center_crop),
-            "pad": bool(p.do_pad),
-            "mean": list(p.image_mean),
-            "std": list(p.image_std),
-            "resample": int(p.resample),
-        }
 
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> "nn.Module":
@@ -628,7 +583,7 @@ class LlavaAdapter(PieceAdapter):
         )
 
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        inner = unwrap_model(model)
+        inner = _llava(model)
         return ModuleGroups(
             vision=[inner.model.vision_tower],
             projector=[inner.model.multi_modal_projector],
@@ -640,7 +595,7 @@ class LlavaAdapter(PieceAdapter):
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
         """``LlavaModel`` (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
-        inner = unwrap_model(model)
+        inner = _llava(model)
         return inner.model, inner.lm_head
 
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
@@ -652,7 +607,7 @@ class LlavaAdapter(PieceAdapter):
         """
         import torch
 
-        inner = unwrap_model(model)
+        inner = _llava(model)
         vc = inner.config.vision_config
         projector = inner.model.multi_modal_projector
         param = next(projector.parameters())

@@ -18,23 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from mmtune.compose import compose_config as compose_sft_config  # composes configs/sft.yaml by default
+
 __all__ = ["compose_sft_config", "demo_overrides", "describe_task", "describe_model", "run_demo", "main"]
 
 TARGET = 95.0
 """Held-out exact match (%) below which the demo exits with 1 (measured seeds of the
 default: docs/training.md)."""
-
-
-def compose_sft_config(overrides: list[str]):
-    """Compose ``configs/sft.yaml`` with ``overrides`` through Hydra's compose API (no chdir, no logging setup)."""
-    from hydra import compose, initialize_config_dir
-
-    from mmtune.data.config import configs_dir
-    from mmtune.training.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(configs_dir()).resolve()), version_base=None):
-        return compose(config_name="sft", overrides=overrides)
 
 
 def demo_overrides(overrides: list[str]) -> list[str]:

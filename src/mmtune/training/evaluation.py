@@ -29,7 +29,7 @@ def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTC
     """Run ``cfg.eval``'s benchmarks on ``model``; returns ``{benchmark: metrics}``."""
     import logging
 
-    from mmtune.evaluation.generation import StaleGenerationsError
+    from mmtune.evaluation.generation.generator import StaleGenerationsError
     from mmtune.evaluation.runner import evaluate_model
 
     for _ in range(len(cfg.eval.benchmarks) + 1):

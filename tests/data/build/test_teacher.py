@@ -3,7 +3,7 @@ import pytest
 from mmtune.data.build.config import PromptsConfig, TeacherConfig
 from mmtune.data.build.sets import SetImage
 from mmtune.data.build.teacher import Prompts, judge_config, teacher_client
-from mmtune.evaluation.judge import JudgeError
+from mmtune.evaluation.judge.client import JudgeError
 
 
 def test_shipped_templates_fill_every_field():

@@ -306,7 +306,7 @@ def generate_shard(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Generate the dialogues of one shard's sets, resuming from its checkpoint; returns its stats."""
-    from mmtune.evaluation.judge import JudgeError
+    from mmtune.evaluation.judge.client import JudgeError
 
     i, n = shard
     folder = shard_dir(cfg, i, n)

@@ -1,6 +1,6 @@
 """Teacher calls: prompt templates and the OpenAI-compatible client.
 
-The client is the evaluation judge's (:class:`~mmtune.evaluation.judge.JudgeClient`):
+The client is the evaluation judge's (:class:`~mmtune.evaluation.judge.client.JudgeClient`):
 the same SQLite reply cache (what makes a killed build resumable without paying twice),
 retries with backoff, cost counters and key redaction. Only the settings differ: the
 teacher reads its own environment variables (``MMTUNE_TEACHER_*``).
@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence
 from mmtune.data.build.config import PromptsConfig, TeacherConfig
 from mmtune.data.build.sets import SetImage
 from mmtune.evaluation.config import JudgeConfig
-from mmtune.evaluation.judge import JudgeClient, JudgeRequest
+from mmtune.evaluation.judge.client import JudgeClient, JudgeRequest
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 FIELDS = {
@@ -85,7 +85,7 @@ def teacher_client(
     """An OpenAI-compatible client with the reply cache at ``cache_path``.
 
     Raises:
-        mmtune.evaluation.judge.JudgeError: no model name (config or ``$MMTUNE_TEACHER_MODEL``).
+        mmtune.evaluation.judge.client.JudgeError: no model name (config or ``$MMTUNE_TEACHER_MODEL``).
     """
     return JudgeClient(judge_config(cfg), cache_path=cache_path, env=env)
 

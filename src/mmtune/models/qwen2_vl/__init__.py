@@ -11,7 +11,8 @@
 See ``docs/qwen2_vl.md``.
 """
 
-from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template, model_classes, unwrap_model
+from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template, unwrap_model
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes
 from mmtune.models.qwen2_vl.images import QwenVLImages, UnsupportedImageError, oriented_size
 from mmtune.models.qwen2_vl.positions import RopeIndex
 from mmtune.models.qwen2_vl.template import (
@@ -24,7 +25,6 @@ from mmtune.models.qwen2_vl.template import (
     user_runs,
 )
 from mmtune.models.qwen2_vl.tiny import (
-    MODEL_TYPES,
     SPECIAL_TOKENS,
     TINY_ARCHITECTURES,
     save_tiny_checkpoint,

@@ -39,11 +39,13 @@ from mmtune.models._utils import (
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups
+from mmtune.models.base import unwrap_model as base_unwrap_model
 from mmtune.models.config import ModelConfig
 from mmtune.models.qwen2_vl.images import QwenVLImages
 from mmtune.models.qwen2_vl.positions import RopeIndex
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
-from mmtune.models.qwen2_vl.tiny import MODEL_TYPES, tiny_image_processor, tiny_model_config, tiny_tokenizer
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, generation_classes, model_classes
+from mmtune.models.qwen2_vl.tiny import tiny_image_processor, tiny_model_config, tiny_tokenizer
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,43 +57,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
 
-# model_type -> (generation class, inner model class owning get_rope_index)
-_CLASSES = {
-    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"),
-}
-
-
-def model_classes(model_type: str) -> tuple[type, type]:
-    """transformers' ``(…ForConditionalGeneration, …Model)`` classes of ``model_type``."""
-    import transformers
-
-    if model_type not in _CLASSES:
-        raise ValueError(
-            f"model_type {model_type!r} is not covered by the qwen2_vl adapter; it covers {list(MODEL_TYPES)} "
-            "(transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes)"
-        )
-    generation, inner = _CLASSES[model_type]
-    return getattr(transformers, generation), getattr(transformers, inner)
-
-
 def unwrap_model(model: "nn.Module") -> "nn.Module":
     """The transformers ``…ForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
-    generation_classes = tuple(model_classes(t)[0] for t in MODEL_TYPES)
-    for _ in range(8):
-        if isinstance(model, generation_classes):
-            return model
-        if hasattr(model, "get_base_model"):  # peft
-            model = model.get_base_model()
-        elif hasattr(model, "module"):  # DeepSpeed engine, DDP
-            model = model.module
-        else:
-            break
-    raise TypeError(
-        f"expected a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (possibly wrapped by peft/DDP/DeepSpeed), got "
-        f"{type(model).__name__}; check `model.family` in the config"
-    )
+    return base_unwrap_model(model, generation_classes())
 
 
 def load_chat_template(path: str, tokenizer: Any) -> str | None:

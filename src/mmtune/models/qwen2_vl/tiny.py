@@ -21,10 +21,10 @@ import os
 from typing import Any
 
 from mmtune.models._utils import build_random_model, deep_update
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES
 
 __all__ = [
-    "MODEL_TYPES",
     "SPECIAL_TOKENS",
     "TINY_ARCHITECTURES",
     "tiny_tokenizer",
@@ -33,8 +33,6 @@ __all__ = [
     "save_tiny_checkpoint",
 ]
 
-#: the ``model_type`` values of the transformers classes this family covers
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 #: special tokens in the order of the released Qwen2-VL vocabulary (ids 151643-151656 there)
 SPECIAL_TOKENS = (
@@ -250,8 +248,6 @@ def save_tiny_checkpoint(
             as the released checkpoints ship it), ``"tokenizer"`` (``tokenizer_config.json``) or
             ``"none"`` (a checkpoint without a chat template).
     """
-    from mmtune.models.qwen2_vl.adapter import model_classes
-
     if template not in ("processor", "tokenizer", "none"):
         raise ValueError(f"template={template!r}: use 'processor', 'tokenizer' or 'none'")
     os.makedirs(directory, exist_ok=True)

@@ -1,0 +1,731 @@
+"""Multi-turn, multi-image generation for evaluation, with the KV cache kept across turns.
+
+A dialogue is answered turn by turn: the prompt of turn ``t`` holds every earlier user
+turn, the model's OWN earlier answers (not the references) and every image introduced
+so far, then the generation prompt. That prompt is a prefix-extension of what the model
+has already processed, so the KV path (``kv_reuse``, default) keeps a transformers
+``DynamicCache`` per dialogue and feeds only the tokens after the longest common prefix
+(with ``pixel_values`` of the images that start in them). The prefix is recomputed by
+comparing ids, not assumed: when re-tokenizing an answer gives other ids than the ones
+generated, or the overflow policy dropped turns, the cache is cropped back to the
+common prefix (never into the middle of an image) and the rest is fed again. So both
+paths see exactly the same prompt ids; a test checks that their answers are identical.
+
+``batch_size`` dialogues are answered together. On the KV path they share one batched
+cache (:class:`~mmtune.evaluation.generation.batched_kv.BatchedKVCache`) and every forward step
+serves all rows at once: a row starting a turn feeds only that turn's new tokens (the
+user turn with its images), a row mid-answer feeds its last token, right-padded within
+the step, with an attention mask that hides every other column and position ids that
+count the row's own tokens. A row whose answer ends starts its next turn at the next
+step; a row whose dialogue is done takes the next dialogue (continuous batching). With
+greedy decoding the answers are those of one dialogue at a time, which tests check on
+LLaVA and XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole
+history every turn, left-padded, ``batch_size`` dialogues per forward pass.
+
+Context overflow: when ``prompt + min_new_tokens`` exceeds the window, ``drop_oldest``
+drops the oldest exchanges (their images are carried into the first kept user turn when
+a kept turn names them, e.g. "Image1"), ``stop`` answers no more turns of the dialogue.
+Each turn's record says what happened.
+
+Every turn's record is appended to a JSONL file and flushed as soon as it exists; a
+restart skips finished turns and rebuilds the history of a half-done dialogue from the
+recorded answers. A restart only resumes answers of the same run: ``<file>.settings.json``
+keys the file on the decoding settings, the weights (a fingerprint of the loaded model
+plus the checkpoint's name) and the data file (path, size, mtime), and every resumed
+record's question must equal the dialogue's; anything else raises
+:class:`StaleGenerationsError` naming the run that wrote the file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.generation.batched_kv import BatchedKVCache
+from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.throughput import resolve_batch_size
+from mmtune.models.base import ImageChunk, ModelAdapter
+
+__all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "question_text", "read_generations"]
+
+log = logging.getLogger(__name__)
+
+
+class StaleGenerationsError(ValueError):
+    """A generation file holds answers of another model, data file, prompt or decoding."""
+
+    def __init__(self, path: Path, message: str):
+        self.path = path
+        super().__init__(message)
+
+
+@dataclass
+class TurnRecord:
+    """One answered (or skipped) turn, as written to the generation JSONL."""
+
+    dialogue_id: str
+    turn: int
+    """Exchange index within the dialogue (0 = first question)."""
+    question: str
+    answer: Optional[str]
+    """``None`` when the turn was skipped because the dialogue no longer fits."""
+    reference: Optional[str]
+    prompt_tokens: int
+    """Length of the full prompt of this turn (history + question + generation prompt)."""
+    forward_tokens: int
+    """Tokens run through the model for this turn (fed prompt tokens + decoding steps)."""
+    new_tokens: int
+    finish_reason: str
+    """``stop`` (a stop token), ``length`` (max_new_tokens or window end) or ``context`` (skipped)."""
+    context: Optional[dict[str, Any]] = None
+    """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
+
+
+def question_text(turn: Turn) -> str:
+    """A user turn as text, images shown as ``<image>`` where they stood: the ``question`` of
+    a :class:`TurnRecord` (checked on resume) and of a judge prompt."""
+    return "".join(s if isinstance(s, str) else "<image>" for s in turn.segments).strip()
+
+
+def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
+    """An encoded dialogue as one id list, its images in order and each image's token span."""
+    ids: list[int] = []
+    images: list[Image] = []
+    spans: list[tuple[int, int]] = []
+    chunks = list(encoded.prefix) + [c for t in encoded.turns for c in t.chunks] + list(encoded.suffix)
+    for chunk in chunks:
+        if isinstance(chunk, ImageChunk):
+            spans.append((len(ids), len(ids) + chunk.num_tokens))
+            images.append(chunk.image)
+            ids.extend([image_token_id] * chunk.num_tokens)
+        else:
+            ids.extend(chunk.ids)
+    return ids, images, spans
+
+
+def read_generations(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a generation JSONL; a torn last line (crash mid-write) is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+@dataclass
+class _State:
+    dialogue: Dialogue
+    answers: list[Optional[str]] = field(default_factory=list)
+    dropped: int = 0
+    stopped: bool = False
+    cache: Any = None
+    cached_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    """A row of the batched KV path: its dialogue, the exchange it answers and how far it got."""
+
+    state: _State
+    turn: int = 0
+    prompt: Optional[tuple] = None
+    """The turn's prompt (ids, images, spans, overflow info); ``None`` between turns."""
+    feed: Optional[list[int]] = None
+    """Prompt tokens still to prefill (``None`` once prefilled: the row is decoding)."""
+    image_paths: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0
+    max_new: int = 0
+    processors: Any = None
+    history: Any = None
+    """The row's prompt and answer so far [1, L], on the model's device, for the processors."""
+    last_token: Any = None
+
+
+# Compact the batched cache once more than this fraction of it is holes: a compaction
+# copies the cache once (about one decode step's memory traffic), holes cost memory and
+# attention time at every step.
+_COMPACT_HOLES = 0.25
+
+
+def _reusable_prefix(ids: list[int], cached: list[int], spans: list[tuple[int, int]]) -> int:
+    """How many leading tokens of ``ids`` a cache holding ``cached`` can keep.
+
+    The longest common prefix, less one (at least one token must be fed to get the
+    logits of the next position), moved back to an image's start if it ends inside one
+    (an image's features come in one piece)."""
+    common = 0
+    limit = min(len(ids), len(cached))
+    while common < limit and ids[common] == cached[common]:
+        common += 1
+    common = min(common, len(ids) - 1)
+    for start, end in spans:
+        if start < common < end:
+            common = start
+    return common
+
+
+_IMAGE_NAME = re.compile(r"\bimage\s*(\d+)\b", re.IGNORECASE)
+
+
+class DialogueGenerator:
+    """Answers dialogues turn by turn with an adapter's chat template.
+
+    Args:
+        adapter: the model family's adapter (template, image preprocessing, stop ids).
+        model: the loaded model (``adapter.load_model()``), in eval mode.
+        config: decoding, batching and overflow settings.
+    """
+
+    prefill_policy: str
+    """Batched KV path: ``continuous`` (a row starts its next turn as soon as its answer
+    ends) or ``lockstep`` (rows start turns together, after the longest answer); from
+    ``config.batch_schedule``, ``auto`` resolved by device."""
+
+    def __init__(self, adapter: ModelAdapter, model: Any, config: GenerationConfig):
+        import torch
+
+        self.adapter = adapter
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        schedule = config.batch_schedule
+        if schedule == "auto":  # see GenerationConfig.batch_schedule and bench/eval_generation.py
+            schedule = "continuous" if self.device.type == "cuda" else "lockstep"
+        self.prefill_policy = schedule
+        # peft wrappers forward **kwargs; the wrapped model's signature names the cache argument
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(inner.forward).parameters
+        # transformers 5.x names the cache argument ``cache``; older and remote-code models ``past_key_values``.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        window = config.context_length
+        if window is None:
+            text_cfg = adapter.text_config(model.config)
+            window = int(getattr(text_cfg, "max_position_embeddings", 0) or 0) or None
+        self.context_length = window
+        self.pad_id = adapter.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = adapter.stop_token_ids[0]
+        self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.batch_size = resolve_batch_size(config, sum(p.numel() for p in model.parameters()))
+        # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
+        # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
+        # had already ended; forward_calls: model calls; compactions: batched-cache compactions
+        self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
+                      "idle_tokens": 0, "compactions": 0}
+
+    # ------------------------------------------------------------------ prompts
+    def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
+        """The dialogue as the model sees it before answering exchange ``t``, oldest ``drop`` exchanges removed."""
+        dialogue = state.dialogue
+        exchanges = list(dialogue.exchanges())
+        system = [dialogue.turns[0]] if dialogue.turns and dialogue.turns[0].role == "system" else []
+        kept = []
+        for j in range(drop, t + 1):
+            u, _ = exchanges[j]
+            kept.append(dialogue.turns[u])
+            if j < t:
+                kept.append(Turn("assistant", (state.answers[j] or "",)))
+        carried = 0
+        if drop:
+            # images introduced in dropped turns, numbered in order of appearance
+            order = {img.path: i + 1 for i, img in enumerate(dialogue.images)}
+            named = {int(n) for turn in kept for n in _IMAGE_NAME.findall(turn.text)}
+            lost = [img for j in range(drop) for img in dialogue.turns[exchanges[j][0]].images]
+            keep_segments: list[Any] = []
+            for img in lost:
+                if order.get(img.path) in named:
+                    keep_segments += [f"Image{order[img.path]}: ", img, "\n"]
+                    carried += 1
+            if keep_segments:
+                kept[0] = Turn("user", tuple(keep_segments) + kept[0].segments)
+        return Dialogue(dialogue.id, dialogue.source, tuple(system + kept), dialogue.meta), carried
+
+    def _encode(self, dialogue: Dialogue) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
+        encoded = self.adapter.encode_dialogue(dialogue, system_prompt=self.config.system_prompt, add_generation_prompt=True)
+        return flatten(encoded, self.adapter.image_token_id)
+
+    def _prompt(self, state: _State, t: int) -> Optional[tuple[list[int], list[Image], list[tuple[int, int]], Optional[dict]]]:
+        """Prompt ids for exchange ``t`` after the overflow policy; None = skip (dialogue stopped)."""
+        if state.stopped:
+            return None
+        window = self.context_length
+        drop = state.dropped
+        while True:
+            history, carried = self._history(state, t, drop)
+            ids, images, spans = self._encode(history)
+            if window is None or len(ids) + self.config.min_new_tokens <= window:
+                break
+            if self.config.overflow == "stop" or drop >= t:
+                state.stopped = True
+                return None
+            drop += 1
+        state.dropped = drop
+        info = None
+        if drop:
+            info = {"policy": "drop_oldest", "dropped_exchanges": drop, "carried_images": carried}
+        return ids, images, spans, info
+
+    # ------------------------------------------------------------------ decoding
+    def _logits_processors(self):
+        from transformers import (
+            LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
+            SuppressTokensLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        processors = LogitsProcessorList()
+        # Special tokens other than the stop tokens are never generated: decoding drops them
+        # from the answer text, and an image placeholder would reach the next prompt
+        # without pixels.
+        tok = self.adapter.tokenizer
+        special = set(getattr(tok, "all_special_ids", [])) | {self.adapter.image_token_id}
+        banned = special - {None} - set(self.adapter.stop_token_ids)
+        processors.append(SuppressTokensLogitsProcessor(sorted(banned), device=self.device))
+        if self.config.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(self.config.repetition_penalty))
+        if self.config.do_sample:
+            processors.append(TemperatureLogitsWarper(self.config.temperature))
+            if self.config.top_p < 1.0:
+                processors.append(TopPLogitsWarper(self.config.top_p))
+        return processors
+
+    def _forward(self, ids, pixel_values, mask, positions, cache, keep: Any = 1):
+        kwargs = {self._cache_kw: cache, "use_cache": True}
+        self.stats["forward_calls"] += 1
+        out = self.model(
+            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **kwargs
+        )
+        return out.logits[:, -1, :].float()
+
+    def _decode(
+        self,
+        rows: list[list[int]],
+        image_paths: list[str],
+        cache: Any,
+        past: int,
+        max_new: list[int],
+        contexts: list[list[int]],
+    ) -> list[tuple[list[int], str, int]]:
+        """Prefill ``rows`` (left-padded; ``past`` cached tokens before them) and decode greedily
+        or by sampling. Returns per row: generated ids (stop token excluded), finish reason and
+        the tokens this row ran through the model."""
+        import torch
+
+        B, L = len(rows), max(len(r) for r in rows)
+        pads = [L - len(r) for r in rows]
+        ids = torch.tensor([[self.pad_id] * p + r for p, r in zip(pads, rows)], dtype=torch.long, device=self.device)
+        mask = torch.ones(B, past + L, dtype=torch.long, device=self.device)
+        for b, p in enumerate(pads):
+            mask[b, past : past + p] = 0
+        positions = (torch.arange(L, device=self.device).unsqueeze(0) - torch.tensor(pads, device=self.device).unsqueeze(1)).clamp(min=0) + past
+        pixel_values = None
+        if image_paths:
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        processors = self._logits_processors()
+        stops = set(self.adapter.stop_token_ids)
+        generated: list[list[int]] = [[] for _ in range(B)]
+        finish = [""] * B
+        fed = [len(r) for r in rows]
+        history = torch.tensor([[self.pad_id] * p + c for p, c in zip([max(len(c) for c in contexts) - len(c) for c in contexts], contexts)], device=self.device)
+        logits = self._forward(ids, pixel_values, mask, positions, cache)
+        self.stats["padding_tokens"] += sum(pads)
+        last_pos = positions[:, -1]
+        step = 0
+        while True:
+            scores = processors(history, logits)
+            if self.config.do_sample:
+                probs = torch.softmax(scores, dim=-1).cpu()
+                next_ids = torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+            else:
+                next_ids = scores.argmax(dim=-1)
+            step += 1
+            for b in range(B):
+                if finish[b]:
+                    continue
+                token = int(next_ids[b])
+                if token in stops:
+                    finish[b] = "stop"
+                else:
+                    generated[b].append(token)
+                    if len(generated[b]) >= max_new[b]:
+                        finish[b] = "length"
+            if all(finish):
+                break
+            # finished rows keep decoding a pad token (masked out) so the batch stays rectangular
+            feed = torch.where(torch.tensor([bool(f) for f in finish], device=self.device), torch.full_like(next_ids, self.pad_id), next_ids)
+            for b in range(B):
+                if not finish[b]:
+                    fed[b] += 1
+            self.stats["padding_tokens"] += sum(1 for f in finish if f)
+            self.stats["idle_tokens"] += sum(1 for f in finish if f)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            last_pos = last_pos + 1
+            history = torch.cat([history, feed.unsqueeze(1)], dim=1)
+            logits = self._forward(feed.unsqueeze(1), None, mask, last_pos.unsqueeze(1), cache)
+        return [(generated[b], finish[b], fed[b]) for b in range(B)]
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _answer_text(self, ids: list[int]) -> str:
+        return self.adapter.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def _max_new(self, prompt_len: int) -> int:
+        if self.context_length is None:
+            return self.config.max_new_tokens
+        return max(1, min(self.config.max_new_tokens, self.context_length - prompt_len))
+
+    # ------------------------------------------------------------------ one turn, KV path
+    def _turn_kv(self, state: _State, ids: list[int], images: list[Image], spans: list[tuple[int, int]]):
+        import torch
+
+        with torch.inference_mode():
+            common = _reusable_prefix(ids, state.cached_ids, spans)
+            if state.cache is None or common == 0:
+                state.cache, common = self._new_cache(), 0
+            else:
+                extra = state.cache.get_seq_length() - common
+                if extra > 0:
+                    state.cache.crop(-extra)
+            new_images = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+            [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))], [ids])
+        # the cache now holds the prompt and every generated token except the last one sampled
+        state.cached_ids = ids + gen[: max(0, fed - (len(ids) - common))]
+        return gen, finish, fed
+
+    # ------------------------------------------------------------------ batched KV path
+    def _advance(self, slot: _Slot, done: dict, emit: Any, bar: Any) -> Optional[tuple]:
+        """Move ``slot`` to its next turn that needs the model and return that turn's prompt;
+        ``None`` when the dialogue has no such turn left. Turns already on disk are passed
+        over, turns the overflow policy skips are recorded on the way."""
+        state = slot.state
+        while slot.turn < len(state.answers):
+            if (state.dialogue.id, slot.turn) not in done:
+                prompt = self._prompt(state, slot.turn)
+                if prompt is not None:
+                    return prompt
+                emit(self._records_for(state, slot.turn, None, [], "", 0))
+                bar.update(1)
+            slot.turn += 1
+        return None
+
+    def _start_turn(self, kv: BatchedKVCache, row: int, slot: _Slot, prompt: tuple) -> None:
+        """Roll ``row`` of the cache back to what the prompt shares with it; queue the rest as the row's prefill."""
+        ids, images, spans, _ = prompt
+        common = _reusable_prefix(ids, kv.ids[row], spans)
+        kv.keep(row, common)
+        slot.prompt = prompt
+        slot.feed = ids[common:]
+        slot.image_paths = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+        slot.generated, slot.fed, slot.max_new = [], len(slot.feed), self._max_new(len(ids))
+        slot.processors = self._logits_processors()
+        slot.history = None
+
+    def _scores(self, slot: _Slot, logits: Any) -> Any:
+        """The row's logits [1, V] through the row's own logits processors (they see its own history)."""
+        import torch
+
+        if slot.history is None:
+            slot.history = torch.tensor([slot.prompt[0]], dtype=torch.long, device=self.device)
+        else:
+            slot.history = torch.cat([slot.history, slot.last_token], dim=1)
+        return slot.processors(slot.history, logits)
+
+    def _generate_batched_kv(self, states: list[_State], done: dict, emit: Any, bar: Any) -> None:
+        """Continuous batching over ``batch_size`` rows of one batched cache.
+
+        Every forward step, each row does what its dialogue needs next: a row starting a
+        turn feeds the prompt tokens after the prefix its cache row still holds (the user
+        turn and its images), a row in the middle of an answer feeds its last token. So a
+        row whose answer ends starts its next turn at the next step instead of waiting for
+        the longest answer of the batch. A row whose dialogue is done takes the next
+        dialogue (its old cache row is forgotten, not freed: the holes go at the next
+        compaction); when no dialogue is left, the row leaves the batch. With
+        ``prefill_policy = "lockstep"`` a row that finished its answer waits until every
+        row has, and all start their next turn together.
+        """
+        import torch
+
+        remaining = {id(s): sum((s.dialogue.id, t) not in done for t in range(len(s.answers))) for s in states}
+        # Dialogues with the most turns left go first, so the last rows to run alone (the
+        # batch shrinks once the queue is empty) are short dialogues.
+        queue = deque(sorted((s for s in states if remaining[id(s)]), key=lambda s: -remaining[id(s)]))
+        slots: list[Optional[_Slot]] = [None] * min(self.batch_size, len(queue))
+        if not slots:
+            return
+        stops = set(self.adapter.stop_token_ids)
+        # the cache bookkeeping edits tensors made under inference mode, so all of it runs there
+        with torch.inference_mode():
+            kv = BatchedKVCache(self._new_cache, len(slots), self.device)
+            while True:
+                mid_turn = any(s is not None and s.prompt is not None for s in slots)
+                for row, slot in enumerate(slots):
+                    if slot is not None and slot.prompt is not None:
+                        continue  # prefilling or decoding
+                    if mid_turn and self.prefill_policy == "lockstep":
+                        continue  # waits for the other rows' answers
+                    prompt = self._advance(slot, done, emit, bar) if slot is not None else None
+                    while prompt is None and queue:
+                        slot = slots[row] = _Slot(queue.popleft())
+                        kv.keep(row, 0)  # the new dialogue shares nothing with the old one
+                        prompt = self._advance(slot, done, emit, bar)
+                    if prompt is None:
+                        slots[row] = None
+                    else:
+                        self._start_turn(kv, row, slot, prompt)
+                live = [row for row, slot in enumerate(slots) if slot is not None]
+                if not live:
+                    break
+                if len(live) < kv.batch_size:
+                    kv.select(live)
+                    slots = [slots[r] for r in live]
+                if kv.holes() > _COMPACT_HOLES:
+                    kv.compact()
+                    self.stats["compactions"] += 1
+                self._batched_step(kv, slots, stops, emit, bar)
+
+    def _batched_step(self, kv: BatchedKVCache, slots: list[_Slot], stops: set[int], emit: Any, bar: Any) -> None:
+        """One forward pass of every row: prefilling rows feed their new prompt tokens, decoding
+        rows their last token, waiting rows (lockstep) a pad; then each row's next token."""
+        import torch
+
+        tokens, image_paths = [], []
+        for slot in slots:
+            if slot.prompt is None:
+                tokens.append([])  # waiting (lockstep)
+            elif slot.feed is not None:
+                tokens.append(slot.feed)
+                image_paths += slot.image_paths
+            else:
+                tokens.append([slot.generated[-1]])
+        width = max(len(t) for t in tokens)
+        ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
+        positions, last = kv.extend(tokens, width)
+        pixel_values = None
+        if image_paths:  # row-major order of their tokens: the order the model splices them in
+            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+        self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
+        self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
+        active = [b for b in range(len(slots)) if tokens[b]]
+        scores = torch.cat([self._scores(slots[b], logits[b : b + 1]) for b in active])
+        if self.config.do_sample:
+            probs = torch.softmax(scores, dim=-1).cpu()
+            picks = torch.multinomial(probs, 1, generator=self._generator).squeeze(1).to(self.device)
+        else:
+            picks = scores.argmax(dim=-1)
+        for i, (b, token) in enumerate(zip(active, picks.tolist())):
+            slot = slots[b]
+            if slot.feed is None:
+                slot.fed += 1
+            slot.feed, slot.image_paths = None, []
+            slot.last_token = picks[i : i + 1].unsqueeze(1)
+            finish = ""
+            if token in stops:
+                finish = "stop"
+            else:
+                slot.generated.append(token)
+                if len(slot.generated) >= slot.max_new:
+                    finish = "length"
+            if finish:
+                slot.state.answers[slot.turn] = self._answer_text(slot.generated)
+                emit(self._records_for(slot.state, slot.turn, slot.prompt, slot.generated, finish, slot.fed))
+                bar.update(1)
+                slot.turn += 1
+                slot.prompt = None
+
+    # ------------------------------------------------------------------ driver
+    def _records_for(self, state: _State, t: int, prompt, gen, finish, fed) -> TurnRecord:
+        dialogue = state.dialogue
+        u, a = list(dialogue.exchanges())[t]
+        reference = dialogue.turns[a].text if a < len(dialogue.turns) else None
+        if prompt is None:
+            return TurnRecord(dialogue.id, t, question_text(dialogue.turns[u]), None, reference, 0, 0, 0, "context",
+                              {"policy": self.config.overflow, "stopped": True})
+        ids, _, _, info = prompt
+        answer = self._answer_text(gen)
+        self.stats["forward_tokens"] += fed
+        self.stats["prompt_tokens"] += len(ids)
+        self.stats["turns"] += 1
+        return TurnRecord(dialogue.id, t, question_text(dialogue.turns[u]), answer, reference, len(ids), fed, len(gen), finish, info)
+
+    def generate(
+        self,
+        dialogues: Sequence[Dialogue],
+        *,
+        out_path: Optional[str | os.PathLike] = None,
+        progress: bool = False,
+        run_key: Optional[dict[str, Any]] = None,
+    ) -> list[TurnRecord]:
+        """Answer every user turn of ``dialogues``; append each record to ``out_path`` at once.
+
+        Turns already in ``out_path`` are not generated again (resume); their answers are
+        used as the history of the dialogue's remaining turns. ``run_key`` names what
+        else the answers depend on (``{"checkpoint": ..., "data": ...}``) and
+        ``{"about": {...}}`` describes the run for messages; both go to the settings file.
+
+        Raises:
+            StaleGenerationsError: ``out_path`` holds answers of another run.
+
+        Returns:
+            All records of ``dialogues`` (old and new), in dialogue and turn order.
+        """
+        import torch
+        from tqdm.auto import tqdm
+
+        done: dict[tuple[str, int], dict[str, Any]] = {}
+        handle = None
+        if out_path is not None:
+            out_path = Path(out_path)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            self._check_settings(out_path, run_key)
+            _drop_torn_line(out_path)
+            done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
+            _check_questions(out_path, done, dialogues)
+            handle = out_path.open("a", encoding="utf-8")
+        records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
+
+        def emit(record: TurnRecord) -> None:
+            records[(record.dialogue_id, record.turn)] = record
+            if handle is not None:
+                handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
+                handle.flush()  # a crash loses at most the turn in flight
+
+        states = []
+        for dialogue in dialogues:
+            n = len(list(dialogue.exchanges()))
+            state = _State(dialogue, answers=[None] * n)
+            for t in range(n):
+                old = done.get((dialogue.id, t))
+                if old is not None:
+                    state.answers[t] = old["answer"]
+                    if old["finish_reason"] == "context":
+                        state.stopped = True
+                    if old.get("context") and old["context"].get("dropped_exchanges"):
+                        state.dropped = max(state.dropped, int(old["context"]["dropped_exchanges"]))
+            states.append(state)
+        todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
+        bar = tqdm(total=todo, desc="generating", disable=not progress)
+        try:
+            if self.config.kv_reuse and self.batch_size > 1:
+                self._generate_batched_kv(states, done, emit, bar)
+            elif self.config.kv_reuse:
+                for state in states:
+                    for t in range(len(state.answers)):
+                        if (state.dialogue.id, t) in done:
+                            continue
+                        prompt = self._prompt(state, t)
+                        gen, finish, fed = ([], "", 0)
+                        if prompt is not None:
+                            gen, finish, fed = self._turn_kv(state, *prompt[:3])
+                            state.answers[t] = self._answer_text(gen)
+                        emit(self._records_for(state, t, prompt, gen, finish, fed))
+                        bar.update(1)
+                    state.cache, state.cached_ids = None, []  # free the dialogue's KV memory
+            else:
+                size = self.batch_size
+                for start in range(0, len(states), size):
+                    group = states[start : start + size]
+                    for t in range(max((len(s.answers) for s in group), default=0)):
+                        active = [s for s in group if t < len(s.answers) and (s.dialogue.id, t) not in done]
+                        prompts = [(s, self._prompt(s, t)) for s in active]
+                        for s, p in prompts:
+                            if p is None:
+                                emit(self._records_for(s, t, None, [], "", 0))
+                                bar.update(1)
+                        ready = [(s, p) for s, p in prompts if p is not None]
+                        if not ready:
+                            continue
+                        with torch.inference_mode():
+                            outs = self._decode(
+                                [p[0] for _, p in ready],
+                                [img.path for _, p in ready for img in p[1]],
+                                self._new_cache(),
+                                0,
+                                [self._max_new(len(p[0])) for _, p in ready],
+                                [p[0] for _, p in ready],
+                            )
+                        for (s, p), (gen, finish, fed) in zip(ready, outs):
+                            s.answers[t] = self._answer_text(gen)
+                            emit(self._records_for(s, t, p, gen, finish, fed))
+                            bar.update(1)
+        finally:
+            bar.close()
+            if handle is not None:
+                handle.close()
+        order = [(s.dialogue.id, t) for s in states for t in range(len(s.answers))]
+        return [records[k] for k in order if k in records]
+
+    def _settings(self, run_key: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        from mmtune.evaluation.generation.fingerprint import weights_fingerprint
+
+        keys = ("max_new_tokens", "do_sample", "temperature", "top_p", "repetition_penalty", "seed", "overflow", "min_new_tokens", "system_prompt")
+        settings = {k: getattr(self.config, k) for k in keys}
+        settings["context_length"] = self.context_length
+        settings["weights"] = weights_fingerprint(self.model)
+        settings.update(run_key or {})
+        return settings
+
+    def _check_settings(self, out_path: Path, run_key: Optional[dict[str, Any]] = None) -> None:
+        # Resuming another model's, data file's or decoding's answers would mix two
+        # evaluations in one file and report them under the new name.
+        meta = out_path.with_suffix(".settings.json")
+        settings = self._settings(run_key)
+        if meta.exists() and out_path.exists() and out_path.stat().st_size > 0:
+            old = json.loads(meta.read_text())
+            diff = {k: (old.get(k), v) for k, v in settings.items() if k != "about" and old.get(k) != v}
+            if diff:
+                about = old.get("about") or {}
+                who = ", ".join(f"{k} {v!r}" for k, v in about.items()) or "no run recorded"
+                raise StaleGenerationsError(
+                    out_path,
+                    f"{out_path} holds answers generated with other settings by another run ({who}); they "
+                    f"differ in {sorted(diff)}: "
+                    f"{diff} (old, new). Not mixing them: use another output folder (each checkpoint gets its own "
+                    f"by default) or delete {out_path.name} and {meta.name} to start over",
+                )
+        meta.write_text(json.dumps(settings, indent=2, default=str))
+
+
+def _check_questions(out_path: Path, done: dict[tuple[str, int], dict[str, Any]], dialogues: Sequence[Dialogue]) -> None:
+    """Resumed records must answer the questions being asked now (same data, same prompts)."""
+    for dialogue in dialogues:
+        for t, (u, _) in enumerate(dialogue.exchanges()):
+            old = done.get((dialogue.id, t))
+            if old is not None and old.get("question") != question_text(dialogue.turns[u]):
+                raise StaleGenerationsError(
+                    out_path,
+                    f"{out_path}: the stored answer of dialogue {dialogue.id!r}, turn {t} was generated for another "
+                    f"question ({old.get('question')!r:.80} vs now {question_text(dialogue.turns[u])!r:.80}): the data "
+                    "file or prompt changed. Use another output folder or delete the file to start over",
+                )
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a half-written last line so appended records start on a line of their own."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        with path.open("r+b") as handle:
+            handle.truncate(cut)

@@ -1,0 +1,58 @@
+"""Typed settings of the LLM judge (the ``eval.judge`` section).
+
+Secrets are not config: the judge's base URL and key are read from the environment
+variables *named* here, never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["JudgeConfig"]
+
+
+@dataclass
+class JudgeConfig:
+    model: Optional[str] = None
+    """Judge model name (e.g. ``gpt-4o-2024-05-13``); ``None`` reads the env var ``model_env``."""
+    model_env: str = "MMTUNE_JUDGE_MODEL"
+    """Environment variable holding the judge model name when ``model`` is unset."""
+    base_url_env: str = "MMTUNE_JUDGE_BASE_URL"
+    """Environment variable with the OpenAI-compatible base URL (unset = api.openai.com)."""
+    api_key_env: str = "MMTUNE_JUDGE_API_KEY"
+    """Environment variable with the API key. The key is never logged or written anywhere.
+    When this variable and ``base_url_env`` are unset, the openai SDK's own
+    ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` are used (the start-up line names the source)."""
+    max_failed_share: float = 0.0
+    """Largest share of judge calls allowed to fail (after retries) before the evaluation
+    exits with an error. 0.0 = any failed call is an error: a judge that fails must never
+    look like a model that scored zero. Results and details are written first either way."""
+    stop_after_failures: int = 20
+    """Stop sending once this many calls failed and none succeeded (bad key, wrong URL,
+    server down): the remaining items fail at once instead of paying retries each."""
+    concurrency: int = 8
+    """Judge calls in flight at once. Raise it for a local vLLM server; lower it on 429s."""
+    timeout_s: float = 120.0
+    """Per-request timeout; a timeout is retried."""
+    max_retries: int = 6
+    """Retries on 429 / 5xx / timeouts / malformed replies before the item counts as failed."""
+    backoff_base_s: float = 1.0
+    """First backoff; attempt n waits uniform(0, min(backoff_max_s, base * 2**n)) (full jitter)."""
+    backoff_max_s: float = 60.0
+    """Cap of one backoff wait."""
+    max_tokens: int = 2048
+    """Max tokens of a judge reply."""
+    send_images: bool = False
+    """Attach the item's images to judge calls (MMDU's official judge does; VLMEvalKit's
+    port does not). Off = text-only judging, which needs no image files."""
+    cache_path: Optional[str] = None
+    """SQLite cache of judge replies; ``None`` = ``<output_dir>/judge_cache.sqlite``."""
+    prices: dict[str, Any] = field(
+        default_factory=lambda: {
+            "gpt-4o": {"input": 2.5, "output": 10.0},
+            "gpt-4o-mini": {"input": 0.15, "output": 0.6},
+            "gpt-4-0613": {"input": 30.0, "output": 60.0},
+        }
+    )
+    """USD per million input / output tokens, by model name (longest matching prefix wins)."""

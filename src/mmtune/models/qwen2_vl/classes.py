@@ -1,0 +1,37 @@
+"""The transformers classes this family covers, by the checkpoint config's ``model_type``.
+
+The bottom layer of the package: the template, images, tiny checkpoints and the adapter all
+dispatch on ``model_type`` through this table, never on names of checkpoints.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MODEL_TYPES", "model_classes", "generation_classes"]
+
+#: the ``model_type`` values of the transformers classes this family covers
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+# model_type -> (generation class, inner model class owning get_rope_index)
+_CLASSES = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"),
+}
+
+
+def model_classes(model_type: str) -> tuple[type, type]:
+    """transformers' ``(…ForConditionalGeneration, …Model)`` classes of ``model_type``."""
+    import transformers
+
+    if model_type not in _CLASSES:
+        raise ValueError(
+            f"model_type {model_type!r} is not covered by the qwen2_vl adapter; it covers {list(MODEL_TYPES)} "
+            "(transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes)"
+        )
+    generation, inner = _CLASSES[model_type]
+    return getattr(transformers, generation), getattr(transformers, inner)
+
+
+def generation_classes() -> tuple[type, ...]:
+    """Every ``…ForConditionalGeneration`` class of the family."""
+    return tuple(model_classes(t)[0] for t in MODEL_TYPES)

@@ -1,0 +1,203 @@
+"""The training cost model of ``mmtune plan``: FLOPs, GPU-hours and memory per GPU.
+
+Cost model (stated in the output as well):
+
+- **Compute.** Per training token the language model (``N_lm`` parameters) costs
+  ``2·N_lm`` FLOPs forward, ``2·N_lm`` backward for activation gradients and
+  ``2·N_trainable_lm`` backward for weight gradients (so ``6·N`` for full fine-tuning,
+  about ``4·N`` for LoRA), ``+2·N_lm`` with gradient checkpointing (recomputed
+  forward), plus causal attention ``6·L·d·s̄`` (``s̄`` = mean sample length; ×4/3 with
+  checkpointing). The vision tower runs forward only when frozen: ``2·N_vision`` per
+  image patch. ``GPU-hours = FLOPs / (peak_bf16_flops · utilization) / 3600`` with
+  ``utilization`` an assumption (default 0.35, ``--utilization``).
+- **Memory per GPU.** Weights (``bytes(dtype)·N``), gradients (``bytes(dtype)·N_trainable``)
+  and AdamW states (``8·N_trainable`` for m and v in fp32, ``+4·N_trainable`` for the fp32
+  master copy when weights are 16-bit), divided by the data-parallel size as the ZeRO
+  stage shards them (1: optimizer states; 2: +gradients; 3: +weights; offloaded parts
+  count 0); under ZeRO-3 each GPU also holds the gathered working set of
+  ``stage3_max_live_parameters`` (1e9 by default) parameters. Activations (16-bit,
+  FlashAttention/SDPA so no ``s²`` score matrix): ``34·s·d``
+  bytes per layer for ``s`` tokens in a micro-batch (Korthikanti et al., 2022); with
+  gradient checkpointing ``2·s·d`` per layer plus one layer's ``34·s·d``. Logits:
+  the loss's working memory per ``training.loss_impl`` (materialised ``14·s·V`` bytes; the
+  chunked and fused linear cross-entropy hold one chunk of logits: see
+  :func:`estimate_cost`). Plus 1.5 GiB for the CUDA context
+  and allocator slack.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from mmtune.training.plan.common import PlanError
+from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
+from mmtune.training.plan.model import ParamCounts
+
+__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "ZERO3_LIVE_PARAMETERS"]
+
+ZERO3_LIVE_PARAMETERS = 1_000_000_000
+"""DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
+
+
+@dataclass
+class CostEstimate:
+    gpu: str
+    num_gpus: int
+    utilization: float
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    optimizer_steps: int
+    train_tokens: int
+    micro_batch_tokens: int
+    flops: float
+    gpu_hours: float
+    wall_hours: float
+    memory_gib: dict[str, float]
+    fits: bool
+    formula: str
+
+
+def estimate_cost(
+    params: ParamCounts,
+    *,
+    train_tokens: int,
+    train_images: int,
+    mean_sample_tokens: float,
+    micro_batch_tokens: int,
+    optimizer_steps: int,
+    weight_dtype: str,
+    gradient_checkpointing: bool,
+    zero_stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+    num_gpus: int,
+    gpu: GpuType,
+    utilization: float,
+    vision_trains: bool = False,
+    loss_impl: str = "materialized",
+    loss_chunk_size: int = 1024,
+    head_trains: bool = True,
+) -> CostEstimate:
+    """Compute and memory estimate (formulas in the module docstring).
+
+    ``loss_impl`` (``training.loss_impl``; ``auto`` counts as ``fused`` when Liger is
+    installed, else ``chunked``) decides the logits term, the loss's peak working memory
+    at the start of the backward pass for a micro-batch of ``s`` tokens:
+
+    * ``materialized``: ``14·s·V`` B (16-bit logits, their fp32 copy, the fp32
+      log-softmax kept for backward, and its fp32 gradient in backward);
+    * ``chunked``: ``10·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
+      (fp32 logits, turned into their gradient in place, plus a 16-bit copy and the
+      chunk's 16-bit weight gradient ``2·V·d``), plus ``4·V·d`` for the fp32
+      weight-gradient accumulator when the head trains in 16-bit;
+    * ``fused`` (Liger): ``2·c·V`` B with Liger's chunk ``c = 2^ceil(log2(s / ceil(V/d)))``
+      plus the gradients it computes in the forward pass and holds until backward,
+      ``2·s·d + 4·V·d`` B.
+    """
+    n_lm, n_train_lm = params.language_model, params.trainable_language_model
+    d, L, V = params.hidden_size, params.num_layers, params.vocab_size
+    per_token = 2 * n_lm + 2 * n_lm + 2 * n_train_lm
+    attn = 6 * L * d * mean_sample_tokens
+    if gradient_checkpointing:
+        per_token += 2 * n_lm
+        attn *= 4 / 3
+    patches = (params.image_tokens or 0) * train_images
+    vision = (6 if vision_trains else 2) * params.vision * patches
+    flops = train_tokens * (per_token + attn) + vision
+    gpu_seconds = flops / (gpu.peak_tflops * 1e12 * utilization)
+    gpu_hours = gpu_seconds / 3600
+
+    wbytes = DTYPE_BYTES.get(weight_dtype, 4)
+    G = max(1, num_gpus)
+    weights = wbytes * params.total
+    grads = wbytes * params.trainable
+    optim = (8 + (4 if wbytes < 4 else 0)) * params.trainable
+    if zero_stage >= 1:
+        optim /= G
+    if zero_stage >= 2:
+        grads /= G
+    if zero_stage >= 3:
+        weights /= G
+    if offload_optimizer:
+        optim = 0.0
+    if offload_params and zero_stage >= 3:
+        weights = 0.0
+    # ZeRO-3 gathers the layers it is computing (DeepSpeed's stage3_max_live_parameters,
+    # 1e9 by default): that working set sits on every GPU on top of the shards.
+    gathered = wbytes * min(params.total, ZERO3_LIVE_PARAMETERS) if zero_stage >= 3 else 0.0
+    s = micro_batch_tokens
+    act = (2 * s * d * L + 34 * s * d) if gradient_checkpointing else 34 * s * d * L
+    if loss_impl == "auto":
+        from mmtune.training.loss import choose_loss_impl
+
+        loss_impl = choose_loss_impl(loss_impl, device_type="cuda").impl  # planned on GPUs; Liger as installed
+    head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
+    if loss_impl == "chunked":
+        c = min(s, max(1, loss_chunk_size))
+        logits = 10 * c * V + 2 * V * d + head_grad_fp32
+    elif loss_impl == "fused":
+        c = min(s, 2 ** math.ceil(math.log2(max(1.0, s / math.ceil(V / d)))))
+        logits = 2 * c * V + 2 * s * d + (4 * V * d if head_trains else 0)
+    else:
+        logits = 14 * s * V
+    gib = 1024**3
+    mem = {
+        "weights": weights / gib,
+        "zero3_gathered": gathered / gib,
+        "gradients": grads / gib,
+        "optimizer": optim / gib,
+        "activations": act / gib,
+        "logits": logits / gib,
+        "overhead": OVERHEAD_GIB,
+    }
+    mem["total"] = sum(mem.values())
+    formula = (
+        "FLOPs = tokens·(4·N_lm + 2·N_trainable_lm [+2·N_lm ckpt] + 6·L·d·s̄ [×4/3 ckpt]) + "
+        "(2|6)·N_vision·patches; GPU-h = FLOPs / (peak·utilization) / 3600. "
+        "Memory = weights + grads + AdamW (8 or 12 B/param) sharded by ZeRO stage (+1e9 gathered params "
+        "under ZeRO-3) + activations "
+        "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
+        + {"chunked": "10·c·V + 2·V·d [+4·V·d fp32 head grad] B, c = loss_chunk_size rows",
+           "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
+    )
+    return CostEstimate(
+        gpu=gpu.name, num_gpus=G, utilization=utilization, zero_stage=zero_stage,
+        offload_optimizer=offload_optimizer, offload_params=offload_params, optimizer_steps=optimizer_steps,
+        train_tokens=train_tokens, micro_batch_tokens=s, flops=flops, gpu_hours=gpu_hours,
+        wall_hours=gpu_hours / G, memory_gib=mem, fits=mem["total"] <= gpu.memory_gib, formula=formula,
+    )
+
+
+def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
+    """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config)."""
+    ds_path = training_cfg.deepspeed_config
+    origin = "training.deepspeed_config"
+    if accelerate_config:
+        from omegaconf import OmegaConf
+
+        acc = OmegaConf.to_container(OmegaConf.load(accelerate_config))
+        ds = (acc or {}).get("deepspeed_config") or {}
+        if ds.get("deepspeed_config_file"):
+            ds_path = ds["deepspeed_config_file"]
+            origin = f"{accelerate_config} -> {ds_path}"
+        elif ds:
+            return (int(ds.get("zero_stage", 0)), ds.get("offload_optimizer_device", "none") not in (None, "none"),
+                    ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
+        else:
+            return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
+    if not ds_path:
+        return 0, False, False, "no DeepSpeed config: DDP (pass --accelerate-config to plan a ZeRO launch)"
+    if not os.path.isfile(ds_path):
+        raise PlanError(f"DeepSpeed config {ds_path!r} ({origin}) does not exist")
+    zero = json.loads(Path(ds_path).read_text()).get("zero_optimization", {})
+
+    def off(key: str) -> bool:
+        return str((zero.get(key) or {}).get("device", "none")) not in ("none", "None")
+
+    return int(zero.get("stage", 0)), off("offload_optimizer"), off("offload_param"), origin

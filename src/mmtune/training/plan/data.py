@@ -1,0 +1,123 @@
+"""The data side of the plan: every source loaded through the data layer, one epoch sized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from mmtune.training.plan.common import PlanError
+
+__all__ = ["SourcePlan", "DataPlan", "plan_data"]
+
+
+@dataclass
+class SourcePlan:
+    name: str
+    path: str
+    format: str
+    records: int
+    kept: int
+    used_per_epoch: int
+    images: int
+    estimated_tokens: int
+    """Estimated tokens of the records used per epoch (data layer's estimate)."""
+    report: str
+
+
+@dataclass
+class DataPlan:
+    sources: list[SourcePlan]
+    strategy: str
+    by: str
+    weights: Optional[dict[str, float]]
+    samples_per_epoch: int
+    tokens_per_epoch: int
+    images_per_epoch: int
+    mean_tokens_per_sample: float
+    tokens_source: str
+    notes: list[str] = field(default_factory=list)
+    """Caveats of the estimate and sources with skipped records (with their reports)."""
+
+
+def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Optional[int] = None,
+              allow_skipped: bool = False) -> DataPlan:
+    """Load every source through the data layer (validated, cached) and size one epoch.
+
+    Tokens come from the data layer's estimate (characters / 4 + tokens per image),
+    capped at ``max_length`` per sample (the collator drops whole trailing turns past
+    it); records per source and epoch come from the data layer's
+    :func:`~mmtune.data.mixture.mixture_counts`, as the training sampler draws them.
+    """
+    import numpy as np
+
+    from mmtune.data.readers import load_source
+    from mmtune.data.validation import DataValidationError
+
+    problems: list[str] = []
+    loaded = []
+    v = data_cfg.validation
+    for s in data_cfg.mixture.sources:
+        try:
+            loaded.append(load_source(s, mode=v.mode, cache_dir=data_cfg.cache_dir, check_images=v.check_images,
+                                      max_examples=v.max_examples))
+        except (FileNotFoundError, DataValidationError) as err:
+            problems.append(f"data source {s.name!r}: {err}")
+    if problems:
+        raise PlanError("\n".join(problems))
+    for sd in loaded:
+        bad_images = {k: n for k, n in sd.report.skipped.items() if k in ("missing_image", "corrupt_image")}
+        if bad_images and not allow_skipped:
+            problems.append(
+                f"data source {sd.name!r}: {sum(bad_images.values())} record(s) would be skipped for "
+                f"missing or broken images\n{sd.report.render()}"
+            )
+    if problems:
+        raise PlanError("\n".join(problems) + "\n(fix the paths, or pass --allow-skipped to plan anyway)")
+
+    from mmtune.data.mixture import mixture_counts
+
+    mix = data_cfg.mixture
+    tpi = mix.tokens_per_image if tokens_per_image is None else tokens_per_image
+    per_source = []
+    raw_means = []
+    for sd in loaded:
+        raw = sd.estimated_tokens(tpi)
+        tokens = np.minimum(raw, max_length) if max_length else raw
+        per_source.append((sd, len(sd), int(tokens.sum()), int(sd.num_images.sum())))
+        raw_means.append(float(raw.mean()) if len(sd) else 0.0)
+    # Records per source and epoch exactly as the training sampler draws them.
+    try:
+        counts = mixture_counts(mix, [size for _, size, _, _ in per_source], raw_means)
+    except ValueError as err:
+        raise PlanError(f"data.mixture: {err}") from err
+    used = {sd.name: c for (sd, *_), c in zip(per_source, counts)}
+
+    notes = []
+    if data_cfg.stacking.enabled:
+        notes.append("data.stacking is enabled: counts are before stacking (fewer, longer samples in training)")
+    notes += [f"source {sd.name!r} skips {sd.report.records_skipped} record(s):\n{sd.report.render()}"
+              for sd in loaded if sd.report.records_skipped]
+    sources = []
+    tokens_epoch = 0
+    images_epoch = 0
+    for sd, size, tok, img in per_source:
+        u = used[sd.name]
+        frac = u / size if size else 0.0
+        tokens_epoch += int(round(tok * frac))
+        images_epoch += int(round(img * frac))
+        sources.append(SourcePlan(sd.name, sd.config.path, sd.config.format, sd.report.records_read, size, u, img,
+                                  int(round(tok * frac)), sd.report.render()))
+    samples = sum(used.values())
+    return DataPlan(
+        sources=sources,
+        strategy=mix.strategy,
+        by=mix.by,
+        weights=dict(mix.weights) if mix.weights else None,
+        samples_per_epoch=samples,
+        tokens_per_epoch=tokens_epoch,
+        images_per_epoch=images_epoch,
+        mean_tokens_per_sample=tokens_epoch / samples if samples else 0.0,
+        tokens_source=f"data layer estimate: characters/4 + {tpi} tokens per image"
+        + (f", capped at {max_length} per sample" if max_length else ""),
+        notes=notes,
+    )

@@ -1,0 +1,235 @@
+"""One training run planned: model, data, context, LoRA, ZeRO, steps, tokens, GPU-hours, memory."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+from mmtune.compose import compose_config
+from mmtune.data.batching import steps_per_epoch
+from mmtune.training.plan.common import PlanError, human
+from mmtune.training.plan.cost import estimate_cost, zero_settings
+from mmtune.training.plan.data import DataPlan, plan_data
+from mmtune.training.plan.gpus import GPU_TYPES
+from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
+
+__all__ = ["RunPlan", "plan_run"]
+
+
+@dataclass
+class RunPlan:
+    overrides: list[str]
+    run_name: Optional[str]
+    output_dir: str
+    model: dict[str, Any]
+    params: Optional[dict[str, Any]]
+    data: Optional[dict[str, Any]]
+    context: dict[str, Any]
+    peft: dict[str, Any]
+    batching: dict[str, Any]
+    zero: dict[str, Any]
+    cost: Optional[dict[str, Any]]
+    evaluation: dict[str, Any]
+
+    def render(self) -> str:
+        lines = [f"== run {self.run_name or '(unnamed)'}  [{' '.join(self.overrides)}]",
+                 f"  output      {self.output_dir}"]
+        m = self.model
+        lines.append(f"  model       {m['family']}  path={m['path']}  dtype={m['torch_dtype']}")
+        if self.params:
+            p = self.params
+            lines.append(
+                f"  parameters  total {human(p['total'])} (vision {human(p['vision'])}, "
+                f"projector {human(p['projector'])}, language model {human(p['language_model'])}); "
+                f"trainable {human(p['trainable'])}"
+                + (f" incl. LoRA {human(p['lora'])}" if p["lora"] else "")
+                + f"  [{p['source']}]"
+            )
+        c = self.context
+        window = c["max_length"] or (f"{c['original']} (the model's own)" if c.get("original") else "the model's own")
+        lines.append(f"  context     window {window}; " + (f"RoPE {c['rope_scaling']} x{c['factor']:g} from {c['original']}"
+                                                            if c.get("factor") and c["factor"] > 1 else "RoPE unchanged"))
+        pe = self.peft
+        lines.append("  mode        " + ("full fine-tune" if pe["method"] == "none" else
+                                          f"{pe['method']} r={pe['r']} alpha={pe['alpha']} dropout={pe['dropout']}")
+                     + f"; train vision={pe['train_vision']} projector={pe['train_projector']} "
+                     f"language_model={pe['train_language_model']}")
+        if self.data:
+            d = self.data
+            lines.append(f"  data        strategy {d['strategy']}, mixture by {d['by']}"
+                         + (f", weights {d['weights']}" if d["weights"] else ""))
+            for s in d["sources"]:
+                lines.append(f"    - {s['name']:<16} {s['format']:<8} kept {s['kept']:>9,} of {s['records']:>9,}; "
+                             f"used/epoch {s['used_per_epoch']:>9,}; ~{human(s['estimated_tokens'])} tokens  "
+                             f"{s['path']}")
+            lines.append(f"  epoch       {d['samples_per_epoch']:,} samples, ~{human(d['tokens_per_epoch'])} tokens "
+                         f"(mean {d['mean_tokens_per_sample']:.0f}/sample; {d['tokens_source']})")
+            lines += ["  note        " + n.replace("\n", "\n              ") for n in d["notes"]]
+        b = self.batching
+        lines.append(f"  batching    {b['description']}")
+        z = self.zero
+        lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
+                     + (" + optimizer offload" if z["offload_optimizer"] else "")
+                     + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
+        if self.cost:
+            k = self.cost
+            lines.append(f"  steps       {k['optimizer_steps']:,} optimizer steps, "
+                         f"~{human(k['train_tokens'])} training tokens")
+            lines.append(f"  compute     ~{k['flops']:.3g} FLOPs = {k['gpu_hours']:.3g} GPU-hours on {k['gpu']} at "
+                         f"{k['utilization']:.0%} utilization ({k['wall_hours']:.3g} h wall on {k['num_gpus']})")
+            mem = k["memory_gib"]
+            lines.append("  memory/GPU  " + ", ".join(f"{key} {val:.1f}" for key, val in mem.items() if key != "total")
+                         + f" => {mem['total']:.1f} GiB " + ("(fits)" if k["fits"] else "(DOES NOT FIT)"))
+        e = self.evaluation
+        if e["benchmarks"]:
+            lines.append(f"  evaluation  {', '.join(e['benchmarks'])} at window {e['context_length'] or 'model default'}"
+                         + (" before training" if e["before"] else "") + (" after training" if e["after"] else ""))
+        return "\n".join(lines)
+
+
+def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) -> tuple[dict[str, Any], int, int]:
+    """(description, optimizer steps, tokens per micro-batch) from the collator config.
+
+    Micro-batches per epoch: ``samples / batch_size`` for padding batches; for packing
+    and token budgets, ``tokens / row capacity`` (a lower bound: packing reaches ~98%
+    fill, budgets less). Steps follow from them with the training loop's own
+    :func:`~mmtune.data.batching.steps_per_epoch` (a partial last step per epoch counts).
+    Tokens per micro-batch (for memory) is the worst case the collator allows.
+    """
+    col = cfg.collator
+    max_len = window
+    accum = cfg.training.gradient_accumulation_steps
+    epochs = cfg.training.epochs
+    if col.batching == "packing":
+        tokens_per_micro = col.batch_size * max_len
+        desc = f"packing {col.batch_size} row(s) of {max_len} tokens per micro-batch"
+        micro = math.ceil(data.tokens_per_epoch / tokens_per_micro) if data else 0
+    elif col.batching == "token_budget":
+        tokens_per_micro = int(col.max_tokens_per_batch or col.batch_size * max_len)
+        desc = f"token budget {tokens_per_micro} padded tokens per micro-batch"
+        micro = math.ceil(data.tokens_per_epoch / tokens_per_micro) if data else 0
+    else:
+        tokens_per_micro = col.batch_size * max_len
+        desc = f"{col.batching}: {col.batch_size} sample(s) per micro-batch, each <= {max_len} tokens"
+        micro = math.ceil(data.samples_per_epoch / col.batch_size) if data else 0
+    per_step = accum * num_gpus
+    steps = steps_per_epoch(micro, num_gpus, accum) * epochs if data else 0  # the loop's own count
+    if cfg.training.max_steps:
+        steps = min(steps, cfg.training.max_steps) if steps else cfg.training.max_steps
+    desc += f" x {accum} accumulation x {num_gpus} GPU(s) = {per_step} micro-batches per step, {epochs} epoch(s)"
+    return {"description": desc, "micro_batches_per_epoch": micro, "per_step": per_step}, steps, tokens_per_micro
+
+
+def plan_run(
+    overrides: Sequence[str],
+    *,
+    num_gpus: int = 8,
+    gpu: str = "a100-80g",
+    utilization: float = 0.35,
+    accelerate_config: Optional[str] = None,
+    allow_skipped: bool = False,
+    skip_data: bool = False,
+) -> RunPlan:
+    """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem."""
+    from mmtune.training.config import ConfigError, to_sft_config
+
+    if gpu not in GPU_TYPES:
+        raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
+    try:
+        cfg = to_sft_config(compose_config(overrides))
+    except (ConfigError, ValueError) as err:
+        raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
+    except Exception as err:  # OmegaConf errors name the key; pass them on with the run
+        raise PlanError(f"config [{' '.join(overrides)}] does not resolve: {err}") from err
+
+    problems: list[str] = []
+    params = None
+    try:
+        params = count_parameters(cfg.model, cfg.peft, cfg.training)
+    except PlanError as err:
+        problems.append(str(err))
+    original = cfg.context.original_max_position_embeddings or cfg.model.max_position_embeddings
+    if original is None:
+        model_dict = checkpoint_config(cfg.model)[0]
+        if model_dict:
+            original = (model_dict.get("text_config") or model_dict).get("max_position_embeddings")
+        elif cfg.model.path is None:
+            original = ((cfg.model.architecture or {}).get("text_config") or {}).get("max_position_embeddings")
+    # The trainer's sample budget: the context window, else the model's own window
+    # (it overrides collator.max_length when it connects the data module).
+    window = int(cfg.context.max_length or original or cfg.collator.max_length)
+    data = None
+    if not skip_data:
+        try:
+            tpi = params.image_tokens if params and params.image_tokens else None
+            data = plan_data(cfg.data, tpi, max_length=window, allow_skipped=allow_skipped)
+        except PlanError as err:
+            problems.append(str(err))
+    try:
+        stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
+    except PlanError as err:
+        problems.append(str(err))
+        stage, off_opt, off_par, origin = 0, False, False, "?"
+    if problems:
+        raise PlanError(f"run [{' '.join(overrides)}]:\n" + "\n".join(problems))
+
+    batching, steps, micro_tokens = _batching(cfg, data, num_gpus, window)
+    factor = None
+    if cfg.context.max_length and original and cfg.context.rope_scaling != "none":
+        factor = max(1.0, cfg.context.max_length / original)
+
+    cost = None
+    if params is not None and data is not None:
+        from mmtune.training.loss import planned_loss_impl
+
+        try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
+            loss = planned_loss_impl(cfg, meta_model(cfg.model)[0], zero_stage=stage)
+        except ValueError as err:
+            raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
+        train_tokens = data.tokens_per_epoch * cfg.training.epochs
+        if cfg.training.max_steps and steps:
+            full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
+                                   cfg.training.gradient_accumulation_steps) * cfg.training.epochs
+            train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
+        cost = estimate_cost(
+            params,
+            train_tokens=train_tokens,
+            train_images=int(data.images_per_epoch * cfg.training.epochs * (train_tokens / max(1, data.tokens_per_epoch * cfg.training.epochs))),
+            mean_sample_tokens=min(data.mean_tokens_per_sample, micro_tokens),
+            micro_batch_tokens=micro_tokens,
+            optimizer_steps=steps,
+            weight_dtype=cfg.model.torch_dtype,
+            gradient_checkpointing=cfg.training.gradient_checkpointing,
+            zero_stage=stage,
+            offload_optimizer=off_opt,
+            offload_params=off_par,
+            num_gpus=num_gpus,
+            gpu=GPU_TYPES[gpu],
+            utilization=utilization,
+            vision_trains=cfg.training.vision.train,
+            loss_impl=loss.impl,
+            loss_chunk_size=cfg.training.loss_chunk_size,
+            head_trains=cfg.training.language_model.train and cfg.peft.method == "none",
+        )
+    ev = cfg.eval
+    return RunPlan(
+        overrides=list(overrides),
+        run_name=cfg.run_name,
+        output_dir=cfg.training.output_dir,
+        model={k: getattr(cfg.model, k) for k in ("family", "path", "torch_dtype", "attn_implementation")},
+        params=asdict(params) if params else None,
+        data=asdict(data) if data else None,
+        context={"max_length": cfg.context.max_length, "rope_scaling": cfg.context.rope_scaling,
+                 "original": original, "factor": factor},
+        peft={"method": cfg.peft.method, "r": cfg.peft.r, "alpha": cfg.peft.alpha, "dropout": cfg.peft.dropout,
+              "train_vision": cfg.training.vision.train, "train_projector": cfg.training.projector.train,
+              "train_language_model": cfg.training.language_model.train},
+        batching=batching,
+        zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
+              "num_gpus": num_gpus},
+        cost=asdict(cost) if cost else None,
+        evaluation={"benchmarks": list(ev.benchmarks) if (cfg.training.eval_before or cfg.training.eval_after) else [],
+                    "context_length": ev.generation.context_length, "before": cfg.training.eval_before,
+                    "after": cfg.training.eval_after},
+    )
