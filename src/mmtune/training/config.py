@@ -23,6 +23,7 @@ and raises one :class:`ConfigError` that lists every problem with its key.
 """
 
 # No ``from __future__ import annotations``: OmegaConf reads these annotations at run time.
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -283,21 +284,37 @@ def validate(cfg: SFTConfig) -> None:
         if value < 1:
             problems.append(f"training.{key}={value} must be >= 1")
     for key in ("max_steps", "save_every_steps", "warmup_steps"):
-        value = getattr(t, key)
-        if value is not None and value < (0 if key == "warmup_steps" else 1):
-            problems.append(f"training.{key}={value} must be >= 1 (or null)")
+        value, least = getattr(t, key), 0 if key == "warmup_steps" else 1
+        if value is not None and value < least:
+            problems.append(f"training.{key}={value} must be >= {least} (or null)")
     if not 0.0 <= t.warmup_ratio < 1.0:
         problems.append(f"training.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if t.loss_impl not in LOSS_IMPLS:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
-    if t.lr <= 0:
-        problems.append(f"training.lr={t.lr} must be > 0")
+    # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        problems.append(f"training.lr={t.lr} must be a finite number > 0")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        problems.append(f"training.weight_decay={t.weight_decay} must be a finite number >= 0")
     for name in ("vision", "projector", "language_model"):
         group = getattr(t, name)
-        if group.lr is not None and group.lr <= 0:
-            problems.append(f"training.{name}.lr={group.lr} must be > 0 (or null for training.lr)")
+        if group.lr is not None and not (math.isfinite(group.lr) and group.lr > 0):
+            problems.append(f"training.{name}.lr={group.lr} must be a finite number > 0 (or null for training.lr)")
+        if group.weight_decay is not None and not (math.isfinite(group.weight_decay) and group.weight_decay >= 0):
+            problems.append(f"training.{name}.weight_decay={group.weight_decay} must be a finite number >= 0 "
+                            "(or null for training.weight_decay)")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            problems.append(f"training.{key}={getattr(t, key)} must be in [0, 1)")
+    if not (math.isfinite(t.adam_epsilon) and t.adam_epsilon > 0):
+        problems.append(f"training.adam_epsilon={t.adam_epsilon} must be a finite number > 0 (it keeps AdamW's "
+                        "division away from zero)")
+    if t.max_grad_norm is not None and not t.max_grad_norm >= 0:  # also NaN; inf measures without clipping
+        problems.append(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (or null: no clipping)")
+    if t.num_workers < 0:
+        problems.append(f"training.num_workers={t.num_workers} must be >= 0 (0: load in the main process)")
     if not any(getattr(t, g).train for g in ("vision", "projector", "language_model")):
         problems.append("training.{vision,projector,language_model}.train are all false: nothing would train")
     if t.deepspeed_config is not None and not os.path.isfile(t.deepspeed_config):
@@ -312,6 +329,8 @@ def validate(cfg: SFTConfig) -> None:
             problems.append(f"peft.r={p.r} must be >= 1")
         if not 0.0 <= p.dropout < 1.0:
             problems.append(f"peft.dropout={p.dropout} must be in [0, 1)")
+        if p.alpha <= 0:
+            problems.append(f"peft.alpha={p.alpha} must be > 0 (the LoRA update is scaled by alpha / r)")
     if p.method == "qlora" and cfg.model.path is None:
         problems.append("peft.method=qlora needs model.path (a checkpoint to quantize); random-weight models "
                         "train with peft.method=lora or none")
@@ -320,6 +339,12 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"context.rope_scaling={c.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
     if c.max_length is not None and c.max_length < 16:
         problems.append(f"context.max_length={c.max_length} is too small (>= 16)")
+    if c.original_max_position_embeddings is not None and c.original_max_position_embeddings < 1:
+        problems.append(f"context.original_max_position_embeddings={c.original_max_position_embeddings} must be >= 1")
+    for key in ("yarn_beta_fast", "yarn_beta_slow"):
+        value = getattr(c, key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"context.{key}={value} must be a finite number > 0 (or null for the default)")
     if cfg.logging.mode not in (None, "online", "offline", "disabled"):
         problems.append(f"logging.mode={cfg.logging.mode!r}: use online, offline, disabled or null")
     if cfg.logging.every_steps < 1:
