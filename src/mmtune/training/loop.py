@@ -133,6 +133,7 @@ class SFTRecipe:
         self.micro_batches_done = 0  # within the current epoch, on this rank
         self.context_extension = None
         self.eval_results: dict[str, Any] = {}
+        self.output_lock = None  # held by the main process from setup() to cleanup()
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -174,6 +175,7 @@ class SFTRecipe:
         check_evaluation_layout(t, zero_stage=acc.state.deepspeed_plugin.zero_stage if self.is_deepspeed else 0,
                                 num_processes=acc.num_processes)
         seed_everything(t.seed)
+        self._lock_output_dir()
         if acc.is_main_process:
             recover_interrupted_saves(self.output_dir)  # a save killed between its renames
         acc.wait_for_everyone()
@@ -291,6 +293,32 @@ class SFTRecipe:
             ds["train_micro_batch_size_per_gpu"] = 1
         if ds.get("gradient_clipping", "auto") == "auto":
             ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
+
+    def _lock_output_dir(self) -> None:
+        """Refuse a second job writing into this run's folder (every rank stops with the holder's details).
+
+        Only the main process takes the lock: every rank of this job writes into the folder
+        (its RNG state, DeepSpeed shards), which is legitimate. Another job's main process
+        then finds it held; the refusal is broadcast so that its other ranks stop at once
+        with the same message instead of waiting at the next barrier.
+        """
+        from accelerate.utils import broadcast_object_list
+
+        from mmtune.io.locks import DirectoryLockedError, lock_directory
+
+        acc, refusal = self.accelerator, None
+        if acc.is_main_process:
+            try:
+                self.output_lock = lock_directory(
+                    self.output_dir, purpose="training",
+                    hint="set training.output_dir to another folder (to continue that run once it has stopped, "
+                         "rerun with training.resume=auto)")
+            except DirectoryLockedError as err:
+                refusal = str(err)
+        if acc.num_processes > 1:
+            refusal = broadcast_object_list([refusal])[0]
+        if refusal is not None:
+            raise DirectoryLockedError(refusal)
 
     def _check_output_dir(self) -> None:
         t = self.cfg.training
@@ -473,6 +501,8 @@ class SFTRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         self.accelerator.end_training()
+        if self.output_lock is not None:
+            self.output_lock.release()
 
 
 def _deepspeed_grad_norm(engine: Any) -> Optional[float]:
