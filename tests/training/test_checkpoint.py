@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,3 +140,96 @@ def test_resaving_never_deletes_the_old_copy_first(tmp_path):
     assert [point for point, _ in seen[-5:]] == list(SAVE_POINTS)
     assert all(names for _, names in seen)  # at every point some complete copy of step 2 exists
     assert read_trainer_state(latest_checkpoint(tmp_path))["micro_batches_done"] == 2
+
+
+def _demo_config() -> dict:
+    from mmtune.training.config import to_sft_config
+    from mmtune.training.demo import compose_sft_config
+    from mmtune.training.loop import _to_dict
+
+    cfg = _to_dict(to_sft_config(compose_sft_config(["experiment=demo_single_image", "peft=lora"])))
+    return json.loads(json.dumps(cfg))
+
+
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if isinstance(value, dict):
+        return {**value, "other": 1}
+    return "other"  # None
+
+
+def _set(config: dict, dotted: str, value) -> dict:
+    import copy
+    import re
+
+    config = copy.deepcopy(config)
+    parts = [p for p in re.split(r"\.|\[(\d+)\]", dotted) if p]
+    node = config
+    for part in parts[:-1]:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[parts[-1]] = value
+    return config
+
+
+def test_every_config_key_is_either_free_to_change_on_resume_or_refused_unless_allowed():
+    from mmtune.training.checkpoint import (RESUME_FREE_KEYS, ResumeConfigError, check_resume_config,
+                                            flatten_config, key_covers)
+
+    saved = _demo_config()
+    keys = flatten_config(saved)
+    assert "data.mixture.sources[0].path" in keys and "training.projector.lr" in keys
+    free = refused = 0
+    for key, value in keys.items():
+        current = _set(saved, key, _changed(value))
+        state = {"step": 4, "config": saved}
+        if any(key_covers(f, key) for f in RESUME_FREE_KEYS):
+            assert check_resume_config("ckpt", state, current, []) == {}, key
+            free += 1
+            continue
+        with pytest.raises(ResumeConfigError, match=rf"(?m)^  - {re.escape(key)}: .* -> "):
+            check_resume_config("ckpt", state, current, [])
+        # Allowed by its own name or by a parent's, it is returned to be recorded.
+        parent = key.split(".")[0]
+        for allowed in ([key], [parent]):
+            assert check_resume_config("ckpt", state, current, allowed) == {
+                key: {"old": value, "new": _changed(value)}}, (key, allowed)
+        refused += 1
+    assert free and refused > 50
+    unused = [f for f in RESUME_FREE_KEYS if not any(key_covers(f, key) for key in keys)]
+    assert not unused, f"free keys that name no config key: {unused}"
+
+
+def test_resume_config_check_names_keys_missing_on_one_side_and_quotes_indexed_keys():
+    from mmtune.training.checkpoint import ResumeConfigError, check_resume_config
+
+    saved = _demo_config()
+    older = json.loads(json.dumps(saved))
+    del older["training"]["adam_epsilon"]  # a key this version adds
+    current = _set(saved, "data.mixture.sources[0].path", "/elsewhere/train.json")
+    with pytest.raises(ResumeConfigError) as info:
+        check_resume_config("ckpt", {"step": 2, "config": older}, current, [])
+    message = str(info.value)
+    assert "training.adam_epsilon: (not set) -> 1e-08" in message
+    assert "data.mixture.sources[0].path: " in message and "-> '/elsewhere/train.json'" in message
+    assert """'training.resume_config_changes=["data.mixture.sources[0].path",training.adam_epsilon]'""" in message
+    # Lengthening the run is allowed only explicitly, and the message says what it does to the schedule.
+    with pytest.raises(ResumeConfigError, match="reshapes the learning-rate schedule"):
+        check_resume_config("ckpt", {"step": 2, "config": saved}, _set(saved, "training.max_steps", 100), [])
+
+
+def test_an_unknown_key_in_resume_config_changes_is_refused_at_start_up():
+    from mmtune.training.config import ConfigError, to_sft_config
+    from mmtune.training.demo import compose_sft_config
+
+    with pytest.raises(ConfigError, match=r"training.resume_config_changes: 'training.lerning_rate' names no config key"):
+        to_sft_config(compose_sft_config(["experiment=demo_single_image",
+                                          "training.resume_config_changes=[training.lr,training.lerning_rate]"]))
+    to_sft_config(compose_sft_config(["experiment=demo_single_image",
+                                      "training.resume_config_changes=[training.projector,'data.mixture.sources[0]']"]))

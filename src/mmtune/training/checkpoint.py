@@ -35,8 +35,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
-__all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "CheckpointManager", "latest_checkpoint",
-           "read_trainer_state", "recover_interrupted_saves", "save_final", "write_json_atomic"]
+__all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
+           "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "key_covers",
+           "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final", "write_json_atomic"]
 
 TRAINER_STATE = "trainer_state.json"
 RUN_METADATA = "mmtune_run.json"
@@ -45,6 +46,113 @@ _STEP_DIR = re.compile(r"^(\.tmp-|\.old-)?step-(\d+)$")
 # (tests use them to interrupt a save at each point).
 SAVE_POINTS = ("written", "old_moved_aside", "new_in_place", "old_deleted", "pruned")
 SavePointHook = Optional[Callable[[str], None]]
+
+
+# Config keys that may differ between a checkpoint's run and the run resuming it, and why:
+# none of them changes which samples are trained, in what order, or how a step updates the
+# weights. A key covers the keys under it. Every other key is refused when it changed
+# (model, data, collator, optimizer and schedule, training length, seed, precision, peft,
+# context, synthetic data), unless ``training.resume_config_changes`` names it.
+RESUME_FREE_KEYS: dict[str, str] = {
+    "training.output_dir": "the same folder, perhaps spelled differently or moved",
+    "training.resume": "how the checkpoint is found, not what it continues",
+    "training.resume_config_changes": "the permission itself",
+    "training.save_every_steps": "when checkpoints are written",
+    "training.keep_last": "how many checkpoints are kept",
+    "training.save_final": "whether final/ is written",
+    "training.num_workers": "how many processes load the same batches",
+    "training.log_sample_ids": "a log",
+    "training.eval_before": "evaluation reads the model and never trains it",
+    "training.eval_after": "evaluation reads the model and never trains it",
+    "training.compile": "the same computation, compiled",
+    "training.gradient_checkpointing": "activations recomputed instead of stored: the same gradients, less memory",
+    "training.loss_impl": "the same token-weighted loss computed another way (equal within 1e-5)",
+    "training.loss_chunk_size": "rows per chunk of the same loss",
+    "training.ddp_find_unused_parameters": "DDP's bookkeeping of parameters without gradient",
+    "peft.merge_on_save": "how final/ is written",
+    "data.cache_dir": "where the same parsed records are cached",
+    "collator.image_cache_dir": "where the same pixels are cached",
+    "collator.image_cache_key": "how the pixel cache is keyed",
+    "collator.length_cache_dir": "where the same sample lengths are cached",
+    "logging": "where metrics go",
+    "eval": "benchmarks read the model and never train it",
+    "run_name": "a label",
+}
+_ABSENT = object()
+
+
+class ResumeConfigError(ValueError):
+    """Resuming would continue a checkpoint with a config that differs in keys that affect training."""
+
+
+def flatten_config(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested config dict: ``{"training.lr": 2e-5, "data.mixture.sources[0].path": ...}``.
+
+    Lists of objects are indexed (``[0]``); lists of plain values are one value.
+    """
+    if isinstance(value, dict):
+        if not value and prefix:
+            return {prefix: {}}
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten_config(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        flat = {}
+        for i, item in enumerate(value):
+            flat.update(flatten_config(item, f"{prefix}[{i}]"))
+        return flat
+    return {prefix: value}
+
+
+def key_covers(entry: str, key: str) -> bool:
+    """Whether config key ``entry`` is ``key`` or one of its parents (``training`` covers ``training.lr``)."""
+    return key == entry or key.startswith(entry + ".") or key.startswith(entry + "[")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, current value)}`` for every key whose value differs; a key
+    missing on one side has :data:`_ABSENT` there."""
+    old, new = flatten_config(saved), flatten_config(current)
+    return {key: (old.get(key, _ABSENT), new.get(key, _ABSENT)) for key in sorted(old.keys() | new.keys())
+            if old.get(key, _ABSENT) != new.get(key, _ABSENT)}
+
+
+def _shown(value: Any) -> str:
+    text = "(not set)" if value is _ABSENT else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_resume_config(checkpoint: str | os.PathLike, state: dict[str, Any], current: dict[str, Any],
+                        allowed: list[str]) -> dict[str, dict[str, Any]]:
+    """The changes of ``current`` from the config ``state["config"]`` was saved with, where allowed.
+
+    Keys under :data:`RESUME_FREE_KEYS` may differ freely and are not returned; keys the
+    user allowed (``training.resume_config_changes``) are returned as ``{key: {"old",
+    "new"}}`` to be recorded; any other difference raises.
+
+    Raises:
+        ResumeConfigError: listing every refused key as ``key: old -> new`` and how to fix it.
+    """
+    changed = {key: values for key, values in config_differences(state["config"], current).items()
+               if not any(key_covers(free, key) for free in RESUME_FREE_KEYS)}
+    refused = {key: values for key, values in changed.items() if not any(key_covers(a, key) for a in allowed)}
+    if refused:
+        step = state.get("step")
+        lines = "\n  - ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in refused.items())
+        entries = ",".join(f'"{key}"' if "[" in key else key for key in refused)
+        raise ResumeConfigError(
+            f"cannot resume from {checkpoint} (step {step}): its run was trained with another config:\n  - {lines}\n"
+            f"The steps after {step} would run with the new values while the run's records hold both. How to fix: "
+            "rerun with the checkpoint's values; or start afresh in another training.output_dir; or allow exactly "
+            f"these changes with 'training.resume_config_changes=[{entries}]' (recorded with the step they take "
+            "effect in the checkpoints' trainer_state.json and final/mmtune_run.json)."
+            + (" A new length (training.max_steps, training.epochs) also reshapes the learning-rate schedule from "
+               "this step on: it decays over the new number of steps."
+               if any(key in refused for key in ("training.max_steps", "training.epochs")) else "")
+        )
+    return {key: {"old": None if old is _ABSENT else old, "new": None if new is _ABSENT else new}
+            for key, (old, new) in changed.items()}
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

@@ -23,6 +23,7 @@ and raises one :class:`ConfigError` that lists every problem with its key.
 """
 
 # No ``from __future__ import annotations``: OmegaConf reads these annotations at run time.
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -124,6 +125,15 @@ class TrainingConfig:
     """``auto`` (latest complete checkpoint in ``output_dir``, or a fresh start), a
     checkpoint directory, or ``None`` (fresh start; fails if checkpoints exist, so a run
     is never silently overwritten)."""
+    resume_config_changes: List[str] = field(default_factory=list)
+    """Config keys allowed to differ from the resumed checkpoint's config, dotted
+    (``[training.lr]``; a key covers the keys under it, ``training.projector`` covers
+    ``training.projector.lr``). Resuming with any other changed key that affects training
+    is refused, listing each as ``key: old -> new``. An allowed change is recorded with
+    the first step it applies to (``config_changes`` in later checkpoints'
+    ``trainer_state.json`` and in ``final/mmtune_run.json``). Keys that never change what
+    is trained (logging, eval, checkpoint cadence, caches, ...) may differ without being
+    named: :data:`mmtune.training.checkpoint.RESUME_FREE_KEYS` lists them with reasons."""
     save_final: bool = True
     """Write ``final/`` (a normal HF checkpoint, plus the LoRA adapter for LoRA runs)."""
     num_workers: int = 0
@@ -321,6 +331,14 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.deepspeed_config={t.deepspeed_config!r} does not exist")
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
+    if t.resume_config_changes:
+        from mmtune.training.checkpoint import flatten_config, key_covers
+
+        keys = flatten_config(dataclasses.asdict(cfg))
+        for entry in t.resume_config_changes:
+            if not any(key_covers(entry, key) for key in keys):
+                problems.append(f"training.resume_config_changes: {entry!r} names no config key (write dotted keys "
+                                "such as training.lr or data.mixture.sources[0].path)")
     p = cfg.peft
     if p.method not in PEFT_METHODS:
         problems.append(f"peft.method={p.method!r}: use one of {', '.join(PEFT_METHODS)}")

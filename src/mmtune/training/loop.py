@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from mmtune.models.base import IGNORE_INDEX
-from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, recover_interrupted_saves, save_final
+from mmtune.training.checkpoint import (CheckpointManager, latest_checkpoint, read_trainer_state,
+                                       recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
@@ -134,6 +135,9 @@ class SFTRecipe:
         self.context_extension = None
         self.eval_results: dict[str, Any] = {}
         self.output_lock = None  # held by the main process from setup() to cleanup()
+        self.resume_from: Optional[Path] = None
+        self.config_changes: list[dict[str, Any]] = []  # allowed changes on every resume so far
+        self.resume_changes: dict[str, Any] = {}  # those of this resume
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -180,6 +184,9 @@ class SFTRecipe:
             recover_interrupted_saves(self.output_dir)  # a save killed between its renames
         acc.wait_for_everyone()
         self._check_output_dir()
+        # Before building anything: a resume with a changed config is refused at once.
+        self.resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else (Path(t.resume) if t.resume else None)
+        self.config_changes = self._check_resume_config() if self.resume_from is not None else []
 
         # Model. Random-weight models are seeded identically on every rank.
         self.adapter = build_adapter(cfg.model)
@@ -242,13 +249,18 @@ class SFTRecipe:
             self.model = torch.compile(self.model)
 
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=t.keep_last)
-        resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else t.resume
+        resume_from = self.resume_from
         if resume_from is None and acc.is_main_process:
             # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
             for stale in ("metrics.jsonl", "sample_ids.jsonl"):
                 (self.output_dir / stale).unlink(missing_ok=True)
         if resume_from is not None:
+            # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
+            fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                     list(self.scheduler.scheduler.base_lrs))
             state = self.checkpoints.load(acc, resume_from)
+            if self.resume_changes:
+                self._apply_allowed_changes(*fresh)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
             self.micro_batches_done = int(state["micro_batches_done"])
             self.data.check_state(state["data"])
@@ -319,6 +331,57 @@ class SFTRecipe:
             refusal = broadcast_object_list([refusal])[0]
         if refusal is not None:
             raise DirectoryLockedError(refusal)
+
+    def _check_resume_config(self) -> list[dict[str, Any]]:
+        """The config changes of the run so far, this resume's included; refuses one not allowed.
+
+        Compares this run's config with the one the checkpoint was saved with (see
+        :func:`~mmtune.training.checkpoint.check_resume_config`). Returns the checkpoint's
+        record of earlier changes plus this resume's, if any: ``{"effective_from_step",
+        "resumed_from", "changes": {key: {"old", "new"}}}``.
+        """
+        from mmtune.training.checkpoint import check_resume_config
+
+        state = read_trainer_state(self.resume_from)
+        history = list(state.get("config_changes", []))
+        if "config" not in state:
+            self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
+                                   "mmtune), so changes to it cannot be checked")
+            return history
+        changes = check_resume_config(self.resume_from, state, self.config_record(),
+                                      list(self.cfg.training.resume_config_changes))
+        self.resume_changes = changes
+        if changes:
+            step = int(state["step"])
+            history.append({"effective_from_step": step + 1, "resumed_from": str(self.resume_from), "changes": changes})
+            self.accelerator.print(
+                f"resuming with config changes allowed by training.resume_config_changes, from step {step + 1}: "
+                + "; ".join(f"{key}: {c['old']!r} -> {c['new']!r}" for key, c in changes.items()))
+        return history
+
+    def _apply_allowed_changes(self, fresh_groups: list[dict[str, Any]], fresh_base_lrs: list[float]) -> None:
+        """Make allowed changes of the optimizer and schedule take effect after a checkpoint load.
+
+        Loading restores the optimizer's param-group settings (lr, weight decay, betas,
+        epsilon) and the scheduler's base learning rates from the checkpoint, so without
+        this a changed ``training.lr`` would be recorded but never used. The moments and
+        the step count stay the checkpoint's; the schedule's shape (type, warm-up, length)
+        is already this run's, since the scheduler was built from this config.
+        """
+        scheduler = self.scheduler.scheduler  # transformers' schedulers are LambdaLR
+        scheduler.base_lrs = list(fresh_base_lrs)
+        for group, fresh, base, factor in zip(self.optimizer.param_groups, fresh_groups, scheduler.base_lrs,
+                                              scheduler.lr_lambdas):
+            for key in ("weight_decay", "betas", "eps", "initial_lr"):
+                if key in fresh:
+                    group[key] = fresh[key]
+            group["lr"] = base * factor(scheduler.last_epoch)
+
+    def config_record(self) -> dict[str, Any]:
+        """This run's typed config, secrets redacted, as JSON would give it back: what checkpoints record."""
+        from mmtune.training.logging import redact
+
+        return json.loads(json.dumps(redact(_to_dict(self.cfg)), default=str))
 
     def _check_output_dir(self) -> None:
         t = self.cfg.training
@@ -446,6 +509,8 @@ class SFTRecipe:
         return self.checkpoints.save(self.accelerator, self.step, {
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
+            # What a resume compares its own config with, and the changes made so far.
+            "config": self.config_record(), "config_changes": self.config_changes,
         })
 
     def save(self) -> Optional[Path]:
@@ -460,6 +525,8 @@ class SFTRecipe:
             "max_length": self.max_length,
             "config": self.logger_config(),
         }
+        if self.config_changes:  # the values above hold from these steps on; the old ones before
+            metadata["config_changes"] = self.config_changes
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
                                     save_pretrained_extras=extras, metadata=metadata,
