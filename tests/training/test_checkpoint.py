@@ -1,5 +1,6 @@
 """Atomic, keep-last-N resumable checkpoints and the final HF checkpoint; saves killed at any point."""
 
+import errno
 import json
 import os
 import re
@@ -233,3 +234,87 @@ def test_an_unknown_key_in_resume_config_changes_is_refused_at_start_up():
                                           "training.resume_config_changes=[training.lr,training.lerning_rate]"]))
     to_sft_config(compose_sft_config(["experiment=demo_single_image",
                                       "training.resume_config_changes=[training.projector,'data.mixture.sources[0]']"]))
+
+
+# How a full disk reaches mmtune from each writer: a plain write, a quota, safetensors
+# (Rust's error text, no errno) and torch's zip writer (a short write, no errno).
+DISK_FULL = {
+    "enospc": lambda: OSError(errno.ENOSPC, "No space left on device"),
+    "quota": lambda: OSError(errno.EDQUOT, "Disk quota exceeded"),
+    "safetensors": lambda: Exception("Error while serializing: I/O error: No space left on device (os error 28)"),
+    "torch_zip": lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 420736 vs 420624"),
+}
+
+
+def _fill_disk_at(monkeypatch, marker: str, error):
+    """``torch.save`` into a path containing ``marker`` writes a few bytes, then fails with ``error``."""
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        if marker in str(f):
+            Path(f).write_bytes(b"partial")
+            raise error
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+
+
+@pytest.mark.parametrize("kind", sorted(DISK_FULL))
+def test_a_full_disk_during_a_checkpoint_names_the_path_and_keeps_the_last_one_intact(tmp_path, monkeypatch, kind):
+    from mmtune.io.disk import DiskFullError
+
+    accelerator, model, optimizer = _tiny_setup()
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    _step(model, optimizer)
+    manager.save(accelerator, 1, {"epoch": 0, "micro_batches_done": 1})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, optimizer)
+    _fill_disk_at(monkeypatch, ".tmp-step-2", DISK_FULL[kind]())  # model weights written, optimizer state not
+    with pytest.raises(DiskFullError) as info:
+        manager.save(accelerator, 2, {"epoch": 0, "micro_batches_done": 2})
+    message = str(info.value)
+    assert f"no space left on the device holding {tmp_path / 'checkpoints' / '.tmp-step-2'}" in message
+    assert "while writing checkpoint step 2" in message and " free of " in message
+    assert f"The last complete checkpoint, {tmp_path / 'checkpoints' / 'step-1'} (step 1), is intact" in message
+    assert "training.resume=auto" in message and "How to fix: free space" in message
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, type(DISK_FULL[kind]()))
+    # The partial copy is gone (its space given back); step 1 is complete and restores its weights.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    monkeypatch.undo()
+    manager.load(accelerator, latest_checkpoint(tmp_path))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[key])
+    assert manager.save(accelerator, 2, {"epoch": 0, "micro_batches_done": 2}).name == "step-2"
+
+
+def test_other_write_errors_pass_through_unchanged(tmp_path, monkeypatch):
+    accelerator, model, optimizer = _tiny_setup()
+    _fill_disk_at(monkeypatch, ".tmp-step-1", PermissionError(errno.EACCES, "Permission denied"))
+    with pytest.raises(PermissionError):
+        CheckpointManager(tmp_path).save(accelerator, 1, {})
+
+
+@pytest.mark.parametrize("kind", ["enospc", "safetensors"])
+def test_a_full_disk_during_the_final_save_keeps_the_previous_final_and_checkpoint(tmp_path, kind):
+    from mmtune.io.disk import DiskFullError
+    from mmtune.training.checkpoint import save_final
+    from tests.training.save_worker import TinyPretrained
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(TinyPretrained())
+    CheckpointManager(tmp_path).save(accelerator, 3, {"epoch": 0})
+    save_final(accelerator, model, tmp_path / "final", save_pretrained_extras=[], metadata={"version": "A"})
+
+    def full(path, state_dict=None, safe_serialization=True):
+        (Path(path) / "model.safetensors").write_bytes(b"partial")
+        raise DISK_FULL[kind]()
+
+    model.save_pretrained = full
+    with pytest.raises(DiskFullError) as info:
+        save_final(accelerator, model, tmp_path / "final", save_pretrained_extras=[], metadata={"version": "B"})
+    message = str(info.value)
+    assert f"{tmp_path / '.tmp-final'} while writing the final checkpoint" in message
+    assert f"{tmp_path / 'final'} was not replaced. The previous final/ is intact." in message
+    assert f"{tmp_path / 'checkpoints' / 'step-3'} (step 3), is intact" in message
+    assert json.loads((tmp_path / "final" / RUN_METADATA).read_text()) == {"version": "A"}
+    assert not (tmp_path / ".tmp-final").exists()

@@ -81,8 +81,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
         assert len(seen) == len(set(seen)) == 32
 
 
-def _train(tmp_path, synthetic_dir, tiny_overrides, *extra):
-    """One in-process run into ``tmp_path / "run"``: setup, train, save, cleanup."""
+def _train(tmp_path, synthetic_dir, tiny_overrides, *extra, name="run"):
+    """One in-process run into ``tmp_path / name``: setup, train, save, cleanup."""
     from accelerate.state import AcceleratorState, GradientState
 
     from mmtune.training.config import to_sft_config
@@ -91,7 +91,7 @@ def _train(tmp_path, synthetic_dir, tiny_overrides, *extra):
 
     common = ("training.lr_scheduler=constant", "training.warmup_ratio=0", "training.save_every_steps=2",
               "training.keep_last=3", "training.lr=1e-3")
-    recipe = SFTRecipe(to_sft_config(compose_sft_config(tiny_overrides(tmp_path / "run", synthetic_dir, *common,
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(tiny_overrides(tmp_path / name, synthetic_dir, *common,
                                                                         *extra))))
     try:
         recipe.setup()
@@ -143,3 +143,35 @@ def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_takes_e
     _train(tmp_path, synthetic_dir, tiny_overrides, "training.max_steps=6", "training.resume=auto", "training.lr=2e-3")
     final = json.loads((run / "final" / "mmtune_run.json").read_text())
     assert final["config_changes"] == [change] and final["config"]["training"]["lr"] == 2e-3
+
+
+def test_after_a_full_disk_the_last_checkpoint_resumes_the_run_exactly(tmp_path, synthetic_dir, tiny_overrides,
+                                                                         monkeypatch):
+    import errno
+
+    import torch
+
+    from mmtune.io.disk import DiskFullError
+
+    run = tmp_path / "run"
+    reference = _train(tmp_path, synthetic_dir, tiny_overrides, "training.max_steps=6", name="reference")
+    real_save = torch.save
+
+    def full_at_step_4(obj, f, *args, **kwargs):
+        if ".tmp-step-4" in str(f):
+            Path(f).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_at_step_4)
+    with pytest.raises(DiskFullError, match=rf"checkpoint step 4 .*The last complete checkpoint, "
+                                            rf"{run / 'checkpoints' / 'step-2'} \(step 2\), is intact"):
+        _train(tmp_path, synthetic_dir, tiny_overrides, "training.max_steps=6")
+    monkeypatch.undo()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+
+    resumed = _train(tmp_path, synthetic_dir, tiny_overrides, "training.max_steps=6", "training.resume=auto")
+    assert resumed.step == reference.step == 6
+    metrics, ref_metrics = _lines(run / "metrics.jsonl"), _lines(tmp_path / "reference" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert [m["train/loss"] for m in metrics] == [m["train/loss"] for m in ref_metrics]

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mmtune.io.disk import disk_full_guard
+
 __all__ = ["LOCK_FILE", "DirectoryLockedError", "DirectoryLock", "lock_directory", "read_holder"]
 
 LOCK_FILE = ".mmtune.lock"
@@ -234,9 +236,10 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
                           stacklevel=2)
             return DirectoryLock(directory, path, held=False)
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(_holder_record(purpose)) + "\n").encode(), 0)
-            os.fsync(fd)  # readers on other hosts of a shared file system see it
+            with disk_full_guard(path, "the lock file's holder details"):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(_holder_record(purpose)) + "\n").encode(), 0)
+                os.fsync(fd)  # readers on other hosts of a shared file system see it
         except BaseException:
             os.close(fd)
             raise

@@ -20,6 +20,10 @@ a complete ``.tmp-<name>``. :func:`latest_checkpoint` finds it either way and
 :func:`recover_interrupted_saves` (run at start-up and before each save) puts it back
 in place. Multi-node runs need ``output_dir`` on a shared file system (every rank
 writes its RNG state).
+
+A full disk therefore fails inside ``.tmp-<name>``: that partial copy is deleted (giving
+its space back) and a :class:`~mmtune.io.disk.DiskFullError` names the path, the space
+left and the last complete checkpoint, which nothing touched.
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from mmtune.io.disk import disk_full_guard
+
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
 __all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
-           "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "key_covers",
-           "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final", "write_json_atomic"]
+           "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "intact_note",
+           "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
+           "write_json_atomic"]
 
 TRAINER_STATE = "trainer_state.json"
 RUN_METADATA = "mmtune_run.json"
@@ -267,6 +274,10 @@ class CheckpointManager:
 
         Returns:
             The final ``step-<N>`` directory.
+
+        Raises:
+            DiskFullError: no space was left while writing it; the partial copy is deleted
+                and the message names the last complete checkpoint, which is untouched.
         """
         final = self.checkpoints_dir / f"step-{step}"
         tmp = self.checkpoints_dir / f".tmp-step-{step}"
@@ -276,12 +287,18 @@ class CheckpointManager:
             for stale in self.checkpoints_dir.glob(".tmp-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write
         accelerator.wait_for_everyone()
-        # Model, optimizer, scheduler, grad scaler and every rank's RNG states; under
-        # DeepSpeed this writes its (sharded) engine checkpoint.
-        accelerator.save_state(str(tmp), safe_serialization=True)
-        accelerator.wait_for_everyone()
+        # A full disk fails the write into .tmp-step-N, before anything complete is touched.
+        guard = disk_full_guard(tmp, f"checkpoint step {step}", intact=lambda: intact_note(self.output_dir),
+                                cleanup=(lambda: shutil.rmtree(tmp, ignore_errors=True))
+                                if accelerator.is_main_process else None)
+        with guard:
+            # Model, optimizer, scheduler, grad scaler and every rank's RNG states; under
+            # DeepSpeed this writes its (sharded) engine checkpoint.
+            accelerator.save_state(str(tmp), safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         if accelerator.is_main_process:
-            write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
             _swap_into_place(tmp, final, self.on_save_point)
             self._prune()
             if self.on_save_point is not None:
@@ -298,6 +315,20 @@ class CheckpointManager:
         """Restore model/optimizer/scheduler/RNG from ``checkpoint``; return its trainer state."""
         accelerator.load_state(str(checkpoint))
         return read_trainer_state(checkpoint)
+
+
+def intact_note(output_dir: str | os.PathLike) -> str:
+    """What a failed write left intact in a run directory, for error messages (main process).
+
+    A save writes aside and swaps last (module docstring), so whatever failed, the latest
+    complete checkpoint is the one :func:`latest_checkpoint` finds.
+    """
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "No resumable checkpoint had been saved yet in this run."
+    step = read_trainer_state(latest).get("step")
+    return (f"The last complete checkpoint, {latest} (step {step}), is intact: rerun with training.resume=auto "
+            "to continue from it.")
 
 
 def _is_zero3(accelerator: "Accelerator") -> bool:
@@ -321,9 +352,11 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
         save_pretrained_extras: objects with ``save_pretrained`` (tokenizer, processor)
             written next to the weights.
         metadata: written to ``mmtune_run.json``.
-    """
-    from mmtune.training.peft_setup import is_peft_model, merged_model
 
+    Raises:
+        DiskFullError: no space was left; the partial copy is deleted and the message
+            says what is intact (the previous ``final/`` and the last checkpoint).
+    """
     out_dir = Path(out_dir)
     tmp = _aside(out_dir, "tmp")
     if accelerator.is_main_process:
@@ -334,25 +367,36 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
-        tmp.mkdir(parents=True)
-        if is_peft_model(unwrapped):
-            trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
-            unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
-            extra = {k: v for k, v in state_dict.items() if k in trained and "lora_" not in k}
-            if extra:
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "adapter" / "non_lora_trainables.safetensors"))
-            if merge_lora and not _is_zero3(accelerator):
-                merged_model(unwrapped).save_pretrained(tmp, safe_serialization=True)
-            elif merge_lora:
-                metadata = {**metadata, "merged": False,
-                            "merged_note": "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline"}
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        for extra_obj in save_pretrained_extras:
-            extra_obj.save_pretrained(tmp)
-        write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete
+        previous = " The previous final/ is intact." if (out_dir / RUN_METADATA).is_file() else ""
+        with disk_full_guard(tmp, "the final checkpoint", cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
+                             intact=lambda: f"{out_dir} was not replaced.{previous} " + intact_note(out_dir.parent)):
+            _write_final(tmp, unwrapped, state_dict, accelerator, save_pretrained_extras, metadata, merge_lora)
         _swap_into_place(tmp, out_dir, on_save_point)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], accelerator: "Accelerator",
+                 save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool) -> None:
+    """The complete ``final/`` copy in ``tmp``, its marker file last (main process)."""
+    from mmtune.training.peft_setup import is_peft_model, merged_model
+
+    tmp.mkdir(parents=True)
+    if is_peft_model(unwrapped):
+        trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+        unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
+        extra = {k: v for k, v in state_dict.items() if k in trained and "lora_" not in k}
+        if extra:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "adapter" / "non_lora_trainables.safetensors"))
+        if merge_lora and not _is_zero3(accelerator):
+            merged_model(unwrapped).save_pretrained(tmp, safe_serialization=True)
+        elif merge_lora:
+            metadata = {**metadata, "merged": False,
+                        "merged_note": "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline"}
+    else:
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    for extra_obj in save_pretrained_extras:
+        extra_obj.save_pretrained(tmp)
+    write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete

@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from mmtune.models.base import IGNORE_INDEX
-from mmtune.training.checkpoint import (CheckpointManager, latest_checkpoint, read_trainer_state,
+from mmtune.io.disk import disk_full_guard
+from mmtune.training.checkpoint import (CheckpointManager, intact_note, latest_checkpoint, read_trainer_state,
                                        recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
@@ -235,7 +236,9 @@ class SFTRecipe:
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
+            report = self.output_dir / "data_report.json"
+            with disk_full_guard(report, "data_report.json", intact=lambda: intact_note(self.output_dir)):
+                self.data.loss_report.write(str(report))
         acc.print(self.data.loss_report.render())
         self.total_steps = self._count_steps()
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
@@ -499,9 +502,11 @@ class SFTRecipe:
 
         gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
         if self.accelerator.is_main_process:
-            with open(self.output_dir / "sample_ids.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step, "epoch": epoch,
-                                    "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
+            path = self.output_dir / "sample_ids.jsonl"
+            with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(self.output_dir)):
+                with open(path, "a") as f:
+                    f.write(json.dumps({"step": self.step, "epoch": epoch,
+                                        "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Path:
