@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.io.disk import disk_full_guard
-from mmtune.training.checkpoint import (CheckpointManager, intact_note, latest_checkpoint, read_trainer_state,
-                                       recover_interrupted_saves, save_final)
+from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, intact_note, latest_checkpoint,
+                                       read_trainer_state, recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
@@ -345,6 +345,10 @@ class SFTRecipe:
         """
         from mmtune.training.checkpoint import check_resume_config
 
+        if not (Path(self.resume_from) / TRAINER_STATE).is_file():
+            raise FileNotFoundError(
+                f"training.resume: {self.resume_from} has no {TRAINER_STATE}, so it is not a complete mmtune "
+                "checkpoint; name a <output_dir>/checkpoints/step-N folder, or use training.resume=auto")
         state = read_trainer_state(self.resume_from)
         history = list(state.get("config_changes", []))
         if "config" not in state:
