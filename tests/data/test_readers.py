@@ -183,7 +183,8 @@ def test_json_list_element_broken_inside_its_brackets_is_skipped_alone(tmp_path)
         assert [(i, v) for i, v, _ in got] == [(0, {"id": 1}), (1, None), (2, {"id": 3})]
         problem = got[1][2]
         assert (problem.code, problem.record_id, problem.record_index) == ("invalid_json", "two", 1)
-        assert "at line 3, column 10" in problem.detail and "spans line 3, column 1 to line 3, column 36" in problem.detail
+        assert "at line 3, column 10" in problem.detail
+        assert "spans line 3, column 1 to line 3, column 36" in problem.detail
 
 
 def test_json_list_problems_are_the_same_across_chunk_boundaries(tmp_path):

@@ -229,7 +229,7 @@ def test_an_unknown_key_in_resume_config_changes_is_refused_at_start_up():
     from mmtune.training.config import ConfigError, to_sft_config
     from mmtune.training.demo import compose_sft_config
 
-    with pytest.raises(ConfigError, match=r"training.resume_config_changes: 'training.lerning_rate' names no config key"):
+    with pytest.raises(ConfigError, match=r"resume_config_changes: 'training.lerning_rate' names no config key"):
         to_sft_config(compose_sft_config(["experiment=demo_single_image",
                                           "training.resume_config_changes=[training.lr,training.lerning_rate]"]))
     to_sft_config(compose_sft_config(["experiment=demo_single_image",

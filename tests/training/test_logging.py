@@ -95,8 +95,12 @@ def test_a_full_disk_while_logging_names_metrics_jsonl_and_the_last_checkpoint(t
                        is_main=True, total_steps=8)
     logger.log(5, {"train/loss": 1.0, "train/lr": 1e-3})
     real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k:
-                        _FullDisk(real_open, path, mode) if str(path).endswith("metrics.jsonl") else real_open(path, mode, *a, **k))
+    def full_for_metrics(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl"):
+            return _FullDisk(real_open, path, mode)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_for_metrics)
     with pytest.raises(DiskFullError) as info:
         logger.log(6, {"train/loss": 0.9, "train/lr": 1e-3})
     monkeypatch.undo()

@@ -57,8 +57,9 @@ def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
         raise ValueError(f"{path}: records have neither 'conversations' nor 'messages' (keys seen: {keys}); "
                          f"pass --format {{{','.join(FORMATS)}}}")
     # Only strings are looked at: a value may be any JSON, nested deeper than str() follows.
-    texts = [m["value"] for r in convs for m in r["conversations"] if isinstance(m, dict) and isinstance(m.get("value"), str)]
-    roles = {m["from"] for r in convs for m in r["conversations"] if isinstance(m, dict) and isinstance(m.get("from"), str)}
+    messages = [m for r in convs for m in r["conversations"] if isinstance(m, dict)]
+    texts = [m["value"] for m in messages if isinstance(m.get("value"), str)]
+    roles = {m["from"] for m in messages if isinstance(m.get("from"), str)}
     mmdu_marks = sum(t.count("<ImageHere>") for t in texts)
     llava_marks = sum(t.count("<image>") for t in texts)
     list_images = any(isinstance(r.get("image"), list) for r in convs)

@@ -150,7 +150,9 @@ def check_resume_config(checkpoint: str | os.PathLike, state: dict[str, Any], cu
         entries = ",".join(f'"{key}"' if "[" in key else key for key in refused)
         raise ResumeConfigError(
             f"cannot resume from {checkpoint} (step {step}): its run was trained with another config:\n  - {lines}\n"
-            f"The steps after {step} would run with the new values while the run's records hold both. How to fix: "
+            f"Resuming as is would continue the run after step {step} with settings it was not trained with, and "
+            "record nowhere where they changed (a changed optimizer setting would even be overridden by the "
+            "checkpoint's own, while this config claims it). How to fix: "
             "rerun with the checkpoint's values; or start afresh in another training.output_dir; or allow exactly "
             f"these changes with 'training.resume_config_changes=[{entries}]' (recorded with the step they take "
             "effect in the checkpoints' trainer_state.json and final/mmtune_run.json)."

@@ -186,7 +186,10 @@ class SFTRecipe:
         acc.wait_for_everyone()
         self._check_output_dir()
         # Before building anything: a resume with a changed config is refused at once.
-        self.resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else (Path(t.resume) if t.resume else None)
+        if t.resume == "auto":
+            self.resume_from = latest_checkpoint(self.output_dir)
+        else:
+            self.resume_from = Path(t.resume) if t.resume else None
         self.config_changes = self._check_resume_config() if self.resume_from is not None else []
 
         # Model. Random-weight models are seeded identically on every rank.
