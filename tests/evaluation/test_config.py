@@ -19,6 +19,8 @@ BAD = [
     ("generation", "min_new_tokens", -1),
     ("generation", "context_length", 0),
     ("generation", "max_new_tokens", 0),
+    *[(group, "limit", v) for group in ("mmdu", "mmvet", "mdi", "synthetic") for v in (0, -1)],
+    ("mmvet", "max_tries", 0),
 ]
 # Sampling settings matter only when sampling.
 SAMPLING_BAD = [("temperature", v) for v in (NAN, INF, 0.0, -1.0)] + [("top_p", v) for v in (NAN, 0.0, 1.5)]
@@ -53,7 +55,7 @@ def test_batch_sizes_by_model_size_must_be_positive():
 def test_boundary_values_with_a_meaning_are_accepted():
     validate_eval_config(_config(judge__max_retries=0, judge__backoff_base_s=0.0, judge__backoff_max_s=0.0,
                                  judge__max_failed_share=1.0, generation__min_new_tokens=0,
-                                 judge__timeout_s=0.5))
+                                 judge__timeout_s=0.5, mmdu__limit=1, mmvet__max_tries=1))
     validate_eval_config(_config(generation__do_sample=True, generation__top_p=1.0, generation__temperature=0.01))
 
 

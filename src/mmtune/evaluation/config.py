@@ -268,6 +268,7 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
+    import dataclasses
     import math
 
     from mmtune.evaluation.benchmarks import get_benchmark, registered_names
@@ -320,6 +321,14 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         problems.append(f"eval.judge.stop_after_failures={judge.stop_after_failures}: must be >= 1")
     if judge.max_tokens < 1:
         problems.append(f"eval.judge.max_tokens={judge.max_tokens}: must be >= 1")
+    # Every benchmark's own group: a limit of 0 or -1 would silently score no item or drop
+    # the last one (a slice), zero tries would score every item 0 without asking the judge.
+    for group in dataclasses.fields(cfg):
+        sub = getattr(cfg, group.name)
+        for key, least, meaning in (("limit", 1, " (or null: every item)"), ("max_tries", 1, "")):
+            value = getattr(sub, key, None)
+            if value is not None and value < least:
+                problems.append(f"eval.{group.name}.{key}={value}: must be >= {least}{meaning}")
     if problems:
         raise ValueError("invalid evaluation config:\n  - " + "\n  - ".join(problems))
 
