@@ -109,6 +109,7 @@ class DirectoryLock:
     """The lock file."""
     held: bool = True
     """False when the file system does not support locks (the directory is used unlocked)."""
+    _key: str = field(default="", repr=False)  # the lock file's real path when taken (the folder may move)
     _released: bool = field(default=False, repr=False)
 
     def release(self) -> None:
@@ -117,7 +118,7 @@ class DirectoryLock:
             self._released = True
             return
         self._released = True
-        key = os.path.realpath(self.path)
+        key = self._key or os.path.realpath(self.path)
         with _MUTEX:
             held = _HELD.get(key)
             if held is None:
@@ -219,7 +220,7 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
         key = os.path.realpath(path)
         if key in _HELD:
             _HELD[key].count += 1
-            return DirectoryLock(directory, path)
+            return DirectoryLock(directory, path, _key=key)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -244,4 +245,4 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
             os.close(fd)
             raise
         _HELD[key] = _Held(fd, 1)
-    return DirectoryLock(directory, path)
+    return DirectoryLock(directory, path, _key=key)
