@@ -142,3 +142,26 @@ def test_check_a_data_file_absolute_paths_need_the_flag(tmp_path, pics, capsys):
     main(["check", str(path), "--image-root", str(pics), "--allow-absolute-paths", "--cache-dir", str(tmp_path / "c2")])
     out = capsys.readouterr().out
     assert "kept 2, skipped 0" in out and "absolute paths outside it used as they are" in out
+
+
+def test_check_a_data_file_with_hostile_records_reports_each_and_a_broken_list_fails(tmp_path, pics, capsys):
+    good = {"id": "ok", "image": ["a.png"], "conversations": [
+        {"from": "user", "value": "<ImageHere> ?"}, {"from": "assistant", "value": "x"}]}
+    elements = [json.dumps(good),
+                '{"id": "deep", "conversations": %s}' % ("[" * 50_000 + "]" * 50_000),
+                json.dumps({**good, "id": "sur"}).replace('"x"', '"\\ud800"'),
+                json.dumps({**good, "id": "nul", "image": ["a\x00.png"]})]
+    path = tmp_path / "hostile.json"
+    path.write_text("[" + ",\n".join(elements) + "]")
+    code = main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "format mmdu (detected:" in out and "read 4, kept 1, skipped 3" in out
+    assert "too_deep 1" in out and "lone_surrogate 1" in out and "invalid_image_path 1" in out
+    strict = main(["check", str(path), "--strict", "--image-root", str(pics), "--cache-dir", str(tmp_path / "c2")])
+    assert strict == 1 and "record 'deep' (#1): [too_deep]" in capsys.readouterr().err
+
+    path.write_text('[{"id": 1, "conversations": [}]')
+    assert main(["check", str(path), "--cache-dir", str(tmp_path / "cache")]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and "line 1, column 30" in err

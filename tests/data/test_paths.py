@@ -65,6 +65,19 @@ def test_plain_absolute_path_needs_explicit_permission(tree):
     assert ImagePathRules(str(root), join_rooted=False).resolve(f"file://{root}/pics/a.png").problem is None
 
 
+@pytest.mark.parametrize("raw", ["pics/a\x00.png", "\x00", "/mmdu_pics/x.png\x00", "file:///tmp/a\x00b"])
+@pytest.mark.parametrize("allow_absolute", [False, True])
+def test_a_nul_byte_names_no_file_whatever_the_rule(tree, raw, allow_absolute):
+    root, _ = tree
+    for join_rooted in (True, False):
+        resolved = ImagePathRules(str(root), allow_absolute=allow_absolute, join_rooted=join_rooted,
+                                  strip_prefix="/mmdu_pics/").resolve(raw)
+        assert resolved.problem == "invalid_image_path"
+        assert repr(raw) in resolved.detail and "NUL" in resolved.detail
+        with pytest.raises(ImagePathError, match="NUL"):
+            resolved.checked()
+
+
 def _mmdu(path, images):
     import json
 

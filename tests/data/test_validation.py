@@ -1,5 +1,7 @@
 """Every problem class, in skip mode (counted, record left out) and strict mode (raised)."""
 
+import json
+
 import pytest
 
 from mmtune.data.config import SourceConfig
@@ -133,8 +135,89 @@ def test_check_dialogue_directly_and_image_checker_caches(pics):
     assert checker.check(str(pics / "broken.png"))[0] == "corrupt_image"  # answered from the per-path memo
 
 
+# Every lone half of a UTF-16 surrogate pair, at both ends of both halves' ranges.
+LONE_ESCAPES = ["\\ud800", "\\udbff", "\\udc00", "\\udfff"]
+
+
+def _with_text(text_json: str, rid: str = "bad") -> str:
+    """One MMDU record whose second turn's value is ``text_json`` (raw JSON string text)."""
+    return ('{"id": "%s", "conversations": [{"from": "user", "value": "Hi"}, '
+            '{"from": "assistant", "value": %s}]}' % (rid, text_json))
+
+
+@pytest.mark.parametrize("escape", LONE_ESCAPES)
+@pytest.mark.parametrize("layout", ["json", "jsonl"])
+def test_a_lone_surrogate_escape_skips_only_its_record(escape, layout, tmp_path, pics, cache_dir):
+    good = json.dumps(GOOD)
+    bad = _with_text(f'"a{escape}b"')
+    path = tmp_path / f"d.{layout}"
+    path.write_text(f"[{good},\n{bad}]" if layout == "json" else f"{good}\n{bad}\n")
+    _check_both_modes(path, "mmdu", pics, cache_dir, "lone_surrogate", 1)
+    report = load_source(SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics)),
+                         cache_dir=cache_dir).report
+    assert f"conversations[1].value holds {escape}" in report.examples["lone_surrogate"][0]
+    report.render().encode("utf-8")  # printable
+
+
+@pytest.mark.parametrize("where", ["id", "key", "unused field"])
+def test_a_lone_surrogate_anywhere_in_the_record_is_named_printably(where, tmp_path, pics, cache_dir):
+    bad = {"id": '"caf\\ud800"', "key": '"bad", "\\udfffkey": 1', "unused field": '"bad", "note": "\\udc00"'}[where]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + _with_text('"fine"', "X").replace('"X"', bad) + "\n")
+    src = load_source(SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics)), cache_dir=cache_dir)
+    assert src.report.skipped == {"lone_surrogate": 1} and src.report.records_kept == 1
+    example = src.report.examples["lone_surrogate"][0]
+    assert {"id": "caf\\ud800: id holds \\ud800", "key": "bad: key '\\udfffkey' holds \\udfff",
+            "unused field": "bad: note holds \\udc00"}[where] in example
+    src.report.render().encode("utf-8")
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text(tmp_path, pics, cache_dir):
+    # A high+low pair is one character (what json.dumps writes for an emoji); "\\ud800" is
+    # a backslash followed by "ud800". Neither is a problem.
+    records = [_with_text('"\\ud83d\\ude00"', "pair"), _with_text('"\\\\ud800"', "backslash")]
+    path = tmp_path / "d.json"
+    path.write_text("[" + ",".join(records) + "]")
+    src = load_source(SourceConfig(name="s", format="mmdu", path=str(path)), cache_dir=cache_dir, mode="strict")
+    assert [d.turns[1].segments for d in src.dialogues] == [("\U0001f600",), ("\\ud800",)]
+
+
+def _deep(depth: int, kind: str) -> str:
+    opener, closer = {"list": ("[", "]"), "object": ('{"a": ', "}")}[kind]
+    return opener * depth + "1" + closer * depth
+
+
+@pytest.mark.parametrize("kind", ["list", "object"])
+@pytest.mark.parametrize("layout", ["json", "jsonl"])
+def test_nesting_deeper_than_the_parser_skips_only_that_record(kind, layout, tmp_path, pics, cache_dir):
+    # The id comes after the deep part: it is still found for the report.
+    bad = '{"x": %s, "id": "bad", "conversations": []}' % _deep(100_000, kind)
+    good = json.dumps(GOOD)
+    path = tmp_path / f"d.{layout}"
+    path.write_text(f"[{good},\n{bad}]" if layout == "json" else f"{good}\n{bad}\n")
+    _check_both_modes(path, "mmdu", pics, cache_dir, "too_deep", None,
+                      record_id="bad" if layout == "json" else "line 2")
+
+
+@pytest.mark.parametrize("fmt", ["llava", "mmdu", "messages"])
+def test_a_nul_byte_in_an_image_path_skips_only_that_record(fmt, tmp_path, pics, cache_dir):
+    good_path, bad_path = "a.png", "a\x00.png"
+    records = {
+        "llava": lambda rid, p: {"id": rid, "image": p, "conversations": [
+            {"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "Red."}]},
+        "mmdu": lambda rid, p: {"id": rid, "image": [p], "conversations": [_user("<ImageHere> ?"), _asst("Red.")]},
+        "messages": lambda rid, p: {"id": rid, "messages": [
+            {"role": "user", "content": [{"type": "image", "path": p}, {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": "Red."}]},
+    }[fmt]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(records("good", good_path)) + "\n" + json.dumps(records("bad", bad_path)) + "\n")
+    _check_both_modes(path, fmt, pics, cache_dir, "invalid_image_path", 0)
+
+
 def test_every_problem_class_is_covered_by_a_test():
-    covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8"}
+    covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8", "lone_surrogate", "too_deep",
+                                 "invalid_image_path"}
     assert covered == set(PROBLEMS)
 
 

@@ -48,6 +48,28 @@ def test_two_ranks_shard_data_without_overlap_and_stay_in_sync(tmp_path, synthet
     assert len(seen[0] + seen[1]) == len(set(seen[0] + seen[1])) == 32  # one epoch, every sample once
 
 
+@pytest.mark.slow
+def test_every_rank_of_a_second_job_stops_naming_the_folders_holder(tmp_path, synthetic_dir, tiny_overrides):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mmtune.io.locks import lock_directory; "
+                               "lock_directory(sys.argv[1], purpose='training'); print('locked', flush=True); "
+                               "time.sleep(900)", str(out)], stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port()), str(WORKER), str(tmp_path / "rank{rank}.json"),
+               *tiny_overrides(out, synthetic_dir, "training.max_steps=1")]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    finally:
+        holder.kill()
+        holder.wait()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # Both ranks raise the same refusal (rank 1 learns it from rank 0 instead of waiting at a barrier).
+    assert output.count(f"in use by another process: pid {holder.pid}") >= 2, output[-4000:]
+    assert not (out / "data_report.json").exists()
+
+
 # Packing into 512-token rows over windows of 8 samples: 13 rows per epoch, so a plain
 # round-robin would give rank 0 seven micro-batches and rank 1 six.
 _UNEVEN_PACKING = ("collator.batching=packing", "collator.batch_size=1", "collator.max_length=512",

@@ -61,3 +61,52 @@ def test_wandb_offline_run_gets_redacted_config_and_metrics(tmp_path, monkeypatc
     assert b"sk-SECRET" not in every_file  # nothing on disk holds the secret
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics == [{"step": 1, "train/loss": 1.5, "train/lr": 0.1}]
+
+
+class _FullDisk:
+    """A file whose write gets half a line out, then fails as a full disk does."""
+
+    def __init__(self, opener, path, mode):
+        self.file = opener(path, mode)
+
+    def write(self, text):
+        import errno
+
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def test_a_full_disk_while_logging_names_metrics_jsonl_and_the_last_checkpoint(tmp_path, monkeypatch):
+    import builtins
+
+    from mmtune.io.disk import DiskFullError
+    from mmtune.training.checkpoint import TRAINER_STATE
+
+    (tmp_path / "checkpoints" / "step-4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-4" / TRAINER_STATE).write_text(json.dumps({"step": 4}))
+    logger = RunLogger(LoggingConfig(progress_bar=False), output_dir=str(tmp_path), resolved_config={},
+                       is_main=True, total_steps=8)
+    logger.log(5, {"train/loss": 1.0, "train/lr": 1e-3})
+    real_open = builtins.open
+    def full_for_metrics(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl"):
+            return _FullDisk(real_open, path, mode)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_for_metrics)
+    with pytest.raises(DiskFullError) as info:
+        logger.log(6, {"train/loss": 0.9, "train/lr": 1e-3})
+    monkeypatch.undo()
+    message = str(info.value)
+    assert f"no space left on the device holding {tmp_path / 'metrics.jsonl'} while writing metrics.jsonl" in message
+    assert f"{tmp_path / 'checkpoints' / 'step-4'} (step 4), is intact" in message
+    # The torn line goes when a resume cuts the log back to the checkpoint.
+    assert cut_jsonl_after(tmp_path / "metrics.jsonl", 4) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

@@ -164,3 +164,40 @@ def test_in_training_evaluation_is_refused_under_multi_process_zero3():
     check_evaluation_layout(both, zero_stage=0, num_processes=8)
     check_evaluation_layout(both, zero_stage=3, num_processes=1)
     check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero_stage=3, num_processes=8)
+
+
+def test_a_second_training_job_in_the_same_output_dir_is_refused(make_recipe, tmp_path, synthetic_dir, tiny_overrides):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mmtune.io.locks import DirectoryLockedError, lock_directory
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    # Another process holds the folder: this job stops in setup, before writing anything.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mmtune.io.locks import lock_directory; "
+                               "lock_directory(sys.argv[1], purpose='training'); print('locked', flush=True); "
+                               "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(DirectoryLockedError, match=rf"in use by another process: pid {holder.pid} .*"
+                                                       r"set training.output_dir to another folder"):
+            make_recipe("training.max_steps=1")
+        assert not (run_dir / "data_report.json").exists() and not (run_dir / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # This process trains there now; a second real job (recipes/sft.py) is refused naming it.
+    recipe = make_recipe("training.max_steps=1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    second = subprocess.run([sys.executable, str(repo / "recipes" / "sft.py"),
+                             *tiny_overrides(run_dir, synthetic_dir, "training.max_steps=1", "training.resume=auto")],
+                            cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    assert f"in use by another process: pid {os.getpid()}" in second.stderr, second.stderr[-3000:]
+    recipe.cleanup()  # releases the folder
+    with lock_directory(run_dir):
+        pass

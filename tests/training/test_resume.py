@@ -79,3 +79,96 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
     for epoch in range(2):
         seen = [i for s in ids if s["epoch"] == epoch for r in s["ranks"] for mb in r["ids"] for i in mb]
         assert len(seen) == len(set(seen)) == 32
+
+
+def _train(tmp_path, synthetic_dir, tiny_overrides, *extra, name="run"):
+    """One in-process run into ``tmp_path / name``: setup, train, save, cleanup."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from mmtune.training.config import to_sft_config
+    from mmtune.training.demo import compose_sft_config
+    from mmtune.training.loop import SFTRecipe
+
+    common = ("training.lr_scheduler=constant", "training.warmup_ratio=0", "training.keep_last=3", "training.lr=1e-3")
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(tiny_overrides(tmp_path / name, synthetic_dir, *common,
+                                                                        *extra))))
+    try:
+        recipe.setup()
+        recipe.train()
+        recipe.save()
+        recipe.cleanup()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return recipe
+
+
+def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_takes_effect_and_is_recorded(
+        tmp_path, synthetic_dir, tiny_overrides):
+    import shutil
+
+    from mmtune.training.checkpoint import ResumeConfigError, read_trainer_state
+
+    run = tmp_path / "run"
+    steps = ("training.max_steps=3", "training.save_every_steps=1")
+    _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.save_final=false")
+    shutil.rmtree(run / "checkpoints" / "step-2")  # as if killed during step 3: resume from step 1
+    logged = (run / "metrics.jsonl").read_text()
+
+    # Another lr, scheduler and weight decay: refused before anything is built or cut, each key named.
+    with pytest.raises(ResumeConfigError) as info:
+        _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.resume=auto",
+               "training.lr=2e-3", "training.lr_scheduler=linear", "training.weight_decay=0.1",
+               "logging.every_steps=2", "training.keep_last=4")  # the last two may differ freely
+    message = str(info.value)
+    assert f"cannot resume from {run / 'checkpoints' / 'step-1'} (step 1)" in message
+    assert "training.lr: 0.001 -> 0.002" in message and "training.lr_scheduler: 'constant' -> 'linear'" in message
+    assert "training.weight_decay: 0.0 -> 0.1" in message
+    assert "logging" not in message and "keep_last" not in message
+    assert "training.resume_config_changes=[training.lr,training.lr_scheduler,training.weight_decay]" in message
+    assert (run / "metrics.jsonl").read_text() == logged
+
+    # Allowed: the new lr is what steps 2-3 train with, and the change is recorded with its first step.
+    recipe = _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.resume=auto", "training.lr=2e-3",
+                    "training.resume_config_changes=[training.lr]", "training.save_final=false")
+    assert [g["lr"] for g in recipe.optimizer.param_groups] == [2e-3] * len(recipe.optimizer.param_groups)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/lr"]) for r in rows] == [(1, 1e-3), (2, 2e-3), (3, 2e-3)]
+    change = {"effective_from_step": 2, "resumed_from": str(run / "checkpoints" / "step-1"),
+              "changes": {"training.lr": {"old": 1e-3, "new": 2e-3}}}
+    state = read_trainer_state(run / "checkpoints" / "step-2")  # saved after the change: carries it
+    assert state["config_changes"] == [change] and state["config"]["training"]["lr"] == 2e-3
+
+    # Resumed again from step 2 with the same (new) config: nothing new to allow; the record stays.
+    _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.resume=auto", "training.lr=2e-3")
+    final = json.loads((run / "final" / "mmtune_run.json").read_text())
+    assert final["config_changes"] == [change] and final["config"]["training"]["lr"] == 2e-3
+
+
+def test_after_a_full_disk_the_last_checkpoint_resumes_the_run(tmp_path, synthetic_dir, tiny_overrides, monkeypatch):
+    import errno
+
+    import torch
+
+    from mmtune.io.disk import DiskFullError
+
+    run = tmp_path / "run"
+    real_save = torch.save
+
+    def full_at_step_2(obj, f, *args, **kwargs):
+        if ".tmp-step-2" in str(f):
+            Path(f).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    steps = ("training.max_steps=3", "training.save_every_steps=1")
+    monkeypatch.setattr(torch, "save", full_at_step_2)
+    with pytest.raises(DiskFullError, match=rf"checkpoint step 2 .*The last complete checkpoint, "
+                                            rf"{run / 'checkpoints' / 'step-1'} \(step 1\), is intact"):
+        _train(tmp_path, synthetic_dir, tiny_overrides, *steps)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1"]
+
+    resumed = _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.resume=auto")
+    assert resumed.step == 3 and (run / "final" / "mmtune_run.json").is_file()
+    assert [m["step"] for m in _lines(run / "metrics.jsonl")] == [1, 2, 3]

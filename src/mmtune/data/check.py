@@ -56,8 +56,10 @@ def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
         keys = sorted({k for r in records for k in r})[:10]
         raise ValueError(f"{path}: records have neither 'conversations' nor 'messages' (keys seen: {keys}); "
                          f"pass --format {{{','.join(FORMATS)}}}")
-    texts = [str(m.get("value", "")) for r in convs for m in r["conversations"] if isinstance(m, dict)]
-    roles = {str(m.get("from")) for r in convs for m in r["conversations"] if isinstance(m, dict)}
+    # Only strings are looked at: a value may be any JSON, nested deeper than str() follows.
+    messages = [m for r in convs for m in r["conversations"] if isinstance(m, dict)]
+    texts = [m["value"] for m in messages if isinstance(m.get("value"), str)]
+    roles = {m["from"] for m in messages if isinstance(m.get("from"), str)}
     mmdu_marks = sum(t.count("<ImageHere>") for t in texts)
     llava_marks = sum(t.count("<image>") for t in texts)
     list_images = any(isinstance(r.get("image"), list) for r in convs)
@@ -113,9 +115,15 @@ def run(argv: list[str]) -> int:
     if args.allow_absolute_paths:
         overrides.append("allow_absolute_image_paths=true")
     stated = None
+    from mmtune.data.validation import DataValidationError
+
     try:
         if _is_data_file(args.config):
-            cfg, stated = _file_config(args)
+            try:
+                cfg, stated = _file_config(args)
+            except DataValidationError as e:  # the file itself is broken, not the command line
+                print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
+                return 1
             import yaml
             from omegaconf import OmegaConf
 
@@ -137,7 +145,7 @@ def run(argv: list[str]) -> int:
 
     from mmtune.data.mixture import build_mixture
     from mmtune.data.readers import image_rules
-    from mmtune.data.validation import DataValidationError, format_reports
+    from mmtune.data.validation import format_reports
 
     try:
         mixture = build_mixture(cfg, refresh=args.refresh)

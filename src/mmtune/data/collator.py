@@ -138,6 +138,8 @@ class CollatorConfig:
             problems.append("collator.megabatch_mult and collator.packing_window must be > 0")
         if self.image_cache_key not in ("content", "stat"):
             problems.append(f"collator.image_cache_key={self.image_cache_key!r}: use 'content' or 'stat'")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            problems.append(f"collator.pad_to_multiple_of must be >= 1 or null (got {self.pad_to_multiple_of})")
         if self.image_errors not in (None, "strict", "skip"):
             problems.append(f"collator.image_errors={self.image_errors!r}: use 'strict' or 'skip'")
         if problems:

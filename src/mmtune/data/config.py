@@ -17,6 +17,7 @@ Example (``configs/data/mmdu_45k.yaml``)::
 
 # No ``from __future__ import annotations``: OmegaConf reads these annotations at run
 # time to type-check merged YAML, and it understands ``Optional[...]`` best.
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,9 +194,9 @@ class DataConfig:
             for name, w in mix.weights.items():
                 if name not in names:
                     problems.append(f"data.mixture.weights has {name!r}, which is not a source name ({names})")
-                if w < 0:
-                    problems.append(f"data.mixture.weights.{name}={w} must be >= 0")
-            if sum(mix.weights.values()) <= 0:
+                if not (math.isfinite(w) and w >= 0):  # NaN passes "w < 0"
+                    problems.append(f"data.mixture.weights.{name}={w} must be a finite number >= 0")
+            if not sum(mix.weights.values()) > 0:
                 problems.append("data.mixture.weights sum to 0: give at least one source a positive weight")
         if mix.by not in MIX_BY:
             problems.append(f"data.mixture.by={mix.by!r} is unknown: use samples or tokens")
@@ -212,6 +213,8 @@ class DataConfig:
                 f"data.validation.check_images={self.validation.check_images!r} is unknown: "
                 f"use one of {', '.join(IMAGE_CHECKS)}"
             )
+        if self.validation.max_examples < 0:
+            problems.append(f"data.validation.max_examples={self.validation.max_examples} must be >= 0")
         st = self.stacking
         if st.sources is not None:
             for name in st.sources:

@@ -18,6 +18,9 @@ file on the machine. Every reader and benchmark loader resolves paths with
   ``eval.allow_absolute_image_paths=true``, ``--allow-absolute-paths``); otherwise it is
   a ``path_outside_root`` problem that says so.
 
+A path holding a NUL byte names no file at all: it is an ``invalid_image_path`` problem
+of its record (never an error of the whole file).
+
 Each result carries how the path was built, so a missing image's report shows the path
 that was tried and where it came from.
 """
@@ -37,7 +40,7 @@ ALLOW_ABSOLUTE_HINT = (
 
 
 class ImagePathError(ValueError):
-    """An image path resolves outside the allowed image roots."""
+    """An image path was rejected: it resolves outside the allowed image roots, or names no file."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class ResolvedImage:
     how: str
     """How ``path`` was built, for reports (``image_root /r + relative path 'a.jpg'``)."""
     problem: Optional[str] = None
-    """``None`` or ``"path_outside_root"``."""
+    """``None``, ``"path_outside_root"`` or ``"invalid_image_path"`` (a NUL byte in it)."""
     detail: str = ""
     """What is wrong and how to fix it, when ``problem`` is set."""
 
@@ -112,6 +115,13 @@ class ImagePathRules:
 
     def resolve(self, raw: str) -> ResolvedImage:
         """Resolve one path exactly as written in the data file."""
+        if "\0" in raw:
+            # The OS refuses such a name (Python raises "embedded null byte" on any use);
+            # it is one record's problem, not the whole file's.
+            return ResolvedImage(
+                raw, "as written", "invalid_image_path",
+                f"image path {raw!r} holds a NUL byte (\\x00), which no file name can; correct it in the data file",
+            )
         path = raw
         if self.strip_prefix and path.startswith(self.strip_prefix):
             path = path[len(self.strip_prefix):]

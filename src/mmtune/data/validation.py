@@ -26,6 +26,14 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "text is not valid UTF-8",
         "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)",
     ),
+    "lone_surrogate": (
+        "text holds an escape such as \\ud800 that is half of a UTF-16 surrogate pair, which is no character",
+        "write the character itself, or its full pair (\\ud83d\\ude00 is one emoji), or delete the escape",
+    ),
+    "too_deep": (
+        "record nests lists/objects deeper than the JSON parser can follow",
+        "flatten or delete the record: no supported format nests more than a few levels",
+    ),
     "malformed_record": (
         "record does not have the format's fields/types",
         "give the record the fields its format requires (see docs/data.md)",
@@ -41,6 +49,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
     "missing_image": (
         "image file does not exist",
         "check source.image_root / strip_image_prefix, or restore the file",
+    ),
+    "invalid_image_path": (
+        "image path holds a character no file name can (a NUL byte)",
+        "correct the path in the data file",
     ),
     "path_outside_root": (
         "image path points outside the image root (through '..', a symlink or an absolute path)",

@@ -138,6 +138,9 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
+    import dataclasses
+    import math
+
     from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
 
     problems = []
@@ -155,10 +158,47 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         problems.append(f"eval.generation.batch_schedule={gen.batch_schedule!r}: use auto, continuous or lockstep")
     if gen.batch_size is not None and gen.batch_size < 1:
         problems.append(f"eval.generation.batch_size={gen.batch_size}: must be >= 1")
-    if not 0.0 <= cfg.judge.max_failed_share <= 1.0:
-        problems.append(f"eval.judge.max_failed_share={cfg.judge.max_failed_share}: must be within [0, 1]")
-    if cfg.judge.concurrency < 1:
-        problems.append(f"eval.judge.concurrency={cfg.judge.concurrency}: must be >= 1")
+    if gen.min_new_tokens < 0:
+        problems.append(f"eval.generation.min_new_tokens={gen.min_new_tokens}: must be >= 0")
+    if gen.context_length is not None and gen.context_length < 1:
+        problems.append(f"eval.generation.context_length={gen.context_length}: must be >= 1 (or null: the model's)")
+    for label, size in gen.batch_size_by_size.items():
+        if not isinstance(size, int) or size < 1:
+            problems.append(f"eval.generation.batch_size_by_size.{label}={size}: must be an integer >= 1")
+    # NaN passes every comparison, so each bound is written as "not (x within range)".
+    if not (math.isfinite(gen.repetition_penalty) and gen.repetition_penalty > 0):
+        problems.append(f"eval.generation.repetition_penalty={gen.repetition_penalty}: must be a finite number > 0")
+    if gen.do_sample:  # ignored when greedy, as transformers does
+        if not (math.isfinite(gen.temperature) and gen.temperature > 0):
+            problems.append(f"eval.generation.temperature={gen.temperature}: must be a finite number > 0 when "
+                            "do_sample is true")
+        if not 0.0 < gen.top_p <= 1.0:
+            problems.append(f"eval.generation.top_p={gen.top_p}: must be within (0, 1] when do_sample is true")
+    judge = cfg.judge
+    if not 0.0 <= judge.max_failed_share <= 1.0:
+        problems.append(f"eval.judge.max_failed_share={judge.max_failed_share}: must be within [0, 1]")
+    if judge.concurrency < 1:
+        problems.append(f"eval.judge.concurrency={judge.concurrency}: must be >= 1")
+    if not (math.isfinite(judge.timeout_s) and judge.timeout_s > 0):
+        problems.append(f"eval.judge.timeout_s={judge.timeout_s}: must be a finite number of seconds > 0")
+    if judge.max_retries < 0:
+        problems.append(f"eval.judge.max_retries={judge.max_retries}: must be >= 0 (0: no retries)")
+    for key in ("backoff_base_s", "backoff_max_s"):
+        value = getattr(judge, key)
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"eval.judge.{key}={value}: must be a finite number of seconds >= 0")
+    if judge.stop_after_failures < 1:
+        problems.append(f"eval.judge.stop_after_failures={judge.stop_after_failures}: must be >= 1")
+    if judge.max_tokens < 1:
+        problems.append(f"eval.judge.max_tokens={judge.max_tokens}: must be >= 1")
+    # Every benchmark's own group: a limit of 0 or -1 would silently score no item or drop
+    # the last one (a slice), zero tries would score every item 0 without asking the judge.
+    for group in dataclasses.fields(cfg):
+        sub = getattr(cfg, group.name)
+        for key, least, meaning in (("limit", 1, " (or null: every item)"), ("max_tries", 1, "")):
+            value = getattr(sub, key, None)
+            if value is not None and value < least:
+                problems.append(f"eval.{group.name}.{key}={value}: must be >= {least}{meaning}")
     if problems:
         raise ValueError("invalid evaluation config:\n  - " + "\n  - ".join(problems))
 

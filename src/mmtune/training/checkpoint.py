@@ -20,6 +20,10 @@ a complete ``.tmp-<name>``. :func:`latest_checkpoint` finds it either way and
 :func:`recover_interrupted_saves` (run at start-up and before each save) puts it back
 in place. Multi-node runs need ``output_dir`` on a shared file system (every rank
 writes its RNG state).
+
+A full disk therefore fails inside ``.tmp-<name>``: that partial copy is deleted (giving
+its space back) and a :class:`~mmtune.io.disk.DiskFullError` names the path, the space
+left and the last complete checkpoint, which nothing touched.
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from mmtune.io.disk import disk_full_guard
+
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
-__all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "CheckpointManager", "latest_checkpoint",
-           "read_trainer_state", "recover_interrupted_saves", "save_final", "write_json_atomic"]
+__all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
+           "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "intact_note",
+           "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
+           "write_json_atomic"]
 
 TRAINER_STATE = "trainer_state.json"
 RUN_METADATA = "mmtune_run.json"
@@ -45,6 +53,115 @@ _STEP_DIR = re.compile(r"^(\.tmp-|\.old-)?step-(\d+)$")
 # (tests use them to interrupt a save at each point).
 SAVE_POINTS = ("written", "old_moved_aside", "new_in_place", "old_deleted", "pruned")
 SavePointHook = Optional[Callable[[str], None]]
+
+
+# Config keys that may differ between a checkpoint's run and the run resuming it, and why:
+# none of them changes which samples are trained, in what order, or how a step updates the
+# weights. A key covers the keys under it. Every other key is refused when it changed
+# (model, data, collator, optimizer and schedule, training length, seed, precision, peft,
+# context, synthetic data), unless ``training.resume_config_changes`` names it.
+RESUME_FREE_KEYS: dict[str, str] = {
+    "training.output_dir": "the same folder, perhaps spelled differently or moved",
+    "training.resume": "how the checkpoint is found, not what it continues",
+    "training.resume_config_changes": "the permission itself",
+    "training.save_every_steps": "when checkpoints are written",
+    "training.keep_last": "how many checkpoints are kept",
+    "training.save_final": "whether final/ is written",
+    "training.num_workers": "how many processes load the same batches",
+    "training.log_sample_ids": "a log",
+    "training.eval_before": "evaluation reads the model and never trains it",
+    "training.eval_after": "evaluation reads the model and never trains it",
+    "training.compile": "the same computation, compiled",
+    "training.gradient_checkpointing": "activations recomputed instead of stored: the same gradients, less memory",
+    "training.loss_impl": "the same token-weighted loss computed another way (equal within 1e-5)",
+    "training.loss_chunk_size": "rows per chunk of the same loss",
+    "training.ddp_find_unused_parameters": "DDP's bookkeeping of parameters without gradient",
+    "peft.merge_on_save": "how final/ is written",
+    "data.cache_dir": "where the same parsed records are cached",
+    "collator.image_cache_dir": "where the same pixels are cached",
+    "collator.image_cache_key": "how the pixel cache is keyed",
+    "collator.length_cache_dir": "where the same sample lengths are cached",
+    "logging": "where metrics go",
+    "eval": "benchmarks read the model and never train it",
+    "run_name": "a label",
+}
+_ABSENT = object()
+
+
+class ResumeConfigError(ValueError):
+    """Resuming would continue a checkpoint with a config that differs in keys that affect training."""
+
+
+def flatten_config(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested config dict: ``{"training.lr": 2e-5, "data.mixture.sources[0].path": ...}``.
+
+    Lists of objects are indexed (``[0]``); lists of plain values are one value.
+    """
+    if isinstance(value, dict):
+        if not value and prefix:
+            return {prefix: {}}
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten_config(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        flat = {}
+        for i, item in enumerate(value):
+            flat.update(flatten_config(item, f"{prefix}[{i}]"))
+        return flat
+    return {prefix: value}
+
+
+def key_covers(entry: str, key: str) -> bool:
+    """Whether config key ``entry`` is ``key`` or one of its parents (``training`` covers ``training.lr``)."""
+    return key == entry or key.startswith(entry + ".") or key.startswith(entry + "[")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, current value)}`` for every key whose value differs; a key
+    missing on one side has :data:`_ABSENT` there."""
+    old, new = flatten_config(saved), flatten_config(current)
+    return {key: (old.get(key, _ABSENT), new.get(key, _ABSENT)) for key in sorted(old.keys() | new.keys())
+            if old.get(key, _ABSENT) != new.get(key, _ABSENT)}
+
+
+def _shown(value: Any) -> str:
+    text = "(not set)" if value is _ABSENT else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_resume_config(checkpoint: str | os.PathLike, state: dict[str, Any], current: dict[str, Any],
+                        allowed: list[str]) -> dict[str, dict[str, Any]]:
+    """The changes of ``current`` from the config ``state["config"]`` was saved with, where allowed.
+
+    Keys under :data:`RESUME_FREE_KEYS` may differ freely and are not returned; keys the
+    user allowed (``training.resume_config_changes``) are returned as ``{key: {"old",
+    "new"}}`` to be recorded; any other difference raises.
+
+    Raises:
+        ResumeConfigError: listing every refused key as ``key: old -> new`` and how to fix it.
+    """
+    changed = {key: values for key, values in config_differences(state["config"], current).items()
+               if not any(key_covers(free, key) for free in RESUME_FREE_KEYS)}
+    refused = {key: values for key, values in changed.items() if not any(key_covers(a, key) for a in allowed)}
+    if refused:
+        step = state.get("step")
+        lines = "\n  - ".join(f"{key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in refused.items())
+        entries = ",".join(f'"{key}"' if "[" in key else key for key in refused)
+        raise ResumeConfigError(
+            f"cannot resume from {checkpoint} (step {step}): its run was trained with another config:\n  - {lines}\n"
+            f"Resuming as is would continue the run after step {step} with settings it was not trained with, and "
+            "record nowhere where they changed (a changed optimizer setting would even be overridden by the "
+            "checkpoint's own, while this config claims it). How to fix: "
+            "rerun with the checkpoint's values; or start afresh in another training.output_dir; or allow exactly "
+            f"these changes with 'training.resume_config_changes=[{entries}]' (recorded with the step they take "
+            "effect in the checkpoints' trainer_state.json and final/mmtune_run.json)."
+            + (" A new length (training.max_steps, training.epochs) also reshapes the learning-rate schedule from "
+               "this step on: it decays over the new number of steps."
+               if any(key in refused for key in ("training.max_steps", "training.epochs")) else "")
+        )
+    return {key: {"old": None if old is _ABSENT else old, "new": None if new is _ABSENT else new}
+            for key, (old, new) in changed.items()}
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
@@ -159,6 +276,10 @@ class CheckpointManager:
 
         Returns:
             The final ``step-<N>`` directory.
+
+        Raises:
+            DiskFullError: no space was left while writing it; the partial copy is deleted
+                and the message names the last complete checkpoint, which is untouched.
         """
         final = self.checkpoints_dir / f"step-{step}"
         tmp = self.checkpoints_dir / f".tmp-step-{step}"
@@ -168,12 +289,18 @@ class CheckpointManager:
             for stale in self.checkpoints_dir.glob(".tmp-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-write
         accelerator.wait_for_everyone()
-        # Model, optimizer, scheduler, grad scaler and every rank's RNG states; under
-        # DeepSpeed this writes its (sharded) engine checkpoint.
-        accelerator.save_state(str(tmp), safe_serialization=True)
-        accelerator.wait_for_everyone()
+        # A full disk fails the write into .tmp-step-N, before anything complete is touched.
+        guard = disk_full_guard(tmp, f"checkpoint step {step}", intact=lambda: intact_note(self.output_dir),
+                                cleanup=(lambda: shutil.rmtree(tmp, ignore_errors=True))
+                                if accelerator.is_main_process else None)
+        with guard:
+            # Model, optimizer, scheduler, grad scaler and every rank's RNG states; under
+            # DeepSpeed this writes its (sharded) engine checkpoint.
+            accelerator.save_state(str(tmp), safe_serialization=True)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         if accelerator.is_main_process:
-            write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
             _swap_into_place(tmp, final, self.on_save_point)
             self._prune()
             if self.on_save_point is not None:
@@ -190,6 +317,20 @@ class CheckpointManager:
         """Restore model/optimizer/scheduler/RNG from ``checkpoint``; return its trainer state."""
         accelerator.load_state(str(checkpoint))
         return read_trainer_state(checkpoint)
+
+
+def intact_note(output_dir: str | os.PathLike) -> str:
+    """What a failed write left intact in a run directory, for error messages (main process).
+
+    A save writes aside and swaps last (module docstring), so whatever failed, the latest
+    complete checkpoint is the one :func:`latest_checkpoint` finds.
+    """
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "No resumable checkpoint had been saved yet in this run."
+    step = read_trainer_state(latest).get("step")
+    return (f"The last complete checkpoint, {latest} (step {step}), is intact: rerun with training.resume=auto "
+            "to continue from it.")
 
 
 def _is_zero3(accelerator: "Accelerator") -> bool:
@@ -213,9 +354,11 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
         save_pretrained_extras: objects with ``save_pretrained`` (tokenizer, processor)
             written next to the weights.
         metadata: written to ``mmtune_run.json``.
-    """
-    from mmtune.training.peft_setup import is_peft_model, merged_model
 
+    Raises:
+        DiskFullError: no space was left; the partial copy is deleted and the message
+            says what is intact (the previous ``final/`` and the last checkpoint).
+    """
     out_dir = Path(out_dir)
     tmp = _aside(out_dir, "tmp")
     if accelerator.is_main_process:
@@ -226,25 +369,36 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
     state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
-        tmp.mkdir(parents=True)
-        if is_peft_model(unwrapped):
-            trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
-            unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
-            extra = {k: v for k, v in state_dict.items() if k in trained and "lora_" not in k}
-            if extra:
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "adapter" / "non_lora_trainables.safetensors"))
-            if merge_lora and not _is_zero3(accelerator):
-                merged_model(unwrapped).save_pretrained(tmp, safe_serialization=True)
-            elif merge_lora:
-                metadata = {**metadata, "merged": False,
-                            "merged_note": "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline"}
-        else:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        for extra_obj in save_pretrained_extras:
-            extra_obj.save_pretrained(tmp)
-        write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete
+        previous = " The previous final/ is intact." if (out_dir / RUN_METADATA).is_file() else ""
+        with disk_full_guard(tmp, "the final checkpoint", cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
+                             intact=lambda: f"{out_dir} was not replaced.{previous} " + intact_note(out_dir.parent)):
+            _write_final(tmp, unwrapped, state_dict, accelerator, save_pretrained_extras, metadata, merge_lora)
         _swap_into_place(tmp, out_dir, on_save_point)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], accelerator: "Accelerator",
+                 save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool) -> None:
+    """The complete ``final/`` copy in ``tmp``, its marker file last (main process)."""
+    from mmtune.training.peft_setup import is_peft_model, merged_model
+
+    tmp.mkdir(parents=True)
+    if is_peft_model(unwrapped):
+        trained = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+        unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict, safe_serialization=True)
+        extra = {k: v for k, v in state_dict.items() if k in trained and "lora_" not in k}
+        if extra:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "adapter" / "non_lora_trainables.safetensors"))
+        if merge_lora and not _is_zero3(accelerator):
+            merged_model(unwrapped).save_pretrained(tmp, safe_serialization=True)
+        elif merge_lora:
+            metadata = {**metadata, "merged": False,
+                        "merged_note": "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline"}
+    else:
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    for extra_obj in save_pretrained_extras:
+        extra_obj.save_pretrained(tmp)
+    write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete

@@ -23,6 +23,8 @@ and raises one :class:`ConfigError` that lists every problem with its key.
 """
 
 # No ``from __future__ import annotations``: OmegaConf reads these annotations at run time.
+import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -123,6 +125,15 @@ class TrainingConfig:
     """``auto`` (latest complete checkpoint in ``output_dir``, or a fresh start), a
     checkpoint directory, or ``None`` (fresh start; fails if checkpoints exist, so a run
     is never silently overwritten)."""
+    resume_config_changes: List[str] = field(default_factory=list)
+    """Config keys allowed to differ from the resumed checkpoint's config, dotted
+    (``[training.lr]``; a key covers the keys under it, ``training.projector`` covers
+    ``training.projector.lr``). Resuming with any other changed key that affects training
+    is refused, listing each as ``key: old -> new``. An allowed change is recorded with
+    the first step it applies to (``config_changes`` in later checkpoints'
+    ``trainer_state.json`` and in ``final/mmtune_run.json``). Keys that never change what
+    is trained (logging, eval, checkpoint cadence, caches, ...) may differ without being
+    named: :data:`mmtune.training.checkpoint.RESUME_FREE_KEYS` lists them with reasons."""
     save_final: bool = True
     """Write ``final/`` (a normal HF checkpoint, plus the LoRA adapter for LoRA runs)."""
     num_workers: int = 0
@@ -283,27 +294,51 @@ def validate(cfg: SFTConfig) -> None:
         if value < 1:
             problems.append(f"training.{key}={value} must be >= 1")
     for key in ("max_steps", "save_every_steps", "warmup_steps"):
-        value = getattr(t, key)
-        if value is not None and value < (0 if key == "warmup_steps" else 1):
-            problems.append(f"training.{key}={value} must be >= 1 (or null)")
+        value, least = getattr(t, key), 0 if key == "warmup_steps" else 1
+        if value is not None and value < least:
+            problems.append(f"training.{key}={value} must be >= {least} (or null)")
     if not 0.0 <= t.warmup_ratio < 1.0:
         problems.append(f"training.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if t.loss_impl not in LOSS_IMPLS:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
-    if t.lr <= 0:
-        problems.append(f"training.lr={t.lr} must be > 0")
+    # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        problems.append(f"training.lr={t.lr} must be a finite number > 0")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        problems.append(f"training.weight_decay={t.weight_decay} must be a finite number >= 0")
     for name in ("vision", "projector", "language_model"):
         group = getattr(t, name)
-        if group.lr is not None and group.lr <= 0:
-            problems.append(f"training.{name}.lr={group.lr} must be > 0 (or null for training.lr)")
+        if group.lr is not None and not (math.isfinite(group.lr) and group.lr > 0):
+            problems.append(f"training.{name}.lr={group.lr} must be a finite number > 0 (or null for training.lr)")
+        if group.weight_decay is not None and not (math.isfinite(group.weight_decay) and group.weight_decay >= 0):
+            problems.append(f"training.{name}.weight_decay={group.weight_decay} must be a finite number >= 0 "
+                            "(or null for training.weight_decay)")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            problems.append(f"training.{key}={getattr(t, key)} must be in [0, 1)")
+    if not (math.isfinite(t.adam_epsilon) and t.adam_epsilon > 0):
+        problems.append(f"training.adam_epsilon={t.adam_epsilon} must be a finite number > 0 (it keeps AdamW's "
+                        "division away from zero)")
+    if t.max_grad_norm is not None and not t.max_grad_norm >= 0:  # also NaN; inf measures without clipping
+        problems.append(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (or null: no clipping)")
+    if t.num_workers < 0:
+        problems.append(f"training.num_workers={t.num_workers} must be >= 0 (0: load in the main process)")
     if not any(getattr(t, g).train for g in ("vision", "projector", "language_model")):
         problems.append("training.{vision,projector,language_model}.train are all false: nothing would train")
     if t.deepspeed_config is not None and not os.path.isfile(t.deepspeed_config):
         problems.append(f"training.deepspeed_config={t.deepspeed_config!r} does not exist")
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
+    if t.resume_config_changes:
+        from mmtune.training.checkpoint import flatten_config, key_covers
+
+        keys = flatten_config(dataclasses.asdict(cfg))
+        for entry in t.resume_config_changes:
+            if not any(key_covers(entry, key) for key in keys):
+                problems.append(f"training.resume_config_changes: {entry!r} names no config key (write dotted keys "
+                                "such as training.lr or data.mixture.sources[0].path)")
     p = cfg.peft
     if p.method not in PEFT_METHODS:
         problems.append(f"peft.method={p.method!r}: use one of {', '.join(PEFT_METHODS)}")
@@ -312,6 +347,8 @@ def validate(cfg: SFTConfig) -> None:
             problems.append(f"peft.r={p.r} must be >= 1")
         if not 0.0 <= p.dropout < 1.0:
             problems.append(f"peft.dropout={p.dropout} must be in [0, 1)")
+        if p.alpha <= 0:
+            problems.append(f"peft.alpha={p.alpha} must be > 0 (the LoRA update is scaled by alpha / r)")
     if p.method == "qlora" and cfg.model.path is None:
         problems.append("peft.method=qlora needs model.path (a checkpoint to quantize); random-weight models "
                         "train with peft.method=lora or none")
@@ -320,6 +357,12 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"context.rope_scaling={c.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
     if c.max_length is not None and c.max_length < 16:
         problems.append(f"context.max_length={c.max_length} is too small (>= 16)")
+    if c.original_max_position_embeddings is not None and c.original_max_position_embeddings < 1:
+        problems.append(f"context.original_max_position_embeddings={c.original_max_position_embeddings} must be >= 1")
+    for key in ("yarn_beta_fast", "yarn_beta_slow"):
+        value = getattr(c, key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"context.{key}={value} must be a finite number > 0 (or null for the default)")
     if cfg.logging.mode not in (None, "online", "offline", "disabled"):
         problems.append(f"logging.mode={cfg.logging.mode!r}: use online, offline, disabled or null")
     if cfg.logging.every_steps < 1:

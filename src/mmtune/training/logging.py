@@ -136,7 +136,8 @@ class RunLogger:
         self.is_main = is_main
         self.wandb_run = None
         self.bar = None
-        self.metrics_path = Path(output_dir) / "metrics.jsonl" if cfg.metrics_file else None
+        self.output_dir = Path(output_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl" if cfg.metrics_file else None
         if not is_main:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -157,8 +158,13 @@ class RunLogger:
         if not self.is_main:
             return
         if self.metrics_path is not None:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            from mmtune.io.disk import disk_full_guard
+            from mmtune.training.checkpoint import intact_note
+
+            # A line torn by a full disk is dropped on resume (cut_jsonl_after).
+            with disk_full_guard(self.metrics_path, "metrics.jsonl", intact=lambda: intact_note(self.output_dir)):
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if self.bar is not None:

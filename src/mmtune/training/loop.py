@@ -44,7 +44,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from mmtune.training.checkpoint import CheckpointManager, latest_checkpoint, recover_interrupted_saves, save_final
+from mmtune.io.disk import disk_full_guard
+from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, intact_note, latest_checkpoint,
+                                       read_trainer_state, recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
@@ -119,6 +121,10 @@ class SFTRecipe:
         self.micro_batches_done = 0  # within the current epoch, on this rank
         self.context_extension = None
         self.eval_results: dict[str, Any] = {}
+        self.output_lock = None  # held by the main process from setup() to cleanup()
+        self.resume_from: Optional[Path] = None
+        self.config_changes: list[dict[str, Any]] = []  # allowed changes on every resume so far
+        self.resume_changes: dict[str, Any] = {}  # those of this resume
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -160,10 +166,17 @@ class SFTRecipe:
         check_evaluation_layout(t, zero_stage=acc.state.deepspeed_plugin.zero_stage if self.is_deepspeed else 0,
                                 num_processes=acc.num_processes)
         seed_everything(t.seed)
+        self._lock_output_dir()
         if acc.is_main_process:
             recover_interrupted_saves(self.output_dir)  # a save killed between its renames
         acc.wait_for_everyone()
         self._check_output_dir()
+        # Before building anything: a resume with a changed config is refused at once.
+        if t.resume == "auto":
+            self.resume_from = latest_checkpoint(self.output_dir)
+        else:
+            self.resume_from = Path(t.resume) if t.resume else None
+        self.config_changes = self._check_resume_config() if self.resume_from is not None else []
 
         # Model. Random-weight models are seeded identically on every rank.
         self.adapter = build_adapter(cfg.model)
@@ -212,7 +225,9 @@ class SFTRecipe:
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
+            report = self.output_dir / "data_report.json"
+            with disk_full_guard(report, "data_report.json", intact=lambda: intact_note(self.output_dir)):
+                self.data.loss_report.write(str(report))
         acc.print(self.data.loss_report.render())
         self.total_steps = self._count_steps()
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
@@ -226,13 +241,18 @@ class SFTRecipe:
             self.model = torch.compile(self.model)
 
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=t.keep_last)
-        resume_from = latest_checkpoint(self.output_dir) if t.resume == "auto" else t.resume
+        resume_from = self.resume_from
         if resume_from is None and acc.is_main_process:
             # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
             for stale in ("metrics.jsonl", "sample_ids.jsonl"):
                 (self.output_dir / stale).unlink(missing_ok=True)
         if resume_from is not None:
+            # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
+            fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                     list(self.scheduler.scheduler.base_lrs))
             state = self.checkpoints.load(acc, resume_from)
+            if self.resume_changes:
+                self._apply_allowed_changes(*fresh)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
             self.micro_batches_done = int(state["micro_batches_done"])
             self.data.check_state(state["data"])
@@ -277,6 +297,87 @@ class SFTRecipe:
             ds["train_micro_batch_size_per_gpu"] = 1
         if ds.get("gradient_clipping", "auto") == "auto":
             ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
+
+    def _lock_output_dir(self) -> None:
+        """Refuse a second job writing into this run's folder (every rank stops with the holder's details).
+
+        Only the main process takes the lock: every rank of this job writes into the folder
+        (its RNG state, DeepSpeed shards), which is legitimate. Another job's main process
+        then finds it held; the refusal is broadcast so that its other ranks stop at once
+        with the same message instead of waiting at the next barrier.
+        """
+        from accelerate.utils import broadcast_object_list
+
+        from mmtune.io.locks import DirectoryLockedError, lock_directory
+
+        acc, refusal = self.accelerator, None
+        if acc.is_main_process:
+            try:
+                self.output_lock = lock_directory(
+                    self.output_dir, purpose="training",
+                    hint="set training.output_dir to another folder (to continue that run once it has stopped, "
+                         "rerun with training.resume=auto)")
+            except DirectoryLockedError as err:
+                refusal = str(err)
+        if acc.num_processes > 1:
+            refusal = broadcast_object_list([refusal])[0]
+        if refusal is not None:
+            raise DirectoryLockedError(refusal)
+
+    def _check_resume_config(self) -> list[dict[str, Any]]:
+        """The config changes of the run so far, this resume's included; refuses one not allowed.
+
+        Compares this run's config with the one the checkpoint was saved with (see
+        :func:`~mmtune.training.checkpoint.check_resume_config`). Returns the checkpoint's
+        record of earlier changes plus this resume's, if any: ``{"effective_from_step",
+        "resumed_from", "changes": {key: {"old", "new"}}}``.
+        """
+        from mmtune.training.checkpoint import check_resume_config
+
+        if not (Path(self.resume_from) / TRAINER_STATE).is_file():
+            raise FileNotFoundError(
+                f"training.resume: {self.resume_from} has no {TRAINER_STATE}, so it is not a complete mmtune "
+                "checkpoint; name a <output_dir>/checkpoints/step-N folder, or use training.resume=auto")
+        state = read_trainer_state(self.resume_from)
+        history = list(state.get("config_changes", []))
+        if "config" not in state:
+            self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
+                                   "mmtune), so changes to it cannot be checked")
+            return history
+        changes = check_resume_config(self.resume_from, state, self.config_record(),
+                                      list(self.cfg.training.resume_config_changes))
+        self.resume_changes = changes
+        if changes:
+            step = int(state["step"])
+            history.append({"effective_from_step": step + 1, "resumed_from": str(self.resume_from), "changes": changes})
+            self.accelerator.print(
+                f"resuming with config changes allowed by training.resume_config_changes, from step {step + 1}: "
+                + "; ".join(f"{key}: {c['old']!r} -> {c['new']!r}" for key, c in changes.items()))
+        return history
+
+    def _apply_allowed_changes(self, fresh_groups: list[dict[str, Any]], fresh_base_lrs: list[float]) -> None:
+        """Make allowed changes of the optimizer and schedule take effect after a checkpoint load.
+
+        Loading restores the optimizer's param-group settings (lr, weight decay, betas,
+        epsilon) and the scheduler's base learning rates from the checkpoint, so without
+        this a changed ``training.lr`` would be recorded but never used. The moments and
+        the step count stay the checkpoint's; the schedule's shape (type, warm-up, length)
+        is already this run's, since the scheduler was built from this config.
+        """
+        scheduler = self.scheduler.scheduler  # transformers' schedulers are LambdaLR
+        scheduler.base_lrs = list(fresh_base_lrs)
+        for group, fresh, base, factor in zip(self.optimizer.param_groups, fresh_groups, scheduler.base_lrs,
+                                              scheduler.lr_lambdas):
+            for key in ("weight_decay", "betas", "eps", "initial_lr"):
+                if key in fresh:
+                    group[key] = fresh[key]
+            group["lr"] = base * factor(scheduler.last_epoch)
+
+    def config_record(self) -> dict[str, Any]:
+        """This run's typed config, secrets redacted, as JSON would give it back: what checkpoints record."""
+        from mmtune.training.logging import redact
+
+        return json.loads(json.dumps(redact(_to_dict(self.cfg)), default=str))
 
     def _check_output_dir(self) -> None:
         t = self.cfg.training
@@ -394,9 +495,11 @@ class SFTRecipe:
 
         gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
         if self.accelerator.is_main_process:
-            with open(self.output_dir / "sample_ids.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step, "epoch": epoch,
-                                    "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
+            path = self.output_dir / "sample_ids.jsonl"
+            with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(self.output_dir)):
+                with open(path, "a") as f:
+                    f.write(json.dumps({"step": self.step, "epoch": epoch,
+                                        "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Path:
@@ -404,6 +507,8 @@ class SFTRecipe:
         return self.checkpoints.save(self.accelerator, self.step, {
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
+            # What a resume compares its own config with, and the changes made so far.
+            "config": self.config_record(), "config_changes": self.config_changes,
         })
 
     def save(self) -> Optional[Path]:
@@ -418,6 +523,8 @@ class SFTRecipe:
             "max_length": self.max_length,
             "config": self.logger_config(),
         }
+        if self.config_changes:  # the values above hold from these steps on; the old ones before
+            metadata["config_changes"] = self.config_changes
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
                                     save_pretrained_extras=extras, metadata=metadata,
@@ -459,6 +566,8 @@ class SFTRecipe:
     def cleanup(self) -> None:
         self.logger.close()
         self.accelerator.end_training()
+        if self.output_lock is not None:
+            self.output_lock.release()
 
 
 def _deepspeed_grad_norm(engine: Any) -> Optional[float]:
