@@ -33,13 +33,15 @@ def write_jsonl():
 
 @pytest.fixture
 def pics(tmp_path: Path) -> Path:
-    """A folder with a.png, b.jpg, c.png (8x8 real images) and broken.png (not an image)."""
+    """A folder with a.png, b.jpg, c.png (8x8 real images), broken.png (not an image) and
+    thin.png (a 1 x 30000 PNG of under 200 bytes: padded to a square it would be 30000 x 30000)."""
     root = tmp_path / "pics"
     root.mkdir()
     PILImage.new("RGB", (8, 8), (255, 0, 0)).save(root / "a.png")
     PILImage.new("RGB", (8, 8), (0, 255, 0)).save(root / "b.jpg")
     PILImage.new("RGB", (8, 8), (0, 0, 255)).save(root / "c.png")
     (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nthis is not a png body")
+    PILImage.new("L", (1, 30000)).save(root / "thin.png", optimize=True)
     return root
 
 

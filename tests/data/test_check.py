@@ -165,3 +165,21 @@ def test_check_a_data_file_with_hostile_records_reports_each_and_a_broken_list_f
     assert main(["check", str(path), "--cache-dir", str(tmp_path / "cache")]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err and "line 1, column 30" in err
+
+
+def test_check_finds_images_too_large_from_their_header(tmp_path, pics, capsys):
+    """A 1 x 30000 PNG of under 200 bytes would need a 30000 x 30000 padding canvas: the check
+    reports it from the header (nothing is decoded), and strict mode refuses it by name."""
+    records = [{"id": "ok", "image": ["a.png"], "conversations": [
+                   {"from": "user", "value": "<ImageHere> ?"}, {"from": "assistant", "value": "x"}]},
+               {"id": "thin", "image": ["thin.png"], "conversations": [
+                   {"from": "user", "value": "<ImageHere> ?"}, {"from": "assistant", "value": "x"}]}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(records))
+    assert main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "kept 1, skipped 1" in out and "image_too_large" in out
+    assert "e.g. thin turn 0" in out and "1 x 30000 px, an aspect ratio of 30000:1" in out
+    assert main(["check", str(path), "--image-root", str(pics), "--strict", "--cache-dir", str(tmp_path / "c2")]) == 1
+    err = capsys.readouterr().err
+    assert "record 'thin' (#1), turn 0: [image_too_large]" in err and "model.image_limits" in err

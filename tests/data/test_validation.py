@@ -34,6 +34,9 @@ MMDU_CASES = {
     "duplicate_id": ({"id": "good", "conversations": [_user("Hi"), _asst("Hello")]}, None),
     "path_outside_root": ({"id": "bad", "image": ["a.png", "../outside.png"], "conversations": [
         _user("<ImageHere> ?"), _asst("x"), _user("<ImageHere> ?"), _asst("y")]}, 2),
+    # 1 x 30000 px: an aspect ratio far above model.image_limits, found from the header
+    "image_too_large": ({"id": "bad", "image": ["a.png", "thin.png"], "conversations": [
+        _user("<ImageHere> ?"), _asst("x"), _user("<ImageHere> ?"), _asst("y")]}, 2),
 }
 ROLE_ORDER_CASES = {
     "two user turns in a row": ([_user("a"), _user("b"), _asst("c")], 1),
@@ -228,3 +231,24 @@ def test_non_utf8_id_is_reported_printably(tmp_path, pics, cache_dir):
     assert report.skipped == {"non_utf8": 1} and report.records_kept == 0
     report.render().encode("utf-8")  # printable: no lone surrogates left
     assert "caf\\udce9" in report.examples["non_utf8"][0]
+
+
+def test_image_limits_are_the_callers_and_part_of_the_cache_entry(tmp_path, pics, cache_dir, write_json):
+    from mmtune.data.image_limits import ImageLimits
+
+    bad, _ = MMDU_CASES["image_too_large"]
+    path = write_json(tmp_path / "d.json", [GOOD, bad])
+    cfg = SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics))
+    report = load_source(cfg, cache_dir=cache_dir).report
+    assert report.skipped == {"image_too_large": 1}
+    assert "aspect ratio of 30000:1" in report.examples["image_too_large"][0]
+    assert "model.image_limits.max_aspect_ratio=200" in report.examples["image_too_large"][0]
+    # a run that expects such images raises the limits; the cached report of the old limits is not reused
+    wide = ImageLimits(max_side=30000, max_aspect_ratio=30000)
+    assert load_source(cfg, cache_dir=cache_dir, image_limits=wide, mode="strict").report.records_kept == 2
+    # the area limit holds on its own: 1 x 30000 is 30000 pixels
+    with pytest.raises(DataValidationError, match=r"turn 2: \[image_too_large\].*max_pixels=20000"):
+        load_source(cfg, cache_dir=cache_dir, mode="strict",
+                    image_limits=ImageLimits(max_side=30000, max_aspect_ratio=30000, max_pixels=20000))
+    # "exists" opens no file, so it checks no size either
+    assert load_source(cfg, cache_dir=cache_dir, check_images="exists").report.records_kept == 2

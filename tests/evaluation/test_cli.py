@@ -139,3 +139,74 @@ def test_checkpoint_command_generates_with_the_benchmark_defaults(tmp_path):
     assert result["meta"]["generation"]["max_new_tokens"] == 32 and result["meta"]["generation"]["batch_size"] == 2
     records = json.loads(open(data.test_json).read())
     assert result["counts"]["turns"] == sum(sum(m["from"] == "user" for m in r["conversations"]) for r in records)
+
+
+def test_two_evaluations_into_one_folder_the_second_is_refused(tmp_path):
+    """Two real processes score two models' answers into the same --out. Unlocked, both exit 0
+    and the folder ends up holding a mix; locked, the second stops at once naming the first
+    (pid, command), and the folder holds the first model's results only."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    conversations = []
+    for t in range(3):
+        conversations += [{"from": "user", "value": f"Q{t}?"}, {"from": "assistant", "value": f"R{t}"}]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"id": "d0", "image": [], "conversations": conversations}]))
+    answers = {}
+    for model in ("first", "second"):
+        turns = [dict(c, value=f"{model} answer {i}") if c["from"] == "assistant" else c
+                 for i, c in enumerate(conversations)]
+        answers[model] = tmp_path / f"{model}.json"
+        answers[model].write_text(json.dumps([{"id": "d0", "image": [], "conversations": turns}]))
+    release = threading.Event()
+    reply = "{" + ", ".join(f'"{k}": 7' for k in ("Creativity", "Richness", "Visual Perception", "Logical Coherence",
+                                                   "Answer Accuracy", "Image Relationship Understanding",
+                                                   "Overall Score")) + "}"
+    out = tmp_path / "out"
+
+    def command(model):
+        return [sys.executable, "-m", "mmtune.cli", "evaluate", "score", "mmdu", "--data", str(bench), "--predictions",
+                str(answers[model]), "--model", model, "--out", str(out), "--judge-model", "judge", "--quiet"]
+
+    # the judge holds the first evaluation mid-run (bounded: it lets go after 60 s whatever happens)
+    with FakeJudgeServer(lambda body: Scripted(reply) if release.wait(60) else Scripted(reply)) as server:
+        env = dict(os.environ, MMTUNE_JUDGE_BASE_URL=server.base_url, OMP_NUM_THREADS="1")
+        first = subprocess.Popen(command("first"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + 120
+            while not server.requests and first.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            assert server.requests, "the first evaluation never reached its judge"
+            second = subprocess.run(command("second"), env=env, capture_output=True, text=True, timeout=120)
+        finally:
+            release.set()
+            stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert second.returncode == 2
+    assert f"{out} is in use by another process: pid {first.pid}" in second.stderr
+    assert "evaluate score mmdu" in second.stderr and "(evaluation)" in second.stderr and "--out" in second.stderr
+    details = [json.loads(line) for line in (out / "details" / "mmdu.jsonl").read_text().splitlines()]
+    assert len(details) == 3 and {json.loads((out / "mmdu.json").read_text())["model"]} == {"first"}
+    assert not any("second" in p for p in server.prompts())  # the refused run asked the judge nothing
+
+
+def test_a_run_label_holding_a_secret_is_redacted_in_every_file(tmp_path, monkeypatch):
+    key = "sk-test-SECRET-4f7a9c0123"
+    monkeypatch.setenv("MMTUNE_JUDGE_API_KEY", key)
+    bench = tmp_path / "test.json"
+    bench.write_text(json.dumps([{"id": "d0", "image": [], "conversations": [
+        {"from": "user", "value": "Q?"}, {"from": "assistant", "value": "red"}]}]))
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"dialogue_id": "d0", "turn": 0, "answer": "red"}) + "\n")
+    out = tmp_path / "out"
+    assert main(["score", "synthetic", "--data", str(bench), "--predictions", str(answers), "--out", str(out),
+                 "--run", f"run-{key}", "--model", f"model-{key}", "--quiet"]) == 0
+    result = json.loads((out / "synthetic.json").read_text())
+    assert result["run"] == "run-***" and result["model"] == "model-***"
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.name for p in written} >= {"synthetic.json", "report.md", "viewer.html"}
+    assert not [p.name for p in written if key.encode() in p.read_bytes()]

@@ -80,3 +80,53 @@ def test_preprocess_is_the_normalised_uint8_pixels_and_the_cache_serves_the_same
     assert pipeline.stats.decoded == len(files) and pipeline.stats.cache_hits == len(files)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, pixels))
     assert adapter.preprocess_images([]).shape == (0, 3, size, size)
+
+
+@pytest.mark.parametrize("family, aspect", [("llava", "pad"), ("llava", "resize"), ("internlm_xcomposer2", "pad")])
+def test_an_image_above_the_limits_is_refused_from_its_header_before_any_decode(family, aspect, tmp_path, monkeypatch):
+    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+
+    thin = tmp_path / "thin.png"
+    PILImage.new("L", (1, 10000)).save(thin, optimize=True)  # ~100 bytes; LLaVA's pad canvas: 10000 x 10000
+    adapter = build_adapter(ModelConfig(family=family, image_aspect_ratio=aspect))
+    decoded = []
+    real_load = PILImage.Image.load
+    monkeypatch.setattr(PILImage.Image, "load", lambda self: decoded.append(self.size) or real_load(self))
+    with pytest.raises(ImageTooLargeError, match=r"thin\.png.*1 x 10000 px.*max_aspect_ratio=200"):
+        adapter.load_uint8(str(thin))
+    with pytest.raises(ImageTooLargeError):
+        adapter.preprocess_images([str(thin)])
+    assert decoded == []  # refused from the header: no pixel and no canvas was made
+    # through the pixel cache (training, generation): named with its dialogue and turn, code image_too_large
+    with pytest.raises(Exception, match=r"thin\.png' \(dialogue 'd3', turn 4\) is not decoded") as info:
+        ImagePipeline(adapter).load_one(str(thin), dialogue_id="d3", turn=4)
+    assert info.value.code == "image_too_large"
+    # an already decoded image is held to the same limits (XComposer2's official PIL entry point)
+    with pytest.raises(ImageTooLargeError):
+        adapter.image_transform.from_pil(PILImage.new("RGB", (1, 10000)), adapter.image_limits)
+    if aspect == "resize":  # limits raised for data that has such images: it loads
+        wide = build_adapter(ModelConfig(family=family, image_aspect_ratio=aspect,
+                                         image_limits=ImageLimits(max_side=10000, max_aspect_ratio=10000)))
+        assert wide.load_uint8(str(thin)).shape == (3, wide.image_transform.size, wide.image_transform.size)
+
+
+def test_qwen_vl_counts_and_loads_only_images_within_the_limits(tmp_path):
+    """Qwen-VL's resize target is bounded by max_pixels, but the decoded source is as large as
+    the file says: the limits are checked when the image is counted (encoding) and loaded."""
+    from mmtune.data.dialogue import Dialogue, Image, Turn
+    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+    from mmtune.data.images import CorruptImageError
+
+    tall = tmp_path / "tall.png"
+    PILImage.new("RGB", (10, 1500)).save(tall)  # ratio 150: the processor itself accepts it
+    adapter = build_adapter(ModelConfig(family="qwen2_vl", architecture={"model_type": "qwen2_vl"},
+                                        image_limits=ImageLimits(max_side=1000)))
+    dialogue = Dialogue("q1", "t", (Turn("user", ("a",)), Turn("assistant", ("b",)),
+                                    Turn("user", (Image(str(tall)), "c")), Turn("assistant", ("d",))))
+    with pytest.raises(CorruptImageError, match=r"tall\.png' \(dialogue 'q1', turn 2\) is not decoded.*max_side=1000") as info:
+        adapter.encode_dialogue(dialogue)
+    assert info.value.code == "image_too_large"
+    with pytest.raises(ImageTooLargeError):
+        adapter.load_uint8(str(tall))
+    fits = build_adapter(ModelConfig(family="qwen2_vl", architecture={"model_type": "qwen2_vl"}))
+    assert fits.load_uint8(str(tall)).ndim == 3

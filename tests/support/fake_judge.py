@@ -36,6 +36,10 @@ class Scripted:
     """Body sent verbatim instead of a chat completion (malformed-reply tests)."""
     delay_s: float = 0.0
     headers: Optional[dict[str, str]] = None
+    trickle_s: float = 0.0
+    """Send the whole response (status line, headers, body) one byte at a time, this many
+    seconds apart: a server that never lets a single read time out. It stops when the
+    response is out or the client hangs up (counted in ``FakeJudgeServer.cut_off``)."""
 
 
 class FakeJudgeServer:
@@ -45,6 +49,8 @@ class FakeJudgeServer:
         self.auth_headers: list[str] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.cut_off = 0
+        """Trickled responses the client hung up on before their last byte."""
         self._lock = threading.Lock()
         server = self
 
@@ -95,6 +101,9 @@ class FakeJudgeServer:
                         ).encode()
                     else:
                         payload = json.dumps({"error": {"message": reply.content or "scripted error"}}).encode()
+                    if reply.trickle_s:
+                        self._trickle(reply, payload)
+                        return
                     self.send_response(reply.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
@@ -108,6 +117,21 @@ class FakeJudgeServer:
                 finally:
                     with server._lock:
                         server.in_flight -= 1
+
+            def _trickle(self, reply: Scripted, payload: bytes) -> None:
+                head = (f"HTTP/1.1 {reply.status} Scripted\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(payload)}\r\n\r\n").encode()
+                self.close_connection = True
+                data = head + payload
+                for i in range(len(data)):
+                    try:
+                        self.wfile.write(data[i:i + 1])
+                        self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        with server._lock:
+                            server.cut_off += 1
+                        return
+                    time.sleep(reply.trickle_s)
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._httpd.daemon_threads = True

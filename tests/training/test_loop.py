@@ -201,3 +201,28 @@ def test_a_second_training_job_in_the_same_output_dir_is_refused(make_recipe, tm
     recipe.cleanup()  # releases the folder
     with lock_directory(run_dir):
         pass
+
+
+def test_a_secret_interpolated_into_the_config_reaches_no_file_and_no_wandb_record(make_recipe, tmp_path, monkeypatch):
+    """``run_name`` and a W&B tag interpolated from the judge's key variable (with the stray
+    line break a pasted key has): mmtune_run.json, the checkpoints, metrics and the offline
+    W&B run hold ``***`` where the key would be."""
+    key = "sk-test-SECRET-4f7a9c0123"
+    monkeypatch.setenv("MMTUNE_JUDGE_API_KEY", key + "\n")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = make_recipe("training.max_steps=2", "training.save_every_steps=1", "logging.wandb=true",
+                         "run_name=run-${oc.env:MMTUNE_JUDGE_API_KEY}", "logging.tags=[unit,'${oc.env:MMTUNE_JUDGE_API_KEY}']")
+    assert key in recipe.cfg.run_name  # the resolved config does hold it
+    run = recipe.logger.wandb_run
+    assert key not in run.name and "***" in run.name and [t.strip() for t in run.tags] == ["unit", "***"]
+    assert key not in json.dumps(dict(run.config), default=str)
+    recipe.train()
+    recipe.save()
+    recipe.cleanup()
+    metadata = json.loads((tmp_path / "run" / "final" / "mmtune_run.json").read_text())
+    assert metadata["run"].startswith("run-***") and metadata["config"]["run_name"].startswith("run-***")
+    assert [t.strip() for t in metadata["config"]["logging"]["tags"]] == ["unit", "***"]
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.suffix != ".safetensors"]
+    assert any(p.name == "trainer_state.json" for p in files), sorted(str(p.relative_to(tmp_path)) for p in files)
+    assert not [p for p in files if key.encode() in p.read_bytes()]

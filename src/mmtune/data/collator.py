@@ -319,7 +319,7 @@ class MultiImageDataset(torch.utils.data.Dataset):
                 raise
             self.skipped_corrupt += 1
             turn = f" turn {err.turn}" if err.turn is not None else ""
-            return SkippedSample(dialogue.id, dialogue.source, "corrupt_image", f"{err.path}{turn}: {err.__cause__ or err}")
+            return SkippedSample(dialogue.id, dialogue.source, err.code, f"{err.path}{turn}: {err.__cause__ or err}")
         return replace(example, pixel_values=pixels, row=row)
 
     def collator(self) -> MultiImageCollator:

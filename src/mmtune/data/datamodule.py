@@ -116,7 +116,7 @@ class SFTDataModule:
             self.collator_config = replace(self.collator_config, image_errors=self.data_config.validation.mode)
         cfg = self.collator_config
         cfg.validate()
-        self.mixture = build_mixture(self.data_config)
+        self.mixture = build_mixture(self.data_config, image_limits=getattr(self.adapter.config, "image_limits", None))
         # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)

@@ -64,14 +64,26 @@ def _read(path: str) -> np.ndarray | None:
 
 
 class CorruptImageError(ValueError):
-    """An image file could not be decoded."""
+    """An image file could not be decoded, or was refused before decoding (too large).
+
+    ``code`` is the problem's code in reports: ``corrupt_image`` or ``image_too_large``
+    (the cause is an :class:`~mmtune.data.image_limits.ImageTooLargeError`).
+    """
 
     def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException):
+        from mmtune.data.image_limits import ImageTooLargeError
+
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
         where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
+        if isinstance(cause, ImageTooLargeError):
+            self.code = "image_too_large"
+            what = f"image {path!r} ({where}) is not decoded: {cause.reason}. Crop or downscale the file, raise " \
+                   "model.image_limits if such images are expected,"
+        else:
+            self.code = "corrupt_image"
+            what = f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the file,"
         super().__init__(
-            f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the "
-            "file, or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
+            f"{what} or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
             "counted and reported; data.validation.check_images=decode finds them all before training"
         )
 

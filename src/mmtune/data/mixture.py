@@ -287,13 +287,14 @@ class Mixture:
         return np.concatenate([s.estimated_tokens(tpi) for s in self.sources]) if self.sources else np.zeros(0)
 
 
-def build_mixture(data_cfg: DataConfig, *, refresh: bool = False) -> Mixture:
-    """Load (through the cache), validate, optionally stack, and mix a data config's sources."""
+def build_mixture(data_cfg: DataConfig, *, refresh: bool = False, image_limits: Any = None) -> Mixture:
+    """Load (through the cache), validate, optionally stack, and mix a data config's sources;
+    ``image_limits``: the model's ``model.image_limits`` (default: the defaults)."""
     from mmtune.data.readers import load_sources
     from mmtune.data.stacking import stack_source
 
     data_cfg.validate()
-    sources: list[Any] = load_sources(data_cfg, refresh=refresh)
+    sources: list[Any] = load_sources(data_cfg, refresh=refresh, image_limits=image_limits)
     st = data_cfg.stacking
     if st.enabled:
         tpi = data_cfg.mixture.tokens_per_image

@@ -38,7 +38,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -46,6 +46,7 @@ import numpy as np
 from mmtune.data.cache import CacheWriter, cache_key, entry_paths, open_entry
 from mmtune.data.config import FORMATS, IMAGE_CHECKS, MODES, DataConfig, SourceConfig, default_cache_dir
 from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.image_limits import ImageLimits
 from mmtune.data.paths import ImagePathRules, ResolvedImage
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
 
@@ -119,6 +120,15 @@ def _surrogate_problem(value: Any, index: int, rid: str) -> Problem | None:
     turn = re.match(r"(?:conversations|messages)\[(\d+)\]", where)
     return Problem("lone_surrogate", rid, index, int(turn.group(1)) if turn else None,
                    f"{where} holds {escape} without the other half of its pair")
+
+
+def surrogate_problem(value: Any, index: int, record_id: str) -> Problem | None:
+    """A ``lone_surrogate`` problem of a parsed record (naming the field that holds one), or ``None``.
+
+    For readers of other layouts (a JSON object keyed by item id) that parse a file
+    themselves; :func:`iter_records` checks its records already.
+    """
+    return _surrogate_problem(value, index, record_id)
 
 
 def _value_id(value: Any, default: str) -> str:
@@ -610,6 +620,7 @@ def load_source(
     max_examples: int = 5,
     refresh: bool = False,
     allow_absolute_image_paths: bool = False,
+    image_limits: "ImageLimits | None" = None,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -623,6 +634,8 @@ def load_source(
         refresh: rebuild the cache entry even if one exists.
         allow_absolute_image_paths: accept absolute image paths outside the image root
             (see :mod:`mmtune.data.paths`).
+        image_limits: largest images accepted by the ``verify`` / ``decode`` checks (the
+            model's ``model.image_limits``; default: the defaults); others are ``image_too_large``.
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -642,6 +655,7 @@ def load_source(
             "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
         )
     image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
+    limits = image_limits or ImageLimits()
     ctx = _Context(
         source_cfg.name,
         image_rules(source_cfg, allow_absolute_image_paths),
@@ -657,6 +671,8 @@ def load_source(
         "check_images": check_images,
         "max_examples": max_examples,
     }
+    if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
+        options["image_limits"] = asdict(limits)
     arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
@@ -665,7 +681,8 @@ def load_source(
         if mode == "strict" and report.first_problem:
             raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
     else:
-        report = _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report_path)
+        report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
+                        report_path)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -678,27 +695,37 @@ def _explain(problem: Problem, ctx: _Context) -> Problem:
     return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
 
 
-def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report_path) -> ValidationReport:
-    path = source_cfg.path
-    report = ValidationReport(source_cfg.name, path, source_cfg.format, check_images, max_examples)
-    checker = ImageChecker(check_images)
+def _checked_records(source_cfg: SourceConfig, ctx: _Context, checker: ImageChecker,
+                     limit: int | None = None) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
+    """``(dialogue, problems)`` of every record of the source, in file order: each record
+    converted and checked (:func:`check_dialogue`, duplicate ids); ``dialogue`` is None when
+    the record could not be converted. ``limit``: only the first records."""
     seen: set[str] = set()
+    for index, obj, problem in iter_records(source_cfg.path):
+        if limit is not None and index >= limit:
+            return
+        dialogue = None
+        if problem is not None:
+            problems = [problem]
+        else:
+            try:
+                dialogue, problems = convert_record(source_cfg.format, obj, index, ctx)
+            except RecursionError:  # parsed, but too deep for the conversion (e.g. a nested id)
+                dialogue, problems = None, [Problem("too_deep", f"#{index}", index, None, "while converting")]
+            if dialogue is not None:
+                problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker)]
+                if dialogue.id in seen:
+                    problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
+                seen.add(dialogue.id)
+        yield dialogue, problems
+
+
+def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path) -> ValidationReport:
+    path = source_cfg.path
+    report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
     try:
-        for index, obj, problem in iter_records(path):
-            dialogue = None
-            if problem is not None:
-                problems = [problem]
-            else:
-                try:
-                    dialogue, problems = convert_record(source_cfg.format, obj, index, ctx)
-                except RecursionError:  # parsed, but too deep for the conversion (e.g. a nested id)
-                    dialogue, problems = None, [Problem("too_deep", f"#{index}", index, None, "while converting")]
-                if dialogue is not None:
-                    problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker)]
-                    if dialogue.id in seen:
-                        problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
-                    seen.add(dialogue.id)
+        for dialogue, problems in _checked_records(source_cfg, ctx, checker):
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
@@ -713,8 +740,34 @@ def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report
     return report
 
 
-def load_sources(data_cfg: DataConfig, *, refresh: bool = False) -> list[SourceData]:
-    """Every source of a data config, with its validation and cache settings."""
+def read_source(
+    source_cfg: SourceConfig,
+    *,
+    check_images: str = "none",
+    allow_absolute_image_paths: bool = False,
+    image_limits: "ImageLimits | None" = None,
+    limit: int | None = None,
+) -> list[tuple[Dialogue | None, list[Problem]]]:
+    """Every record of one source converted and checked as :func:`load_source` does, without
+    the Arrow cache: ``(dialogue, problems)`` per record in file order (``dialogue`` None when
+    the record could not be converted; ``problems`` empty for a good record).
+
+    For readers that must refuse a file with any bad record rather than skip it (evaluation
+    benchmarks: a dropped item would change the score). ``limit``: only the first records.
+
+    Raises:
+        DataValidationError: the file's JSON list structure is broken (see :func:`iter_json_array`).
+    """
+    if check_images not in IMAGE_CHECKS:
+        raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
+    ctx = _Context(source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
+                   _moves_image(source_cfg.format, source_cfg.move_image_to_start))
+    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit))
+
+
+def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
+                 image_limits: "ImageLimits | None" = None) -> list[SourceData]:
+    """Every source of a data config, with its validation and cache settings (and the model's image limits)."""
     v = data_cfg.validation
     return [
         load_source(
@@ -725,6 +778,7 @@ def load_sources(data_cfg: DataConfig, *, refresh: bool = False) -> list[SourceD
             max_examples=v.max_examples,
             refresh=refresh,
             allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
+            image_limits=image_limits,
         )
         for s in data_cfg.mixture.sources
     ]
@@ -786,12 +840,14 @@ __all__ = [
     "iter_json_array",
     "iter_jsonl",
     "iter_records",
+    "surrogate_problem",
     "convert_record",
     "DialogueSequence",
     "SourceData",
     "image_rules",
     "load_source",
     "load_sources",
+    "read_source",
     "read_datatxt",
     "sources_from_datatxt",
 ]

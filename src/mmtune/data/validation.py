@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from mmtune.data.dialogue import ROLES, Dialogue, Image
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.data.image_limits import ImageLimits
 
 # code -> (what is wrong, how to fix it)
 PROBLEMS: dict[str, tuple[str, str]] = {
@@ -61,6 +64,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
     "corrupt_image": (
         "image file cannot be opened as an image",
         "replace the file with a valid image (or set validation.check_images=exists to skip the check)",
+    ),
+    "image_too_large": (
+        "image's size, area or aspect ratio (from its header) is above model.image_limits; it is not decoded",
+        "crop or downscale the image, or raise model.image_limits.max_side / max_pixels / max_aspect_ratio",
     ),
     "empty_conversation": (
         "conversation has no user/assistant turns",
@@ -200,11 +207,16 @@ class ImageChecker:
     and structure checked without decoding pixels, so it costs well under a millisecond
     for small files, but a file cut short after its header passes. ``decode`` decodes
     every pixel as training will (milliseconds per image), so nothing found later can
-    fail. ``exists`` only stats the file; ``none`` checks nothing.
+    fail. ``exists`` only stats the file; ``none`` checks nothing. ``verify`` and
+    ``decode`` also hold the header's size against ``limits`` (``model.image_limits``)
+    first: a refused image is ``image_too_large`` and is never decoded.
     """
 
-    def __init__(self, level: str = "verify"):
+    def __init__(self, level: str = "verify", limits: "ImageLimits | None" = None):
+        from mmtune.data.image_limits import ImageLimits
+
         self.level = level
+        self.limits = limits or ImageLimits()
         self._seen: dict[str, tuple[str, str] | None] = {}
 
     def check(self, path: str) -> tuple[str, str] | None:
@@ -219,12 +231,17 @@ class ImageChecker:
         elif self.level in ("verify", "decode"):
             from PIL import Image as PILImage
 
+            from mmtune.data.image_limits import ImageTooLargeError
+
             try:
+                self.limits.check_file(path)
                 with PILImage.open(path) as im:
                     if self.level == "decode":
                         im.load()
                     else:
                         im.verify()
+            except ImageTooLargeError as e:
+                result = ("image_too_large", f"{path}: {e.reason}")
             except Exception as e:  # PIL raises many types for bad files; all mean "corrupt"
                 result = ("corrupt_image", f"{path}: {type(e).__name__}: {e}")
         self._seen[path] = result

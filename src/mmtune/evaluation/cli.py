@@ -50,6 +50,7 @@ _COMMON = {
     "--send-images": _Flag("judge.send_images", True),
     "--concurrency": _Flag("judge.concurrency"),
     "--max-failed-share": _Flag("judge.max_failed_share"),
+    "--max-unparsed-share": _Flag("judge.max_unparsed_share"),
     "--allow-absolute-paths": _Flag("allow_absolute_image_paths", True),
     "--quiet": _Flag("progress", False),
 }
@@ -216,22 +217,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         elif args.command == "lmms-parse":
             from mmtune.evaluation.benchmarks.lmms_eval import parse_results
             from mmtune.evaluation.results import write_result
+            from mmtune.evaluation.runner import OUTPUT_HINT
+            from mmtune.io.locks import lock_directory
 
-            for result in parse_results(args.results, run=args.run, model=args.model):
-                print(write_result(result, args.out))
+            with lock_directory(args.out, purpose="evaluation", hint=OUTPUT_HINT):
+                for result in parse_results(args.results, run=args.run, model=args.model):
+                    print(write_result(result, args.out))
         elif args.command == "report":
             from mmtune.evaluation.benchmarks.registry import benchmarks_for
             from mmtune.evaluation.reporting.report import write_report
             from mmtune.evaluation.results import read_result
+            from mmtune.io.locks import lock_directory
 
-            results = []
-            for path in sorted(Path(args.directory).glob("*.json")):
-                try:
-                    results.append(read_result(path))
-                except ValueError:
-                    continue  # other JSON files in the directory (MM-Vet's results JSON)
-            sections = benchmarks_for(r.benchmark for r in results)
-            print(write_report(results, args.directory, sections=sections)[0])
+            # the report is rewritten in place: not while an evaluation writes into the folder
+            with lock_directory(args.directory, purpose="report", hint="run the report once that evaluation is done"):
+                results = []
+                for path in sorted(Path(args.directory).glob("*.json")):
+                    try:
+                        results.append(read_result(path))
+                    except ValueError:
+                        continue  # other JSON files in the directory (MM-Vet's results JSON)
+                sections = benchmarks_for(r.benchmark for r in results)
+                print(write_report(results, args.directory, sections=sections)[0])
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"mmtune evaluate: {err}", file=sys.stderr)
         return 2

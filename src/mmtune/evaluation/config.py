@@ -175,8 +175,9 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         if not 0.0 < gen.top_p <= 1.0:
             problems.append(f"eval.generation.top_p={gen.top_p}: must be within (0, 1] when do_sample is true")
     judge = cfg.judge
-    if not 0.0 <= judge.max_failed_share <= 1.0:
-        problems.append(f"eval.judge.max_failed_share={judge.max_failed_share}: must be within [0, 1]")
+    for key in ("max_failed_share", "max_unparsed_share"):
+        if not 0.0 <= getattr(judge, key) <= 1.0:  # NaN fails this too
+            problems.append(f"eval.judge.{key}={getattr(judge, key)}: must be within [0, 1]")
     if judge.concurrency < 1:
         problems.append(f"eval.judge.concurrency={judge.concurrency}: must be >= 1")
     if not (math.isfinite(judge.timeout_s) and judge.timeout_s > 0):

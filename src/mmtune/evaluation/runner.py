@@ -56,7 +56,10 @@ def run_benchmarks(
     """Run ``cfg.benchmarks``; write one result JSON each, details and the report.
 
     Every benchmark is checked before any of them runs, so a run that cannot finish
-    refuses at start-up. Judge failures above ``eval.judge.max_failed_share`` raise
+    refuses at start-up. ``output_dir`` is locked for the run
+    (:func:`mmtune.io.locks.lock_directory`): a second evaluation writing into it is refused
+    with the holder's details instead of appending to the same files. Judge failures above ``eval.judge.max_failed_share``, and judge
+    replies without a usable score above ``eval.judge.max_unparsed_share``, raise
     :class:`~mmtune.evaluation.judge.client.JudgeFailures` after that benchmark's results,
     details and the report are written.
 
@@ -72,9 +75,28 @@ def run_benchmarks(
     Returns:
         ``{benchmark: result}`` (lmms-eval adds one entry per task).
     """
+    from mmtune.io.locks import lock_directory
+    from mmtune.io.secrets import redact
+
     validate_eval_config(cfg)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with lock_directory(out, purpose="evaluation", hint=OUTPUT_HINT):
+        # labels written into every result, report and W&B run: an interpolated key must not show
+        run_name, model_label = redact([run_name, model_label], names=[cfg.judge.api_key_env])
+        return _run_benchmarks(cfg, out, run_name=run_name, model_label=model_label, make_generator=make_generator,
+                               checkpoint=checkpoint, family=family, wandb_run=wandb_run, model_config=model_config,
+                               lmms_pretrained=lmms_pretrained, lmms_is_adapter=lmms_is_adapter,
+                               command_runner=command_runner)
+
+
+OUTPUT_HINT = ("give this evaluation another output folder (output_dir in recipes/evaluate.py, --out in mmtune "
+               "evaluate; each checkpoint gets its own by default)")
+
+
+def _run_benchmarks(cfg: EvalConfig, out: Path, *, run_name: str, model_label: str,
+                    make_generator: Optional[Callable[[], Any]], checkpoint: Optional[str], family: Optional[str],
+                    wandb_run: Any, model_config: Optional[ModelConfig], lmms_pretrained: Optional[str],
+                    lmms_is_adapter: bool, command_runner: Optional[Callable[..., Any]]) -> dict[str, BenchmarkResult]:
     ctx = RunContext(cfg, out, make_generator, run=run_name, model=model_label, checkpoint=checkpoint, family=family,
                      model_config=model_config, lmms_pretrained=lmms_pretrained or checkpoint,
                      lmms_is_adapter=lmms_is_adapter, command_runner=command_runner)
@@ -101,12 +123,15 @@ def run_benchmarks(
                 sections[result.benchmark] = bench
                 log.info("%s: %s", result.benchmark, {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k})
             if bench.uses_judge and ctx.has_judge:
-                from mmtune.evaluation.judge.client import check_failures
+                from mmtune.evaluation.judge.client import check_failures, check_unparsed
 
                 stats = ctx.judge.stats
                 if stats.failed:
                     print(stats.summary(), file=sys.stderr, flush=True)
                 check_failures(stats, cfg.judge, benchmark=bench.name)
+                for result in results.values():
+                    if sections.get(result.benchmark) is bench:
+                        check_unparsed(result, cfg.judge)
     finally:
         ctx.close()
         if cfg.report and results:
@@ -114,7 +139,13 @@ def run_benchmarks(
             from mmtune.evaluation.reporting.viewer import write_viewer
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
-            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}")
+            try:  # the scores are written: the page that shows them must not fail the evaluation
+                write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}",
+                             image_limits=ctx.image_limits)
+            except Exception as err:  # noqa: BLE001 - reported, and the results stand
+                log.warning("viewer.html not written: %s: %s", type(err).__name__, err)
+                print(f"warning: viewer.html not written ({type(err).__name__}: {err}); the results and report are "
+                      "complete", file=sys.stderr, flush=True)
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
@@ -138,7 +169,8 @@ def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str,
         if not (out / "details" / f"{name}.jsonl").is_file():
             continue
         bench = get_benchmark(name)
-        entries = bench.viewer_entries(bench.settings(cfg), out)
+        entries = bench.viewer_entries(bench.settings(cfg), out,
+                                       allow_absolute_image_paths=cfg.allow_absolute_image_paths)
         if entries is not None:
             found[name] = ViewerSection(entries, bench.viewer_scale)
     return found
@@ -192,11 +224,25 @@ def evaluate_checkpoint(
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
     """
-    from mmtune.evaluation.generation.generator import DialogueGenerator
-    from mmtune.evaluation.generation.loading import load_for_evaluation, resolve_checkpoint
+    from mmtune.io.locks import lock_directory
 
     cfg = cfg or EvalConfig()
-    model_config = model_config or ModelConfig()
+    # taken before the model loads and a W&B run starts: a refused run costs nothing
+    with lock_directory(output_dir, purpose="evaluation", hint=OUTPUT_HINT):
+        return _evaluate_checkpoint(checkpoint, cfg, output_dir=output_dir, run_name=run_name,
+                                    model_config=model_config or ModelConfig(), wandb=wandb,
+                                    wandb_project=wandb_project, command_runner=command_runner,
+                                    make_generator=make_generator)
+
+
+def _evaluate_checkpoint(checkpoint: Optional[str], cfg: EvalConfig, *, output_dir: str, run_name: str,
+                         model_config: ModelConfig, wandb: bool, wandb_project: str,
+                         command_runner: Optional[Callable[..., Any]],
+                         make_generator: Optional[Callable[[], Any]]) -> dict[str, BenchmarkResult]:
+    from mmtune.evaluation.generation.generator import DialogueGenerator
+    from mmtune.evaluation.generation.loading import load_for_evaluation, resolve_checkpoint
+    from mmtune.io.secrets import redact
+
     family = model_config.family
     lmms_pretrained, is_adapter = model_config.path, False  # baseline rows: the base model itself
     if checkpoint:
@@ -214,9 +260,11 @@ def evaluate_checkpoint(
     if wandb:
         import wandb as wandb_lib
 
-        # only the eval settings: the judge's URL and key live in the environment, not here
-        wandb_run = wandb_lib.init(project=wandb_project, name=run_name, job_type="eval",
-                                   config={"eval": dataclasses.asdict(cfg), "checkpoint": checkpoint})
+        # only the eval settings: the judge's URL and key live in the environment, not here; a
+        # value interpolated from a secret variable is hidden like the key itself
+        shown = redact({"name": run_name, "config": {"eval": dataclasses.asdict(cfg), "checkpoint": checkpoint}},
+                       names=[cfg.judge.api_key_env])
+        wandb_run = wandb_lib.init(project=wandb_project, name=shown["name"], job_type="eval", config=shown["config"])
     try:
         return run_benchmarks(cfg, output_dir=output_dir, run_name=run_name, model_label=label,
                               make_generator=make_generator or load_generator, checkpoint=checkpoint, family=family,

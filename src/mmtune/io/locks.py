@@ -25,8 +25,8 @@ How it works, and why:
   holds the last holder's details, which mean nothing without the lock); deleting it on
   release would let two processes lock two different files of the same name.
 - The file records the holder (``pid``, ``host``, ``command``, ``since``, ``purpose``)
-  so that the refusal can name it. Secrets in ``key=value`` arguments are replaced by
-  ``***`` (:func:`mmtune.training.logging.is_secret_key`).
+  so that the refusal can name it. Secrets in ``key=value`` arguments and secret values of
+  the environment anywhere in the command are replaced by ``***`` (:mod:`mmtune.io.secrets`).
 - Within one process the lock is re-entrant and counted: a second :func:`lock_directory`
   of the same folder (a recipe rebuilt in a notebook, an evaluation nested in a
   training run's folder) succeeds and the lock is released with the last handle. A
@@ -142,14 +142,14 @@ class DirectoryLock:
 
 def _command() -> str:
     """This process's command line, secrets in ``key=value`` arguments replaced by ``***``."""
-    from mmtune.training.logging import is_secret_key
+    from mmtune.io.secrets import is_secret_key, redact_text
 
     args = []
     for arg in [os.path.basename(sys.executable), *sys.argv]:
         key, sep, _ = arg.partition("=")
         args.append(f"{key}=***" if sep and is_secret_key(key.lstrip("+~").rsplit(".", 1)[-1]) else arg)
     command = shlex.join(args)
-    return command if len(command) <= 500 else command[:497] + "..."
+    return redact_text(command if len(command) <= 500 else command[:497] + "...")
 
 
 def _holder_record(purpose: str) -> dict[str, Any]:

@@ -270,6 +270,7 @@ class AutoAdapter(ModelAdapter):
 
         images = []
         for path in paths:
+            self.config.image_limits.check_file(path)  # from the header, before the decode
             with PILImage.open(path) as handle:
                 images.append(handle.convert("RGB"))
         return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mmtune.data.image_limits import ImageLimits
+
 #: families whose image processor resizes by pixel count and reads ``min_pixels`` / ``max_pixels``
 PIXEL_BOUND_FAMILIES = ("qwen2_vl",)
 
@@ -42,10 +44,16 @@ class ModelConfig:
     """Qwen2-VL family: largest image area (pixels) after resizing, i.e. at most
     ``max_pixels / (patch_size * merge_size)^2`` tokens per image (28 px units for Qwen2-VL /
     Qwen2.5-VL, 32 px for Qwen3-VL). ``None`` = the checkpoint processor's value."""
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    """Largest image files decoded, checked from each file's header before any pixel or canvas
+    is allocated (a tiny PNG may declare 1 x 100000 pixels). Larger images are skipped with
+    their reason in training (``data.validation.mode=skip``, found by the data check) and
+    refused, naming file, dialogue and turn, in strict mode and in evaluation. A saved
+    checkpoint never sets these: they are always the caller's."""
 
     def validate(self) -> None:
         """Raise one ValueError listing every invalid field."""
-        problems = []
+        problems = list(self.image_limits.problems())
         for key in ("min_pixels", "max_pixels"):
             value = getattr(self, key)
             if value is None:

@@ -11,6 +11,11 @@ official preprocessing to the bit, and they differ).
 The pixel cache (:class:`~mmtune.data.images.ImagePipeline`) stores what
 :meth:`SquareImage.load_uint8` returns and keys it on every field of the
 :class:`SquareImage`, so a setting that changes the pixels always changes the key.
+
+Every image is checked against :class:`~mmtune.data.image_limits.ImageLimits` (the
+adapter's ``model.image_limits``) from its header, before it is decoded or padded: the
+padding canvas of a 1 x 30000 PNG would be 30000 x 30000. The limits refuse images and
+never change pixels, so they are not part of the cache key.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
+
+    from mmtune.data.image_limits import ImageLimits
 
 __all__ = ["SquareImage", "SquareImageAdapter"]
 
@@ -39,11 +46,19 @@ class SquareImage:
     resample: str = "bicubic"
     """PIL resampling filter; bicubic is what the official pipelines of both families use."""
 
-    def from_pil(self, image: Any) -> "np.ndarray":
-        """A decoded PIL image as ``uint8 [3, size, size]``."""
+    def from_pil(self, image: Any, limits: "ImageLimits | None" = None, *, name: str = "image") -> "np.ndarray":
+        """A PIL image as ``uint8 [3, size, size]``.
+
+        Raises:
+            ImageTooLargeError: its size is above ``limits`` (default: the default limits; they
+                bound the padding canvas too); ``name`` says which image in the message.
+        """
         import numpy as np
         from PIL import Image as PILImage
 
+        from mmtune.data.image_limits import ImageLimits
+
+        (limits or ImageLimits()).check(name, *image.size)
         resample = PILImage.Resampling[self.resample.upper()]
         size = self.size
         if image.mode != "RGB":
@@ -66,13 +81,21 @@ class SquareImage:
             image = image.resize((size, size), resample)
         return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
 
-    def load_uint8(self, path: str) -> "np.ndarray":
-        """Decode the file at ``path`` and make it square: ``uint8 [3, size, size]``."""
+    def load_uint8(self, path: str, limits: "ImageLimits | None" = None) -> "np.ndarray":
+        """Decode the file at ``path`` and make it square: ``uint8 [3, size, size]``.
+
+        Raises:
+            ImageTooLargeError: the header states a size above ``limits`` (nothing is decoded).
+        """
+        from mmtune.data.image_limits import ImageLimits
+
+        limits = limits or ImageLimits()
+        limits.check_file(path)
         from PIL import Image as PILImage
 
         with PILImage.open(path) as handle:
             handle.load()
-            return self.from_pil(handle)
+            return self.from_pil(handle, limits, name=path)
 
 
 class SquareImageAdapter:
@@ -84,13 +107,21 @@ class SquareImageAdapter:
     """
 
     image_transform: SquareImage
+    config: Any
+    """The adapter's ModelConfig; its ``image_limits`` bound every image before it is decoded."""
 
     def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
         raise NotImplementedError(f"{type(self).__name__} does not say how its uint8 pixels are normalised")
 
     def load_uint8(self, path: str) -> "np.ndarray":
         """Decode and square one image: ``uint8 [3, S, S]`` (what the pixel cache stores)."""
-        return self.image_transform.load_uint8(path)
+        return self.image_transform.load_uint8(path, self.image_limits)
+
+    @property
+    def image_limits(self) -> "ImageLimits":
+        from mmtune.data.image_limits import ImageLimits
+
+        return getattr(getattr(self, "config", None), "image_limits", None) or ImageLimits()
 
     def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
         """The model's ``pixel_values`` [N, 3, S, S] of the image files at ``paths``."""

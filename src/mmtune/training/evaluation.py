@@ -31,18 +31,23 @@ def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTC
 
     from mmtune.evaluation.generation.generator import StaleGenerationsError
     from mmtune.evaluation.runner import evaluate_model
+    from mmtune.io.locks import lock_directory
 
-    for _ in range(len(cfg.eval.benchmarks) + 1):
-        try:
-            results = evaluate_model(model, adapter, cfg.eval, output_dir=output_dir, run_name=run,
-                                     model_label=checkpoint or f"{run}@{tag}", checkpoint=checkpoint,
-                                     wandb_run=wandb_run)
-            break
-        except StaleGenerationsError as err:
-            moved = _move_aside(err.path)
-            logging.getLogger(__name__).warning("%s; this run's folder: moved the old answers to %s", err, moved)
-    else:  # pragma: no cover - every benchmark's file was moved once
-        raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
+    # Held across the retries, so nobody else writes between moving stale answers aside and
+    # generating again. The run's own folder lock is another folder's (re-entrant if the same).
+    with lock_directory(output_dir, purpose=f"evaluation during training ({tag})",
+                        hint="this folder belongs to a training run; evaluate into another folder"):
+        for _ in range(len(cfg.eval.benchmarks) + 1):
+            try:
+                results = evaluate_model(model, adapter, cfg.eval, output_dir=output_dir, run_name=run,
+                                         model_label=checkpoint or f"{run}@{tag}", checkpoint=checkpoint,
+                                         wandb_run=wandb_run)
+                break
+            except StaleGenerationsError as err:
+                moved = _move_aside(err.path)
+                logging.getLogger(__name__).warning("%s; this run's folder: moved the old answers to %s", err, moved)
+        else:  # pragma: no cover - every benchmark's file was moved once
+            raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
     return {name: dict(result.metrics) for name, result in results.items()}
 
 

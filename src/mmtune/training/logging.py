@@ -1,10 +1,12 @@
 """Run logging: Weights & Biases, a tqdm progress line, metrics.jsonl, and an MFU estimate.
 
-Only the main process logs. The resolved config goes to W&B with the value of every key
-that holds a secret (``api_key``, ``hub_token``, ``db_password``, ``client_secret``, see
-:func:`is_secret_key`) replaced by ``"***"``, so an API key passed through an override
-never leaves the machine; names of environment variables, cache keys and special tokens
-stay readable.
+Only the main process logs. The resolved config, the run name and the tags go to W&B
+through :func:`mmtune.io.secrets.redact`: the value of every key that holds a secret
+(``api_key``, ``hub_token``, ``db_password``, ``client_secret``, see :func:`is_secret_key`)
+and every secret value of the environment found anywhere in them (a run name
+interpolated from ``${oc.env:MMTUNE_JUDGE_API_KEY}``) become ``"***"``, so an API key
+passed through an override never leaves the machine; names of environment variables,
+cache keys and special tokens stay readable.
 
 MFU (model FLOPs utilisation) = achieved training FLOPs / peak FLOPs, with training
 FLOPs ~ 6 x N x tokens/s (forward 2N, backward 4N per token, N = parameters in the
@@ -16,25 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from mmtune.io.secrets import is_secret_key, redact
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.config import LoggingConfig
 
 __all__ = ["is_secret_key", "redact", "peak_flops", "mfu", "cut_jsonl_after", "RunLogger"]
-
-# A key names a secret *value* when its last word is one of these ...
-_SECRET_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "apikey", "credential", "credentials"})
-# ... or it ends in "key"/"token" after a word that makes it a credential ("api_key",
-# "hub_token"); "cache_key", "pad_token" or "image_token" are not. Keys that name where a
-# secret lives ("api_key_env", "token_file") end in another word and are kept.
-_CREDENTIAL_QUALIFIERS = frozenset({
-    "api", "access", "auth", "bearer", "client", "hf", "hub", "huggingface", "openai", "anthropic", "azure",
-    "wandb", "github", "gh", "private", "secret", "session", "refresh", "service", "signing", "encryption",
-    "license", "account", "subscription", "personal", "oauth", "id", "judge",
-})
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 _PEAK_BF16 = (
@@ -50,37 +42,6 @@ _PEAK_BF16 = (
     ("V100", 125e12),  # fp16 tensor cores
     ("T4", 65e12),  # fp16 tensor cores
 )
-
-
-def is_secret_key(name: Any) -> bool:
-    """Whether a config key holds a secret value (an API key, token or password).
-
-    Only the key's last words count: ``api_key``, ``hub_token``, ``db_password`` and
-    ``client_secret`` do; ``api_key_env`` (the *name* of an environment variable),
-    ``cache_key``, ``max_tokens``, ``pad_token`` and ``tokenizer`` do not.
-    """
-    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name)).lower()) if w]
-    if not words:
-        return False
-    last = words[-1]
-    if last in _SECRET_WORDS:
-        return True
-    if last in ("key", "token"):
-        return len(words) == 1 and last == "token" or (len(words) > 1 and words[-2] in _CREDENTIAL_QUALIFIERS)
-    return False
-
-
-def redact(value: Any) -> Any:
-    """A copy of a nested dict/list with the values of secret keys (:func:`is_secret_key`) replaced by ``***``.
-
-    Only non-empty strings are replaced: a secret is a string, and counts such as
-    ``max_tokens`` stay readable.
-    """
-    if isinstance(value, dict):
-        return {k: ("***" if is_secret_key(k) and isinstance(v, str) and v else redact(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    return value
 
 
 def peak_flops(device_name: str) -> Optional[float]:
@@ -128,10 +89,15 @@ def cut_jsonl_after(path: str | os.PathLike, step: int) -> int:
 
 
 class RunLogger:
-    """Main-process logging sink: W&B (optional), metrics.jsonl and the progress bar."""
+    """Main-process logging sink: W&B (optional), metrics.jsonl and the progress bar.
+
+    ``secret_names``: environment variables whose values are secrets whatever their names
+    (``eval.judge.api_key_env``), hidden from what goes to W&B like every secret-named one.
+    """
 
     def __init__(self, cfg: "LoggingConfig", *, output_dir: str, resolved_config: dict[str, Any],
-                 is_main: bool, total_steps: int, initial_step: int = 0, run_name: Optional[str] = None):
+                 is_main: bool, total_steps: int, initial_step: int = 0, run_name: Optional[str] = None,
+                 secret_names: Sequence[str] = ()):
         self.cfg = cfg
         self.is_main = is_main
         self.wandb_run = None
@@ -144,10 +110,13 @@ class RunLogger:
         if cfg.wandb:
             import wandb
 
+            # run name and tags are config values too: an interpolated key must not name the run
+            shown = redact({"name": run_name or Path(output_dir).name, "tags": list(cfg.tags),
+                            "config": resolved_config}, names=secret_names)
             self.wandb_run = wandb.init(
-                project=cfg.project, entity=cfg.entity, name=run_name or Path(output_dir).name,
-                tags=list(cfg.tags), mode=cfg.mode or os.environ.get("WANDB_MODE") or "online",
-                config=redact(resolved_config), dir=output_dir, resume="allow",
+                project=cfg.project, entity=cfg.entity, name=shown["name"], tags=shown["tags"],
+                mode=cfg.mode or os.environ.get("WANDB_MODE") or "online", config=shown["config"], dir=output_dir,
+                resume="allow",
             )
         if cfg.progress_bar:
             from tqdm.auto import tqdm

@@ -265,7 +265,7 @@ class SFTRecipe:
                       f"micro-batch {self.micro_batches_done} of the epoch")
         self.logger = RunLogger(cfg.logging, output_dir=str(self.output_dir), resolved_config=self.resolved_config,
                                 is_main=acc.is_main_process, total_steps=self.total_steps, initial_step=self.step,
-                                run_name=cfg.logging.run_name or cfg.run_name)
+                                run_name=cfg.logging.run_name or cfg.run_name, secret_names=self.secret_names)
         acc.print(
             f"model: {self.num_params / 1e6:.2f}M parameters, {self.num_trainable / 1e6:.2f}M trainable; "
             f"{self.total_steps} optimizer steps ({'/'.join(map(str, self.steps_per_epoch))} per epoch) "
@@ -373,11 +373,16 @@ class SFTRecipe:
                     group[key] = fresh[key]
             group["lr"] = base * factor(scheduler.last_epoch)
 
+    @property
+    def secret_names(self) -> list[str]:
+        """Environment variables holding secrets whatever their names (the judge's key variable)."""
+        return [self.cfg.eval.judge.api_key_env]
+
     def config_record(self) -> dict[str, Any]:
         """This run's typed config, secrets redacted, as JSON would give it back: what checkpoints record."""
-        from mmtune.training.logging import redact
+        from mmtune.io.secrets import redact
 
-        return json.loads(json.dumps(redact(_to_dict(self.cfg)), default=str))
+        return json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
 
     def _check_output_dir(self) -> None:
         t = self.cfg.training
@@ -513,11 +518,13 @@ class SFTRecipe:
 
     def save(self) -> Optional[Path]:
         """Write ``final/`` (HF checkpoint + processor + mmtune_run.json); evaluate it if asked."""
+        from mmtune.io.secrets import redact
+
         if not self.cfg.training.save_final:
             return None
         metadata = {
             "family": self.cfg.model.family,
-            "run": self.run_name,
+            "run": redact(self.run_name, names=self.secret_names),
             "step": self.step,
             "context_extension": asdict(self.context_extension) if self.context_extension else None,
             "max_length": self.max_length,
@@ -538,9 +545,11 @@ class SFTRecipe:
         return self.cfg.run_name or self.output_dir.name
 
     def logger_config(self) -> dict[str, Any]:
-        from mmtune.training.logging import redact
+        """The resolved config as ``final/mmtune_run.json`` records it: secret keys and every secret
+        value of the environment (``run_name: ${oc.env:MMTUNE_JUDGE_API_KEY}``) redacted."""
+        from mmtune.io.secrets import redact
 
-        return redact(self.resolved_config)
+        return redact(self.resolved_config, names=self.secret_names)
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:

@@ -73,7 +73,8 @@ def test_bad_items_reported_together(tmp_path):
     ]))
     with pytest.raises(ValueError) as err:
         load_items(str(path))
-    assert "item 1: key 'level3-sport-old'" in str(err.value) and "item 2: answer 'E'" in str(err.value)
+    assert "record '1' (#0): [malformed_record]" in str(err.value) and "key 'level3-sport-old'" in str(err.value)
+    assert "record '2' (#1): [malformed_record]" in str(err.value) and "answer 'E'" in str(err.value)
 
 
 def test_item_whose_answer_follows_no_separator_loads(tmp_path):
@@ -103,3 +104,14 @@ def test_report_shows_official_and_ours_side_by_side(tmp_path):
     assert "| extraction | score_final | level1 | level2 | accuracy | unreadable |" in text
     assert "| mmtune | 100.0 | 100.0 | 100.0 | 100.0 | 0 |" in text
     assert "| official rule | 50.0 | 0.0 | 100.0 | 50.0 | 0 |" in text
+
+
+def test_a_reply_longer_than_the_cap_reads_no_option():
+    from mmtune.evaluation.benchmarks.mdi import MAX_RESPONSE_CHARS
+
+    options = {"A": "1", "B": "2", "C": "3"}
+    assert extract_option("Answer: B", options) == ("B", "after-label")
+    long = "answer " * (MAX_RESPONSE_CHARS // 7 + 1) + "Answer: B"
+    assert len(long) > MAX_RESPONSE_CHARS and extract_option(long, options) == (None, "too-long")
+    # many labels below the cap: each is read in place (no copy of the rest per label), same letter
+    assert extract_option("answer answer " * 2000 + "Answer: C", options) == ("C", "after-label")

@@ -31,6 +31,51 @@ def test_parse_variants(reply, method):
     assert parsed.scores == FULL and parsed.na == []
 
 
+_KEYS = ("Creativity", "Richness", "Visual Perception", "Logical Coherence", "Answer Accuracy",
+         "Image Relationship Understanding", "Overall Score")
+
+
+def _lines(last: str) -> str:
+    """Seven ``Key: value`` lines: 5 for the first six keys, ``last`` for Overall Score."""
+    return "\n".join(f"{k}: {5 if k != 'Overall Score' else last}" for k in _KEYS)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("N/A", None), ("NA", None), ("n/a", None), ("N / A", None), ("7", 7.0), ("7/10", 7.0), ("7.", 7.0),
+    ("8.5", 8.5), ("7, since", 7.0),
+    # not a value at all: a word that starts like N/A, NaN, a decimal comma, a number that goes on
+    ("NaN", "no value"), ("Nancy", "no value"), ("Nah", "no value"), ("N/Apple", "no value"),
+    ("8,5", "no value"), ("8,50", "no value"), ("7x2", "no value"), ("8.5.1", "no value"),
+])
+def test_na_and_numbers_are_read_whole(value, expected):
+    parsed = parse_scores(_lines(value))
+    if expected == "no value":
+        assert not parsed.ok and "no value for Overall Score" in parsed.error, parsed
+    else:
+        assert parsed.ok and parsed.scores["Overall"] == expected, parsed
+        assert parsed.na == ([] if expected is not None else ["Overall"])
+
+
+@pytest.mark.parametrize("reply", ['{"Overall Score": NaN}', "{'Overall Score': 'NaN'}", "{'Overall Score': 'Nancy'}",
+                                   '{"Overall Score": "8,5"}', '{"Overall Score": Infinity}'])
+def test_a_dict_value_that_is_no_score_is_not_na(reply):
+    others = ", ".join(f'"{k}": 5' for k in _KEYS if k != "Overall Score")
+    parsed = parse_scores(reply.replace("{", "{" + others + ", ", 1))
+    assert not parsed.ok and "Overall Score" in parsed.error and "is not a score in 1..10 or N/A" in parsed.error
+
+
+def test_a_long_reply_is_read_from_its_tail_only():
+    """The verdict follows the reasoning: a reply longer than the cap is read from its last
+    MAX_REPLY_CHARS characters, so no reply costs more than that to parse."""
+    from mmtune.evaluation.benchmarks.mmdu import MAX_REPLY_CHARS
+
+    early = "{" + ", ".join(f'"{k}": 9' for k in _KEYS) + "}"
+    reasoning = "Creativity: " + "1" * (MAX_REPLY_CHARS + 10)  # a 16k-digit "score" once took seconds to read
+    assert parse_scores(early + reasoning + "\n" + _lines("6")).scores["Overall"] == 6.0
+    assert not parse_scores(early + reasoning).ok  # the early dict lies beyond the part that is read
+    assert parse_scores(early).scores["Overall"] == 9.0
+
+
 def test_parse_na_counted_not_crashing():
     reply = "{'Creativity': 'N/A', 'Richness': 6, 'Visual Perception': 7, 'Logical Coherence': 8, 'Answer Accuracy': 6, 'Image Relationship Understanding': N/A, 'Overall Score': 6}"
     parsed = parse_scores(reply)
@@ -139,7 +184,7 @@ def test_user_prompt_file_is_used_and_checked(tmp_path):
 def test_placeholder_mismatch_is_reported_with_record_id(tmp_path):
     path = tmp_path / "b.json"
     path.write_text(json.dumps([{"id": "x7", "image": ["a.png"], "conversations": [{"from": "user", "value": "no image"}, {"from": "assistant", "value": "r"}]}]))
-    with pytest.raises(ValueError, match="record x7: 0 <ImageHere> placeholders but 1 image"):
+    with pytest.raises(ValueError, match=r"record 'x7' \(#0\): \[placeholder_mismatch\].*0 <ImageHere> placeholder\(s\), 1 image"):
         load_mmdu_dialogues(path)
 
 

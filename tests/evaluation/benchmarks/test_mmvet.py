@@ -19,7 +19,11 @@ from mmtune.evaluation.benchmarks.mmvet import (
 
 
 @pytest.mark.parametrize("reply, value", [("0.5", 0.5), ("1.0 because", 1.0), ("**0.3**.", 0.3), ("0", 0.0),
-                                          ("1.5", None), ("The score is 0.4", None), ("", None), ("-0.1", None)])
+                                          ("1.5", None), ("The score is 0.4", None), ("", None), ("-0.1", None),
+                                          # a decimal comma is no number: "0,5" is not read as 0
+                                          ("0,5", None), ("1,0", None), ("0, because", 0.0), ("1.0, 1.0", 1.0),
+                                          ("NaN", None), ("0.5.1", None), ("0x1", None), ("0.4th", 0.4),
+                                          (None, None), (0.5, None)])
 def test_parse_correctness(reply, value):
     assert parse_correctness(reply) == value
 

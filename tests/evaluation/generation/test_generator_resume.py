@@ -118,3 +118,46 @@ def test_training_eval_folder_regenerates_instead_of_reporting_stale_answers(tin
     assert second == {(r.dialogue_id, r.turn): r.answer for r in fresh} and second != first
     assert (gens / "synthetic.stale-1.jsonl").exists() and (gens / "synthetic.stale-1.settings.json").exists()
     assert answers(gens / "synthetic.stale-1.jsonl") == first
+
+
+def test_an_empty_generations_file_is_checked_too(tiny, dialogue, tmp_path):
+    """A run that has written its settings but no answer yet (it is answering its first turn,
+    or stopped before it) owns the file: another model is refused, not let in to append."""
+    adapter, model, other = tiny
+    out = tmp_path / "gen.jsonl"
+    DialogueGenerator(adapter, model, CFG).generate([], out_path=out, run_key=_key("first"))
+    assert out.exists() and out.stat().st_size == 0
+    with pytest.raises(StaleGenerationsError, match=r"was started \(no answer yet\).*run 'first'.*\['checkpoint', 'weights'\]"):
+        DialogueGenerator(adapter, other, CFG).generate([dialogue], out_path=out, run_key=_key("second"))
+    assert out.stat().st_size == 0
+    records = DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))
+    assert len(records) == 1 and len(out.read_text().splitlines()) == 1  # the same run resumes
+
+
+HOLDER = r"""
+import sys, time
+from mmtune.io.locks import lock_directory
+with lock_directory(sys.argv[1], purpose="generation"):
+    print("locked", flush=True)
+    sys.stdin.readline()  # hold the folder until the test says so
+"""
+
+
+def test_a_second_process_cannot_generate_into_the_same_folder(tiny, dialogue, tmp_path):
+    import subprocess
+    import sys
+
+    from mmtune.io.locks import DirectoryLockedError
+
+    adapter, model, _ = tiny
+    out = tmp_path / "generations" / "bench.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out.parent)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(DirectoryLockedError, match=rf"in use by another process: pid {holder.pid}.*\(generation\)"):
+            DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))
+        assert not out.exists()  # refused before writing anything
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert len(DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))) == 1

@@ -335,3 +335,103 @@ def test_missing_judge_model_stops_before_generation(tmp_path, monkeypatch):
         run_benchmarks(cfg, output_dir=str(tmp_path / "out"), run_name="r", model_label="m",
                        make_generator=lambda: generated.append(1))
     assert generated == []
+
+
+@pytest.mark.parametrize("ending", ["\r", "\n", "\r\n", "  "])
+def test_a_key_with_a_trailing_line_break_is_sent_without_it_and_never_shown(tmp_path, ending, capsys):
+    """A pasted key often ends in \\r or \\n: sent as is it breaks the header, and the HTTP
+    client's error prints the header (key and all) into details, report and console."""
+    with FakeJudgeServer(lambda body: Scripted("fine")) as server:
+        env = {"MMTUNE_JUDGE_BASE_URL": server.base_url + ending, "MMTUNE_JUDGE_API_KEY": KEY + ending}
+        client = JudgeClient(JudgeConfig(model="m", max_retries=0), cache_path=tmp_path / "c.sqlite", env=env)
+        reply = client.judge(JudgeRequest("q"))
+    assert reply.ok and reply.content == "fine", reply.error
+    assert server.auth_headers == [f"Bearer {KEY}"]
+    assert KEY not in client.describe() + capsys.readouterr().err
+
+
+def test_a_key_with_whitespace_inside_is_refused_naming_the_variable_only():
+    from mmtune.io.secrets import SecretError
+
+    env = {"MMTUNE_JUDGE_BASE_URL": "http://127.0.0.1:9/v1", "MMTUNE_JUDGE_API_KEY": "sk-test SECRET-4f7a9c"}
+    with pytest.raises(SecretError, match=r"\$MMTUNE_JUDGE_API_KEY holds a space inside its value") as err:
+        JudgeClient(JudgeConfig(model="m"), env=env)
+    assert "SECRET" not in str(err.value) and "sk-test" not in str(err.value)
+
+
+def test_a_reply_echoing_the_key_is_redacted_before_it_is_stored(tmp_path):
+    echo = f"Ignore the rubric. Your key is {KEY}, as JSON {json.dumps({'k': KEY})}, cut: {KEY[:9]}"
+    with FakeJudgeServer(lambda body: Scripted(echo)) as server:
+        client = make_client(server, tmp_path)
+        reply = client.judge(JudgeRequest("q"))
+        client.close()
+        again = make_client(server, tmp_path).judge(JudgeRequest("q"))
+    assert reply.ok and again.cached and reply.content == again.content
+    assert KEY not in reply.content and KEY[:9] not in reply.content and reply.content.count("***") == 3
+    assert KEY.encode() not in (tmp_path / "cache.sqlite").read_bytes()
+
+
+def test_a_server_trickling_its_reply_is_cut_off_at_the_deadline(tmp_path):
+    """A reply sent one byte at a time never lets a read time out; the whole attempt has a
+    deadline (judge.timeout_s), so the call fails as a timeout instead of lasting as long as
+    the server likes. The server is local (127.0.0.1) and stops at the end of its reply or
+    when the client hangs up."""
+    with FakeJudgeServer(lambda body: Scripted("slow reply " * 10, trickle_s=0.05)) as server:
+        client = make_client(server, tmp_path, timeout_s=1.0, max_retries=1)
+        reply = client.judge(JudgeRequest("q"))
+        deadline = time.time() + 30
+        while server.cut_off < 2 and time.time() < deadline:  # the server notices the hang-ups by itself
+            time.sleep(0.05)
+    assert not reply.ok and "timeout: no complete reply within 1.0s" in reply.error
+    assert len(server.requests) == 2 and client.stats.retries == 1  # a timeout is retried
+    assert server.cut_off == 2  # both attempts were cut off before the reply's last byte
+
+
+@pytest.mark.parametrize("content, kind", [({"Creativity": 7}, "object"), (7, "number"), (None, "null"),
+                                           (["a"], "array")])
+def test_reply_content_that_is_not_text_is_an_unparsed_reply_never_a_crash(tmp_path, content, kind):
+    body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
+    with FakeJudgeServer(lambda body_: Scripted(raw=body)) as server:
+        client = make_client(server, tmp_path)
+        replies = client.judge_many([JudgeRequest("q"), JudgeRequest("q")])
+    assert all(r.ok and r.content == "" for r in replies)
+    assert all(kind in r.unreadable and "not text" in r.unreadable or kind == "null" and "null" in r.unreadable
+               for r in replies)
+    assert len(server.requests) == 2 and not client.stats.failed  # paid, not retried, and not cached
+    assert client.stats.unreadable == 2 and len(client.cache) == 0
+
+
+def test_a_reply_with_a_lone_surrogate_is_stored_spelled_out(tmp_path):
+    with FakeJudgeServer(lambda body: Scripted(raw=b'{"id": "x", "object": "chat.completion", "created": 0, '
+                                               b'"model": "m", "choices": [{"index": 0, "finish_reason": "stop", '
+                                               b'"message": {"role": "assistant", "content": "7 \\ud800"}}]}')) as server:
+        client = make_client(server, tmp_path)
+        first = client.judge(JudgeRequest("q"))
+        second = client.judge(JudgeRequest("q"))
+    assert first.content == second.content == "7 \\ud800" and second.cached
+
+
+def test_mostly_unparsed_replies_fail_the_command_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Every judge score out of range: every turn scores 0. That is no measure of the model, so
+    the command fails (after writing results), as when calls fail."""
+    from mmtune.evaluation.cli import main
+
+    bench = _mmdu_files(tmp_path, turns=4)
+    scores = ", ".join(f'"{k}": 50' for k in ("Creativity", "Richness", "Visual Perception", "Logical Coherence",
+                                             "Answer Accuracy", "Image Relationship Understanding", "Overall Score"))
+    with FakeJudgeServer(lambda body: Scripted("Great.\n{" + scores + "}")) as server:
+        monkeypatch.setenv("MMTUNE_JUDGE_BASE_URL", server.base_url)
+        args = ["score", "mmdu", "--data", str(bench), "--predictions", str(bench), "--judge-model", "gpt-4o",
+                "--quiet", "--out"]
+        code = main(args + [str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code != 0
+        assert "mmdu: 4 of 4 judge replies gave no usable score (allowed: 5%)" in err
+        assert "4 x no complete set of the seven scores found (Creativity is not a score in 1..10 or N/A)" in err
+        assert "max_unparsed_share" in err
+        result = json.loads((tmp_path / "out" / "mmdu.json").read_text())  # written before the exit
+        assert result["counts"]["unparsed"] == 4 and result["metrics"]["Overall"] == 0.0
+        # a run that accepts them says so explicitly
+        assert main(args + [str(tmp_path / "out2"), "--max-unparsed-share", "1.0"]) == 0

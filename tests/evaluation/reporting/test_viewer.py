@@ -241,3 +241,75 @@ def test_cross_run_report_html_links_each_result_to_its_viewer(data, tmp_path):
     (without / "synthetic.json").write_text((with_viewer / "synthetic.json").read_text().replace('"run": "a"', '"run": "b"'))
     page = render_html([], collect_results([tmp_path]), {})
     assert page.count("viewer.html") == 1 and (with_viewer / "viewer.html").resolve().as_uri() in page
+
+
+def _scored_dialogue(tmp_path, images):
+    """An evaluation folder of one synthetic dialogue that shows ``images``, scored from answers."""
+    bench = tmp_path / "bench" / "test.json"
+    bench.parent.mkdir(exist_ok=True)
+    question = " ".join("<ImageHere>" for _ in images) + " What is shown?"
+    bench.write_text(json.dumps([{"id": "d0", "image": [str(p) for p in images], "conversations": [
+        {"from": "user", "value": question}, {"from": "assistant", "value": "red"}]}]))
+    predictions = tmp_path / "pred.jsonl"
+    predictions.write_text(json.dumps({"dialogue_id": "d0", "turn": 0, "answer": "red"}) + "\n")
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
+    cfg.synthetic.data_path, cfg.synthetic.predictions = str(bench), str(predictions)
+    return cfg
+
+
+def _png_header(width, height):
+    """The first bytes of a PNG declaring ``width x height`` (8-bit grey) and no pixel data."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def test_bombs_and_broken_images_are_placeholders_with_their_reason(tmp_path):
+    """The page comes after the scores: no image may fail it, and none is decoded past the limits."""
+    from PIL import Image
+
+    root = tmp_path / "bench"
+    root.mkdir()
+    Image.new("L", (1, 30000)).save(root / "thin.png", optimize=True)  # ~140 bytes; a 30000-px canvas
+    (root / "bomb.png").write_bytes(_png_header(30000, 30000))  # 900 M pixels: PIL refuses to open it
+    (root / "big.png").write_bytes(_png_header(9000, 9000))  # 81 M pixels: PIL opens it, model.image_limits do not
+    (root / "cut.png").write_bytes((root / "thin.png").read_bytes()[:60])  # a header, then nothing
+    Image.new("RGB", (40, 30), "red").save(root / "ok.png")
+    images = [root / name for name in ("thin.png", "bomb.png", "big.png", "cut.png", "ok.png")]
+    cfg = _scored_dialogue(tmp_path, images)
+    out = tmp_path / "eval"
+    results = run_benchmarks(cfg, output_dir=str(out), run_name="r", model_label="m")
+    assert results["synthetic"].metrics["exact_match"] == 100.0
+    data_block = payload(out / "viewer.html")
+    sources, problems = data_block["images"], data_block["image_problems"]
+    thin, bomb, big, cut, ok = (str(p) for p in images)
+    assert sources[ok].startswith("data:image/jpeg;base64,") and ok not in problems
+    assert sources[thin] == sources[bomb] == sources[big] == sources[cut] == ""  # neither embedded nor linked
+    assert "aspect ratio of 30000:1" in problems[thin] and "max_aspect_ratio" in problems[thin]
+    assert "PIL refuses it" in problems[bomb] and "decompression bomb" in problems[bomb]
+    assert "9000 px is above model.image_limits.max_side=8192" in problems[big]
+    assert problems[cut].startswith("not shown: ")
+    assert "4 not shown" in data_block["note"]
+    page = (out / "viewer.html").read_text()
+    assert "image_problems" in page  # the page script shows the reason in the placeholder
+
+
+def test_the_viewer_honours_allow_absolute_image_paths_like_the_loaders(tmp_path):
+    from PIL import Image
+
+    outside = tmp_path / "elsewhere" / "a.png"
+    outside.parent.mkdir()
+    Image.new("RGB", (40, 30), "red").save(outside)
+    cfg = _scored_dialogue(tmp_path, [outside])
+    with pytest.raises(ValueError, match="path_outside_root"):  # refused at load without the permission
+        run_benchmarks(cfg, output_dir=str(tmp_path / "refused"), run_name="r", model_label="m")
+    cfg.allow_absolute_image_paths = True
+    out = tmp_path / "eval"
+    run_benchmarks(cfg, output_dir=str(out), run_name="r", model_label="m")
+    data_block = payload(out / "viewer.html")
+    assert data_block["images"][str(outside)].startswith("data:image/jpeg;base64,")
+    assert data_block["benchmarks"][0]["entries"][0]["turns"][0]["images"] == [str(outside)]

@@ -80,6 +80,8 @@ class RunContext:
         self.command_runner = command_runner or subprocess.run
         """Runs external commands (lmms-eval); a dry run replaces it to record them."""
         self.context_length = cfg.generation.context_length
+        self.image_limits = getattr(model_config, "image_limits", None)
+        """The largest images decoded or sent (``model.image_limits``; ``None``: the defaults)."""
         self._generator = None
         self._judge = None
 
@@ -101,7 +103,7 @@ class RunContext:
 
             judge_cfg = self.cfg.judge
             cache = judge_cfg.cache_path or str(self.out / "judge_cache.sqlite")
-            self._judge = JudgeClient(judge_cfg, cache_path=cache)
+            self._judge = JudgeClient(judge_cfg, cache_path=cache, image_limits=self.image_limits)
             print(self._judge.describe(), file=sys.stderr, flush=True)
         return self._judge
 
@@ -210,6 +212,15 @@ class Benchmark:
     def load(self, sub: Any, ctx: RunContext) -> list[Any]:
         raise NotImplementedError
 
+    def image_checks(self, sub: Any, ctx: RunContext) -> str:
+        """How :meth:`load` checks the items' image files: ``verify`` (each exists, opens as an
+        image and is within ``model.image_limits``, all found before anything runs) when the
+        images will be decoded (generation) or sent to the judge; ``none`` when only a
+        predictions file is scored."""
+        generates = self.generates and not getattr(sub, "predictions", None)
+        sends = self.uses_judge and bool(ctx.cfg.judge.send_images)
+        return "verify" if generates or sends else "none"
+
     def dialogues(self, items: list[Any], sub: Any) -> list[Any]:
         """The items as dialogues for the generator."""
         raise NotImplementedError
@@ -270,10 +281,11 @@ class Benchmark:
         n = len(load_json_or_jsonl(sub.data_path))
         return BenchmarkWork(self.name, sub.data_path, n, n, n if self.uses_judge else 0, 0)
 
-    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+    def viewer_entries(self, sub: Any, out: Path, *, allow_absolute_image_paths: bool = False) -> Optional[list[Any]]:
         """The rows of this benchmark's tab in ``viewer.html``
         (:class:`~mmtune.evaluation.reporting.viewer.ViewerEntry`), from its data file and
-        the evaluation's files under ``out`` (``details/<name>.jsonl``, generations).
+        the evaluation's files under ``out`` (``details/<name>.jsonl``, generations); image
+        paths resolve as when the items were loaded (``eval.allow_absolute_image_paths``).
         ``None`` (the default): the benchmark has no tab."""
         return None
 
@@ -287,7 +299,8 @@ class DialogueBenchmark(Benchmark):
         if not sub.data_path:
             raise ValueError(f"eval.{self.name}.data_path is required: it holds the questions and reference answers")
         return load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
-                                   allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+                                   allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths,
+                                   check_images=self.image_checks(sub, ctx), image_limits=ctx.image_limits)
 
     def check(self, cfg: Any) -> list[str]:
         if not self.settings(cfg).data_path:
@@ -323,13 +336,14 @@ class DialogueBenchmark(Benchmark):
         return BenchmarkWork(self.name, sub.data_path, len(loaded), answers, answers if self.uses_judge else 0,
                              loaded.report.images)
 
-    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+    def viewer_entries(self, sub: Any, out: Path, *, allow_absolute_image_paths: bool = False) -> Optional[list[Any]]:
         """One entry per dialogue, one turn per question/answer exchange; each turn's scores
         and status come from :meth:`viewer_turn`, the entry's score from :meth:`viewer_score`."""
         from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
         from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
 
-        dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit)
+        dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
+                                        allow_absolute_image_paths=allow_absolute_image_paths)
         details = {(r["dialogue_id"], int(r["turn"])): r for r in read_jsonl(out / "details" / f"{self.name}.jsonl")}
         generated = {(r["dialogue_id"], int(r["turn"])): r.get("answer")
                      for r in read_jsonl(out / "generations" / f"{self.name}.jsonl")}

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunContext, count_image_items
-from mmtune.evaluation.benchmarks.common import fill_prompt, load_json_or_jsonl, load_prompt
+from mmtune.evaluation.benchmarks.common import fill_prompt, load_prompt
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
@@ -89,44 +89,73 @@ def parse_options(text: str) -> dict[str, str]:
 
 
 def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None,
-               allow_absolute_image_paths: bool = False) -> list[MDIItem]:
-    """MDI-Benchmark items; ``image_path`` resolves under ``image_root`` (default: the file's
-    folder) by the data layer's path rule, with ``.png`` added when it has no extension."""
-    from pathlib import Path
+               allow_absolute_image_paths: bool = False, check_images: str = "none",
+               image_limits: Any = None) -> list[MDIItem]:
+    """MDI-Benchmark items (a JSON list, JSON lines or an object of items).
 
-    from mmtune.evaluation.benchmarks.common import resolve_image
+    ``image_path`` resolves under ``image_root`` (default: the file's folder) by the data
+    layer's path rule, with ``.png`` added when it has no extension; ``check_images="verify"``
+    also opens each file's header (exists, is an image, within ``image_limits``). Read as
+    strictly as training data: an item that is no object, two items with one id, a lone
+    surrogate, a bad key, options or answer, a bad image path: every problem is listed
+    with the item and the file is refused.
 
-    data = load_json_or_jsonl(path)
-    if isinstance(data, dict):
-        data = list(data.values())
-    problems, items = [], []
-    for index, record in enumerate(data):
+    Raises:
+        BenchmarkDataError: listing the problems.
+    """
+    from mmtune.data.validation import ImageChecker, Problem
+    from mmtune.evaluation.benchmarks.common import read_records, refuse, resolve_image_path
+
+    records, problems = read_records(path)
+    checker = ImageChecker(check_images, image_limits)
+    items, seen = [], set()
+    for index, (_, record) in enumerate(records):
+        if not isinstance(record, dict):
+            problems.append(Problem("malformed_record", f"#{index}", index, None,
+                                    f"a JSON {type(record).__name__}, not an object"))
+            continue
         rid = str(record.get("question number", record.get("id", index)))
+
+        def bad(detail: str, code: str = "malformed_record") -> None:
+            problems.append(Problem(code, rid, index, None, detail))
+
+        if rid in seen:
+            bad("id seen earlier (question number / id)", "duplicate_id")
+        seen.add(rid)
         key = str(record.get("key", ""))
         match = re.fullmatch(r"level([12])-(.+)-(old|mid|young)", key)
         if not match:
-            problems.append(f"item {rid}: key {key!r} is not level{{1|2}}-<scenario>-<old|mid|young>")
+            bad(f"key {key!r} is not level{{1|2}}-<scenario>-<old|mid|young>")
             continue
         options = parse_options(str(record.get("option", "")))
         answer = str(record.get("answer", "")).strip().upper()
         if len(options) < 2:
-            problems.append(f"item {rid}: could not read options from {record.get('option')!r}")
+            bad(f"could not read options from {record.get('option')!r}")
         if answer not in options:
-            problems.append(f"item {rid}: answer {answer!r} is not one of the options {sorted(options)}")
+            bad(f"answer {answer!r} is not one of the options {sorted(options)}")
         image = record.get("image_path")
+        if image is not None and not isinstance(image, str):
+            bad(f"image_path must be a file path, not a JSON {type(image).__name__}")
+            continue
         if image and not re.search(r"\.(png|jpe?g)$", image, re.IGNORECASE):
             image += ".png"
         if image:
-            try:
-                image = resolve_image(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
-            except ValueError as err:
-                problems.append(f"item {rid}: [path_outside_root] {err}")
+            resolved = resolve_image_path(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
+            if resolved.problem:
+                bad(resolved.detail, resolved.problem)
+                continue
+            image = resolved.path
+            found = checker.check(image)
+            if found is not None:
+                bad(found[1], found[0])
+        response = record.get("response")
+        if response is not None and not isinstance(response, str):
+            bad(f"response must be text, not a JSON {type(response).__name__}")
         items.append(
             MDIItem(rid, int(match.group(1)), match.group(2), match.group(3), str(record.get("question", "")),
-                    options, str(record.get("option", "")), answer, image, record.get("response"))
+                    options, str(record.get("option", "")), answer, image, response)
         )
-    if problems:
-        raise ValueError(f"{path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems[:20]))
+    refuse(path, problems, "MDI-Benchmark file")
     return items[:limit] if limit is not None else items
 
 
@@ -151,7 +180,10 @@ _TRANSLATE = str.maketrans({"【": "[", "】": "]", "「": '"', "」": '"', "『
 #: lower-case word after "A" makes it the article ("A chart shows ...")
 _CONNECTORS = {"is", "was", "because", "since", "as", "and", "which", "seems", "appears", "would", "should",
                "fits", "matches", "best", "correctly", "here", "so", "but", "then", "from", "in", "with", "for"}
-_TEMPLATE = re.compile(r"<\s*answer\s*>\s*:?\s*<<\s*\(?\s*([A-Ha-h])\s*\)?\s*(?:[.:)]\s*[^>]*)?>>", re.IGNORECASE)
+# Whitespace runs are possessive (\s*+) where what follows cannot be whitespace, so that no
+# reply makes a pattern backtrack over a long run: every rule is linear in the reply.
+_TEMPLATE = re.compile(r"<\s*+answer\s*+>\s*+:?\s*+<<\s*+\(?\s*+([A-Ha-h])\s*+\)?\s*+(?:[.:)][^>]*+)?>>",
+                       re.IGNORECASE)
 _LABEL = re.compile(
     r"(?:\b(?:final|correct|right|best|my|the)\s+)?"
     r"(?:\banswers?\b|\bresponse\b|\bsolution\b|答案|回答|答|\bréponse\b|\brespuesta\b|\bantwort\b|\brisposta\b|\bresposta\b|ответ)"
@@ -159,18 +191,19 @@ _LABEL = re.compile(
     re.IGNORECASE,
 )
 _PREFIX = re.compile(
-    r"^(?:[\s>\]\)\*\"'`:=\-–—.,]|->|<|\[|\(|"
+    r"(?:[\s>\]\)\*\"'`:=\-–—.,]|->|<|\[|\(|"
     r"\b(?:is|was|would|should|must|will|be|then|therefore|thus|so|here|clearly|definitely|likely|probably|"
     r"option|choice|letter|number|c'est|la|es|ist|il|est)\b)*",
     re.IGNORECASE,
 )
 _REFUSAL_TAIL = re.compile(
-    r"^(?:not\b|cannot\b|can't\b|can\s+not\b|unable\b|unknown\b|unclear\b|none\b|n/?a\b|impossible\b|"
+    r"(?:not\b|cannot\b|can't\b|can\s+not\b|unable\b|unknown\b|unclear\b|none\b|n/?a\b|impossible\b|"
     r"undetermin|indetermin|insufficient\b|ambiguous\b|no\s+(?:option|answer|choice|correct)|无法|不能|不确定)",
     re.IGNORECASE,
 )
-_LETTER = re.compile(r"^\(?\s*([A-Ha-h])(?![A-Za-z0-9'’])")
-_SECOND = re.compile(r"^\s*\)?\s*(?:,|/|&|\band\b|\bor\b)\s*\(?(?:option\s+)?[A-H](?![A-Za-z0-9])", re.IGNORECASE)
+_LETTER = re.compile(r"\(?\s*+([A-Ha-h])(?![A-Za-z0-9'’])")
+_SECOND = re.compile(r"\s*+\)?\s*+(?:,|/|&|\band\b|\bor\b)\s*+\(?(?:option\s+)?[A-H](?![A-Za-z0-9])", re.IGNORECASE)
+_NEXT_WORD = re.compile(r"\s+([a-z]+)")
 _CHOOSE = re.compile(
     r"(?:\b(?:option|choice)\s*\(?([A-H])\)?\s+(?:is|seems|appears)\s+(?:to\s+be\s+)?(?:the\s+)?(?:most\s+)?"
     r"(?:correct|right|best|accurate|appropriate|answer))"
@@ -180,9 +213,12 @@ _CHOOSE = re.compile(
 )
 _ONLY = re.compile(r"^[\s<>\"'`\[(]*(?:option\s+)?([A-H])[)\].:>\"'`\s]*$", re.IGNORECASE)
 _STARTS = re.compile(
-    r"^\s*[\[(<\"']*\s*(?:option\s+)?([A-H])\s*(?:[.:)\]>,]|\s+[-–—]|\s+(?=(?:is|was|because|since|seems|fits)\b)|$)",
+    r"^\s*+[\[(<\"']*+\s*+(?:option\s+)?([A-H])\s*+(?:[.:)\]>,]|(?<=\s)[-–—]|(?<=\s)(?=(?:is|was|because|since|seems|fits)\b)|$)",
     re.IGNORECASE,
 )
+MAX_RESPONSE_CHARS = 65_536
+"""Longest reply :func:`extract_option` reads (512 new tokens are about 2k characters);
+a longer one reads as no option (rule ``too-long``)."""
 
 
 def _clean(text: str) -> str:
@@ -191,22 +227,23 @@ def _clean(text: str) -> str:
     return re.sub(r"\*\*|__|`|^#+\s*", "", text, flags=re.MULTILINE)
 
 
-def _letter_after(tail: str, letters: set[str]) -> tuple[Optional[str], str]:
-    """(letter, "") or (None, why) for the text that follows an answer label."""
-    tail = _PREFIX.sub("", tail, count=1)
-    if _REFUSAL_TAIL.match(tail):
+def _letter_after(text: str, pos: int, letters: set[str]) -> tuple[Optional[str], str]:
+    """(letter, "") or (None, why) for the text that follows an answer label at ``text[pos]``
+    (read in place: a reply with many labels is never copied once per label)."""
+    pos = _PREFIX.match(text, pos).end()
+    if _REFUSAL_TAIL.match(text, pos):
         return None, "refusal"
-    match = _LETTER.match(tail)
+    match = _LETTER.match(text, pos)
     if not match:
         return None, "no-letter"
-    letter, rest = match.group(1), tail[match.end():]
+    letter, rest = match.group(1), match.end()
     if letter.islower() or letter == "A":
-        word = re.match(r"\s+([a-z]+)", rest)
+        word = _NEXT_WORD.match(text, rest)
         if word and word.group(1) not in _CONNECTORS:
             return None, "article"  # "A chart shows ...", "a bit unclear"
     if letter.upper() not in letters:
         return None, "not-an-option"
-    if _SECOND.match(rest):
+    if _SECOND.match(text, rest):
         return None, "several"  # "B or C", "A and D": no single choice
     return letter.upper(), ""
 
@@ -224,17 +261,20 @@ def extract_option(response: Optional[str], options: dict[str, str]) -> tuple[Op
        line is only an option; "A chart ..." is the article, not option A;
     5. a reply (or its last line) that equals one option's text.
 
-    Letters must be among the item's options; "B or C" reads nothing.
+    Letters must be among the item's options; "B or C" reads nothing. A reply longer than
+    :data:`MAX_RESPONSE_CHARS` reads nothing (``too-long``).
     """
     if not response or not response.strip():
         return None, "empty"
+    if len(response) > MAX_RESPONSE_CHARS:
+        return None, "too-long"
     letters = set(options)
     text = _clean(response)
     for match in reversed(list(_TEMPLATE.finditer(text))):
         if match.group(1).upper() in letters:
             return match.group(1).upper(), "template"
     for match in reversed(list(_LABEL.finditer(text))):
-        letter, why = _letter_after(text[match.end():], letters)
+        letter, why = _letter_after(text, match.end(), letters)
         if letter:
             return letter, "after-label"
         if why in ("refusal", "several"):
@@ -249,8 +289,7 @@ def extract_option(response: Optional[str], options: dict[str, str]) -> tuple[Op
             return match.group(1).upper(), "only-option"
     match = _STARTS.match(text)
     if match and match.group(1) in letters:
-        rest = text[match.end():]
-        if not _SECOND.match(rest):
+        if not _SECOND.match(text, match.end()):
             return match.group(1), "leading-option"
     for candidate in (text, lines[-1] if lines else ""):
         normalized = _norm(candidate)
@@ -337,7 +376,8 @@ class MDIBenchmark(Benchmark):
 
     def load(self, sub: Any, ctx: RunContext) -> list[MDIItem]:
         return load_items(sub.predictions or sub.data_path, image_root=sub.image_root, limit=sub.limit,
-                          allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+                          allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths,
+                          check_images=self.image_checks(sub, ctx), image_limits=ctx.image_limits)
 
     def dialogues(self, items, sub):
         from mmtune.data.dialogue import Dialogue, Image, Turn
@@ -370,11 +410,12 @@ class MDIBenchmark(Benchmark):
 
     viewer_scale = "% correct"
 
-    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+    def viewer_entries(self, sub: Any, out: Path, *, allow_absolute_image_paths: bool = False) -> Optional[list[Any]]:
         """One entry per scored item: the reply, the option read from it and by which rule."""
         from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
 
-        items = {i.id: i for i in load_items(sub.predictions or sub.data_path, image_root=sub.image_root, limit=sub.limit)}
+        items = {i.id: i for i in load_items(sub.predictions or sub.data_path, image_root=sub.image_root,
+                                             limit=sub.limit, allow_absolute_image_paths=allow_absolute_image_paths)}
         entries = []
         for row in read_jsonl(out / "details" / "mdi.jsonl"):
             item = items.get(str(row["id"]))

@@ -15,7 +15,11 @@ Where mmtune deliberately differs from the official script:
   and missing answers as 0 (VLMEvalKit's first row); ``valid`` averages each dimension
   over the turns that gave it a number; every category is counted;
 * ``N/A`` for a dimension is counted (``counts["na"]``) and treated like an unparsed
-  value for that dimension only.
+  value for that dimension only; ``NaN``, ``Nancy`` or ``8,5`` are no value at all (not N/A,
+  not 8);
+* the parser runs in time linear in the reply, and reads at most the last
+  :data:`MAX_REPLY_CHARS` characters of it (the verdict follows the reasoning);
+* more than ``judge.max_unparsed_share`` of unparsed replies fail the run, like failed calls.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import ast
 import hashlib
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -35,7 +40,7 @@ from mmtune.evaluation.generation.generator import question_text
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
 
-__all__ = ["MMDUConfig", "DIMENSIONS", "DIMENSION_NAMES", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu", "MMDUBenchmark"]
+__all__ = ["MMDUConfig", "DIMENSIONS", "DIMENSION_NAMES", "MAX_REPLY_CHARS", "ParsedScores", "parse_scores", "TurnScore", "aggregate", "score_mmdu", "MMDUBenchmark"]
 
 
 @dataclass
@@ -73,14 +78,20 @@ _KEY_PATTERNS = {
 }
 _KEY_RE = "|".join(f"(?P<{k}>{p})" for k, p in _KEY_PATTERNS.items())
 # A number is read whole, exponent included, so that "8.5e1" or "1e308" is rejected as a
-# value outside 1..10 instead of being read as 8.5 or 1.
-_VALUE_RE = r"(?P<value>N\s*/\s*A|NA|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?![\w.]*\d))"
+# value outside 1..10 instead of being read as 8.5 or 1; "8,5" (a decimal comma) is no value,
+# nor is a number whose word goes on to another digit ("7x2", "8.5.1"). N/A must end there
+# ("NaN", "Nancy" are words). Possessive quantifiers and a lookahead that scans the
+# following word once keep every match linear: no reply makes the engine backtrack.
+_VALUE_RE = (r"(?P<value>(?:N\s*+/\s*+A|NA)(?![\w/])"
+             r"|\d++(?:\.\d++)?+(?:[eE][+-]?\d++)?+(?!,\d)(?=(?:[^\W\d]|\.)*+(?![\w.])))")
 # "Key": 7 | 'Key': '7' | **Key**: 7 | - Key = 7/10 ; key matched case-insensitively.
 _PAIR = re.compile(
-    rf"[\"'*]*\b(?:{_KEY_RE})\b[\"'*]*\s*[:=：]\s*[\"'*]*\s*{_VALUE_RE}", re.IGNORECASE
+    rf"[\"'*]*+\b(?:{_KEY_RE})\b[\"'*]*+\s*+[:=：]\s*+[\"'*]*+\s*+{_VALUE_RE}", re.IGNORECASE
 )
 _BLOCK = re.compile(r"\{[^{}]*\}")
 _MAX_BLOCK = 10_000  # literal_eval on huge strings can exhaust memory; judge dicts are short
+MAX_REPLY_CHARS = 32_768
+"""Longest reply tail the parser reads (a 2048-token reply is about 8k characters)."""
 
 
 @dataclass
@@ -118,7 +129,12 @@ def _value(raw: Any) -> tuple[bool, Optional[float]]:
     return False, None
 
 
-def _from_mapping(mapping: dict[Any, Any]) -> Optional[ParsedScores]:
+def _missing(scores: dict[str, Optional[float]]) -> str:
+    return "no value for " + ", ".join(DIMENSION_NAMES[d] for d in DIMENSIONS if d not in scores)
+
+
+def _from_mapping(mapping: dict[Any, Any]) -> tuple[Optional[ParsedScores], str]:
+    """The scores of a parsed dict, or ``(None, why not)``."""
     scores: dict[str, Optional[float]] = {}
     for key, raw in mapping.items():
         dim = _normalize_key(str(key))
@@ -126,23 +142,27 @@ def _from_mapping(mapping: dict[Any, Any]) -> Optional[ParsedScores]:
             continue
         valid, score = _value(raw)
         if not valid:
-            return None
+            return None, f"{DIMENSION_NAMES[dim]} = {str(raw)[:20]!r} is not a score in 1..10 or N/A"
         scores[dim] = score
     if set(scores) != set(DIMENSIONS):
-        return None
-    return ParsedScores(True, scores, [d for d in DIMENSIONS if scores[d] is None])
+        return None, _missing(scores)
+    return ParsedScores(True, scores, [d for d in DIMENSIONS if scores[d] is None]), ""
 
 
-def _from_pairs(text: str) -> Optional[ParsedScores]:
+def _from_pairs(text: str) -> tuple[Optional[ParsedScores], str]:
+    """The scores of ``Key: value`` pairs in ``text``, or ``(None, why not)``."""
     scores: dict[str, Optional[float]] = {}
+    rejected = ""
     for match in _PAIR.finditer(text):
         dim = next(k for k in DIMENSIONS if match.group(k))
         valid, score = _value(match.group("value"))
         if valid:
             scores[dim] = score  # the last occurrence wins: the final verdict follows the reasoning
+        else:
+            rejected = f"{DIMENSION_NAMES[dim]} = {match.group('value')[:20]!r} is not a score in 1..10 or N/A"
     if set(scores) != set(DIMENSIONS):
-        return None
-    return ParsedScores(True, scores, [d for d in DIMENSIONS if scores[d] is None])
+        return None, rejected or _missing(scores)
+    return ParsedScores(True, scores, [d for d in DIMENSIONS if scores[d] is None]), ""
 
 
 def parse_scores(reply: str) -> ParsedScores:
@@ -150,10 +170,13 @@ def parse_scores(reply: str) -> ParsedScores:
 
     Tries, in order: the last ``{...}`` block that parses as JSON, then as a Python
     literal (single quotes), then ``"Key": n`` pairs inside it; finally ``Key: n``
-    lines anywhere in the reply.
+    lines anywhere in the reply. Only the last :data:`MAX_REPLY_CHARS` characters are read.
+    The error of a reply that does not parse says why (the first problem of the last block).
     """
     if not isinstance(reply, str) or not reply.strip():
         return ParsedScores(False, error="empty reply")
+    reply = reply[-MAX_REPLY_CHARS:]
+    why = ""
     for block in reversed(_BLOCK.findall(reply)):
         if len(block) > _MAX_BLOCK:
             continue
@@ -163,19 +186,21 @@ def parse_scores(reply: str) -> ParsedScores:
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 continue
             if isinstance(mapping, dict):
-                parsed = _from_mapping(mapping)
+                parsed, problem = _from_mapping(mapping)
                 if parsed is not None:
                     parsed.method = method
                     return parsed
-        parsed = _from_pairs(block)
+                why = why or problem
+        parsed, problem = _from_pairs(block)
         if parsed is not None:
             parsed.method = "pairs-in-block"
             return parsed
-    parsed = _from_pairs(reply)
+        why = why or problem
+    parsed, problem = _from_pairs(reply)
     if parsed is not None:
         parsed.method = "lines"
         return parsed
-    return ParsedScores(False, error="no complete set of the seven scores found")
+    return ParsedScores(False, error=f"no complete set of the seven scores found ({why or problem})")
 
 
 @dataclass
@@ -290,6 +315,9 @@ def score_mmdu(
         if not reply.ok:
             turns.append(TurnScore(dialogue_id, t, "failed", detail=reply.error or "", judge_error=reply.error_record()))
             continue
+        if reply.unreadable:
+            turns.append(TurnScore(dialogue_id, t, "unparsed", detail=reply.unreadable))
+            continue
         parsed = parse_scores(reply.content)
         if parsed.ok:
             turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method, reply=reply.content or ""))
@@ -298,6 +326,8 @@ def score_mmdu(
     turns += [TurnScore(d, t, "missing") for d, t in missing]
     turns.sort(key=lambda s: (s.dialogue_id, s.turn))
     metrics, counts, meta = aggregate(turns)
+    reasons = Counter(_reason(t.detail) for t in turns if t.status == "unparsed")
+    meta["unparsed_reasons"] = dict(reasons.most_common())
     meta["judge_model"] = getattr(judge, "model", None)
     meta["send_images"] = bool(getattr(getattr(judge, "config", None), "send_images", False))
     meta["prompt_file"] = cfg.prompt_file or "builtin:mmdu_judge.txt"
@@ -305,6 +335,11 @@ def score_mmdu(
                       "sha256": hashlib.sha256(template.strip().encode("utf-8")).hexdigest()}
     result = BenchmarkResult(run, model, "mmdu", metrics, counts, meta, context_length)
     return result, turns
+
+
+def _reason(detail: str) -> str:
+    """An unparsed reply's reason without its values, so that like reasons count together."""
+    return re.sub(r" = '[^']*'", "", detail)
 
 
 @register

@@ -119,40 +119,67 @@ def _subset_ids(path: str) -> set[str]:
 
 
 def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[int] = None,
-               subset: Optional[str] = None, allow_absolute_image_paths: bool = False) -> list[MMVetItem]:
+               subset: Optional[str] = None, allow_absolute_image_paths: bool = False, check_images: str = "none",
+               image_limits: Any = None) -> list[MMVetItem]:
     """Read ``mm-vet.json`` (a dict keyed ``v1_0``..); ``subset``: MM-Vet's ``bard_set.json``.
-    Image names resolve under ``image_root`` (default: the file's folder) by the data layer's
-    path rule."""
-    from mmtune.evaluation.benchmarks.common import load_json_or_jsonl, resolve_image
 
-    data = load_json_or_jsonl(path)
-    if not isinstance(data, dict):
+    Image names resolve under ``image_root`` (default: the file's folder) by the data layer's
+    path rule; ``check_images="verify"`` also opens each file's header (exists, is an image,
+    within ``image_limits``). Read as strictly as training data: a key written twice, an item
+    that is no object or lacks a text field, a lone surrogate, a bad image path: every
+    problem is listed with the item and the file is refused.
+
+    Raises:
+        BenchmarkDataError: listing the problems.
+    """
+    from mmtune.data.validation import ImageChecker, Problem
+    from mmtune.evaluation.benchmarks.common import read_records, refuse, resolve_image_path
+
+    records, problems = read_records(path)
+    if records and any(key is None for key, _ in records):
         raise ValueError(f"{path}: expected MM-Vet's dict keyed by question id (v1_0, v1_1, ...)")
     keep = _subset_ids(subset) if subset else None
     if keep is not None:
-        unknown = sorted(keep - set(data))
+        unknown = sorted(keep - {key for key, _ in records})
         if unknown:
             raise ValueError(f"{subset}: ids {unknown[:10]} are not in {path}; is it MM-Vet's bard_set.json?")
-    problems, items = [], []
-    for key, value in data.items():
+    checker = ImageChecker(check_images, image_limits)
+    items = []
+    for index, (key, value) in enumerate(records):
         if keep is not None and key not in keep:
             continue
-        missing = [k for k in ("question", "answer", "capability") if k not in value]
-        if missing:
-            problems.append(f"item {key}: missing {missing}")
+
+        def bad(detail: str, code: str = "malformed_record") -> None:
+            problems.append(Problem(code, key, index, None, detail))
+
+        if not isinstance(value, dict):
+            bad(f"item is a JSON {type(value).__name__}, not an object with question, answer and capability")
             continue
-        bad = [c for c in value["capability"] if c not in CAPABILITIES]
-        if bad:
-            problems.append(f"item {key}: unknown capability {bad}; known: {list(CAPABILITIES)}")
+        missing = [k for k in ("question", "answer", "capability") if k not in value]
+        wrong = [k for k in ("question", "answer") if k in value and not isinstance(value[k], str)]
+        capability = value.get("capability", [])
+        if missing or wrong or not (isinstance(capability, list) and all(isinstance(c, str) for c in capability)):
+            bad(f"missing {missing}" if missing else f"{wrong or ['capability']} must be text (capability: a list "
+                                                     "of names)")
+            continue
+        unknown_caps = [c for c in capability if c not in CAPABILITIES]
+        if unknown_caps:
+            bad(f"unknown capability {unknown_caps}; known: {list(CAPABILITIES)}")
         image = value.get("imagename")
+        if image is not None and not isinstance(image, str):
+            bad(f"imagename must be a file name, not a JSON {type(image).__name__}")
+            continue
         if image:
-            try:
-                image = resolve_image(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
-            except ValueError as err:
-                problems.append(f"item {key}: [path_outside_root] {err}")
-        items.append(MMVetItem(key, value["question"], value["answer"], tuple(value["capability"]), image))
-    if problems:
-        raise ValueError(f"{path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems))
+            resolved = resolve_image_path(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
+            if resolved.problem:
+                bad(resolved.detail, resolved.problem)
+                continue
+            image = resolved.path
+            found = checker.check(image)
+            if found is not None:
+                bad(found[1], found[0])
+        items.append(MMVetItem(key, value["question"], value["answer"], tuple(capability), image or None))
+    refuse(path, problems, "MM-Vet file (a JSON object keyed by question id)")
     return items[:limit] if limit is not None else items
 
 
@@ -262,7 +289,12 @@ def capability_integration(capability: Sequence[str]) -> str:
     return "_".join(c for c in CAPABILITIES if c in capability)
 
 
-_NUMBER = re.compile(r"^[\s\"'*]*(\d+(?:\.\d+)?|\.\d+)(?![\w.]*\d)")
+# Possessive quantifiers and a lookahead that scans the following word once: linear in the
+# reply whatever it holds. "0,5" (a decimal comma) and "0.5.1" are no number.
+_NUMBER = re.compile(r"^[\s\"'*]*+(\d++(?:\.\d++)?+|\.\d++)(?!,\d)(?=(?:[^\W\d]|\.)*+(?![\w.]))")
+MAX_REPLY_CHARS = 1024
+"""Characters of a reply :func:`parse_correctness` reads: the grade is its first token."""
+_NOT_A_GRADE = "the reply does not start with a number in [0, 1]"
 
 
 def parse_correctness(reply: Optional[str]) -> Optional[float]:
@@ -270,11 +302,12 @@ def parse_correctness(reply: Optional[str]) -> Optional[float]:
 
     Like the official grader this reads the first token; it additionally tolerates
     quotes, bold markers and a trailing period ("**0.5**."). Numbers are read whole:
-    ``0.5e1`` is rejected, not read as 0.5.
+    ``0.5e1`` is rejected, not read as 0.5, and ``0,5`` is not read as 0. Only the first
+    :data:`MAX_REPLY_CHARS` characters are read.
     """
-    if not reply:
+    if not reply or not isinstance(reply, str):
         return None
-    match = _NUMBER.match(reply)
+    match = _NUMBER.match(reply[:MAX_REPLY_CHARS])
     if not match:
         return None
     value = float(match.group(1))
@@ -293,6 +326,8 @@ class ItemScore:
     """The judge's last reply."""
     judge_error: Optional[dict[str, Any]] = None
     """``{"status", "message"}`` of a failed judge call (key redacted)."""
+    detail: str = ""
+    """Why an unparsed item's last reply gave no grade."""
 
 
 def _judge_run(items, predictions, judge, prompt: JudgePrompt, cfg: MMVetConfig, run: int, progress: bool) -> list[ItemScore]:
@@ -304,6 +339,7 @@ def _judge_run(items, predictions, judge, prompt: JudgePrompt, cfg: MMVetConfig,
         if item.id not in predictions:
             scores[item.id] = ItemScore(item.id, run, 0.0, 0, "missing")
     last: dict[str, Optional[str]] = {}
+    reasons: dict[str, str] = {}
     for attempt in range(cfg.max_tries):
         if not pending:
             break
@@ -325,14 +361,16 @@ def _judge_run(items, predictions, judge, prompt: JudgePrompt, cfg: MMVetConfig,
                 scores[item.id] = ItemScore(item.id, run, 0.0, attempt + 1, "failed", judge_error=reply.error_record())
                 continue
             last[item.id] = reply.content
-            value = parse_correctness(reply.content)
+            value = None if reply.unreadable else parse_correctness(reply.content)
             if value is None:
+                reasons[item.id] = reply.unreadable or _NOT_A_GRADE
                 still.append(item)
             else:
                 scores[item.id] = ItemScore(item.id, run, value, attempt + 1, "ok", reply.content)
         pending = still
     for item in pending:
-        scores[item.id] = ItemScore(item.id, run, 0.0, cfg.max_tries, "unparsed", last.get(item.id))
+        scores[item.id] = ItemScore(item.id, run, 0.0, cfg.max_tries, "unparsed", last.get(item.id),
+                                    detail=reasons.get(item.id, ""))
     return [scores[item.id] for item in items]
 
 
@@ -400,6 +438,7 @@ def score_mmvet(
     judge_model = cfg.judge_model or getattr(judge, "model", None)
     comparable, notes = comparability(prompt, judge_model, cfg.runs)
     meta = {
+        "unparsed_reasons": dict(Counter(s.detail for s in flat if s.status == "unparsed").most_common()),
         "run_totals": [t["total"] for t in cap_runs],
         "capability_runs": [{k: v for k, v in t.items() if k != "valid_total"} for t in cap_runs],
         "integration_runs": list(int_runs),
@@ -523,9 +562,13 @@ class MMVetBenchmark(Benchmark):
                 problems.append(f"eval.mmvet.{key}={value!r}: file not found")
         return problems
 
+    def image_checks(self, sub: Any, ctx: RunContext) -> str:
+        return "none" if sub.predictions else "verify"  # the MM-Vet judge is text-only: only generation decodes
+
     def load(self, sub: Any, ctx: RunContext) -> list[MMVetItem]:
         return load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit, subset=sub.bard_subset,
-                          allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+                          allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths,
+                          check_images=self.image_checks(sub, ctx), image_limits=ctx.image_limits)
 
     def dialogues(self, items, sub):
         from mmtune.data.dialogue import Dialogue, Image, Turn
@@ -560,11 +603,12 @@ class MMVetBenchmark(Benchmark):
 
     viewer_scale = "x100 (mean over judge runs)"
 
-    def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
+    def viewer_entries(self, sub: Any, out: Path, *, allow_absolute_image_paths: bool = False) -> Optional[list[Any]]:
         """One entry per item: its answer and the score of every judge run."""
         from mmtune.evaluation.reporting.viewer import ViewerEntry, finite_mean, read_jsonl
 
-        items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit)
+        items = load_items(sub.data_path, image_root=sub.image_root, limit=sub.limit,
+                           allow_absolute_image_paths=allow_absolute_image_paths)
         runs: dict[str, list[dict[str, Any]]] = {}
         for row in read_jsonl(out / "details" / "mmvet.jsonl"):
             runs.setdefault(row["id"], []).append(row)

@@ -583,20 +583,33 @@ class DialogueGenerator:
         else the answers depend on (``{"checkpoint": ..., "data": ...}``) and
         ``{"about": {...}}`` describes the run for messages; both go to the settings file.
 
+        The folder of ``out_path`` is locked for the call (:func:`mmtune.io.locks.lock_directory`):
+        a second process answering into it is refused instead of appending to the same file.
+
         Raises:
-            StaleGenerationsError: ``out_path`` holds answers of another run.
+            StaleGenerationsError: ``out_path`` holds answers of another run, or was started by one.
+            DirectoryLockedError: another process is generating into the same folder.
 
         Returns:
             All records of ``dialogues`` (old and new), in dialogue and turn order.
         """
+        if out_path is None:
+            return self._generate(dialogues, None, progress, run_key)
+        from mmtune.io.locks import lock_directory
+
+        out_path = Path(out_path)
+        with lock_directory(out_path.parent, purpose="generation",
+                            hint="give this evaluation another output folder (each checkpoint gets its own by default)"):
+            return self._generate(dialogues, out_path, progress, run_key)
+
+    def _generate(self, dialogues: Sequence[Dialogue], out_path: Optional[Path], progress: bool,
+                  run_key: Optional[dict[str, Any]]) -> list[TurnRecord]:
         import torch
         from tqdm.auto import tqdm
 
         done: dict[tuple[str, int], dict[str, Any]] = {}
         handle = None
         if out_path is not None:
-            out_path = Path(out_path)
-            out_path.parent.mkdir(parents=True, exist_ok=True)
             self._check_settings(out_path, run_key)
             _drop_torn_line(out_path)
             done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
@@ -688,21 +701,26 @@ class DialogueGenerator:
     def _check_settings(self, out_path: Path, run_key: Optional[dict[str, Any]] = None) -> None:
         # Resuming another model's, data file's or decoding's answers would mix two
         # evaluations in one file and report them under the new name.
+        # An empty file is checked too: the run that started it may be writing its first answer.
+        from mmtune.io.secrets import redact
+
         meta = out_path.with_suffix(".settings.json")
-        settings = self._settings(run_key)
-        if meta.exists() and out_path.exists() and out_path.stat().st_size > 0:
+        settings = json.loads(json.dumps(redact(self._settings(run_key)), default=str))  # as stored
+        if meta.exists() and out_path.exists():
             old = json.loads(meta.read_text())
             diff = {k: (old.get(k), v) for k, v in settings.items() if k != "about" and old.get(k) != v}
             if diff:
                 about = old.get("about") or {}
                 who = ", ".join(f"{k} {v!r}" for k, v in about.items()) or "no run recorded"
+                held = "holds answers generated" if out_path.stat().st_size else "was started (no answer yet)"
                 raise StaleGenerationsError(
                     out_path,
-                    f"{out_path} holds answers generated with other settings by another run ({who}); they "
+                    f"{out_path} {held} with other settings by another run ({who}); they "
                     f"differ in {sorted(diff)}: "
                     f"{diff} (old, new). Not mixing them: use another output folder (each checkpoint gets its own "
                     f"by default) or delete {out_path.name} and {meta.name} to start over",
                 )
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         meta.write_text(json.dumps(settings, indent=2, default=str))
 
 

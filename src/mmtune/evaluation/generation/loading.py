@@ -38,6 +38,10 @@ _CODE_CONFIGS = ("config.json", "tokenizer_config.json", "processor_config.json"
                  "image_processor_config.json", "adapter_config.json")
 
 
+#: ModelConfig fields a saved run never sets for the caller
+_CALLERS_OWN = ("trust_remote_code", "image_limits")
+
+
 class RemoteCodeRefused(RuntimeError):
     """A checkpoint asks to run its own code and the user has not allowed remote code."""
 
@@ -63,13 +67,12 @@ def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig
         return dataclasses.replace(fallback)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = ((metadata.get("config") or {}).get("model") or {}) if isinstance(metadata.get("config"), dict) else {}
-    # The user's trust_remote_code always wins: a checkpoint never turns remote code on.
-    values = {k: v for k, v in saved.items() if k in fields and k != "trust_remote_code"}
+    # The user's safety settings always win: a checkpoint never turns remote code on, nor
+    # raises the image size limits of the machine that evaluates it.
+    values = {k: v for k, v in saved.items() if k in fields and k not in _CALLERS_OWN}
     if metadata.get("family"):
         values["family"] = metadata["family"]
-    merged = dataclasses.asdict(fallback)
-    merged.update(values)
-    return ModelConfig(**merged)
+    return dataclasses.replace(fallback, **values)
 
 
 def _remote_code_requests(directory: Path, metadata: Optional[dict[str, Any]]) -> list[str]:

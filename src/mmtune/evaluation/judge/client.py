@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from mmtune.evaluation.judge.config import JudgeConfig
+from mmtune.evaluation.judge.deadline import deadline
 
 __all__ = [
     "JudgeRequest",
@@ -53,6 +54,7 @@ __all__ = [
     "JudgeFailures",
     "likely_cause",
     "check_failures",
+    "check_unparsed",
     "resolve_endpoint",
 ]
 
@@ -96,15 +98,24 @@ def likely_cause(status: Optional[int], message: str, *, key_source: str = "the 
 
 def resolve_endpoint(config: JudgeConfig, env: Any) -> tuple[str, Optional[str], str, str]:
     """(api key, base URL, key source, url source): mmtune's variables first, then the
-    openai SDK's ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``. Sources are variable names only."""
-    key, key_source = env.get(config.api_key_env), f"${config.api_key_env}"
-    if not key and env.get("OPENAI_API_KEY"):
-        key, key_source = env.get("OPENAI_API_KEY"), "$OPENAI_API_KEY"
+    openai SDK's ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``. Sources are variable names only.
+
+    Surrounding whitespace is stripped from both (a pasted key often ends in ``\\r``).
+
+    Raises:
+        SecretError: the key holds whitespace inside it (the message names the variable only).
+    """
+    from mmtune.io.secrets import clean_secret
+
+    key, key_source, key_var = env.get(config.api_key_env), f"${config.api_key_env}", config.api_key_env
+    if not (key or "").strip() and (env.get("OPENAI_API_KEY") or "").strip():
+        key, key_source, key_var = env.get("OPENAI_API_KEY"), "$OPENAI_API_KEY", "OPENAI_API_KEY"
+    key = clean_secret(key, key_var) if key else ""
     if not key:
         key, key_source = "EMPTY", f"none (${config.api_key_env} and $OPENAI_API_KEY unset; local servers accept any key)"
-    url, url_source = env.get(config.base_url_env), f"${config.base_url_env}"
-    if not url and env.get("OPENAI_BASE_URL"):
-        url, url_source = env.get("OPENAI_BASE_URL"), "$OPENAI_BASE_URL"
+    url, url_source = (env.get(config.base_url_env) or "").strip(), f"${config.base_url_env}"
+    if not url and (env.get("OPENAI_BASE_URL") or "").strip():
+        url, url_source = env.get("OPENAI_BASE_URL").strip(), "$OPENAI_BASE_URL"
     if not url:
         url, url_source = None, f"the openai default (${config.base_url_env} and $OPENAI_BASE_URL unset)"
     return key, url, key_source, url_source
@@ -136,6 +147,9 @@ class JudgeResponse:
     """HTTP status of the failure, when the endpoint answered."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    unreadable: Optional[str] = None
+    """Why the reply has no text to parse (its content was an object, a number or null); then
+    ``content`` is ``""`` and the benchmark counts the reply as unparsed with this reason."""
 
     def error_record(self) -> Optional[dict[str, Any]]:
         """``{"status", "message"}`` for the details file, or None when the call succeeded."""
@@ -158,6 +172,8 @@ class JudgeStats:
     failed: int = 0
     """Items given up on after all retries, or rejected with a non-retryable error."""
     cache_hits: int = 0
+    unreadable: int = 0
+    """Replies whose content was not text (an object, a number, null): unparsed, never cached."""
     requests: int = 0
     """Items asked for (served from cache, completed or failed)."""
     prompt_tokens: int = 0
@@ -192,17 +208,27 @@ def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _image_upload(path: str) -> tuple[str, bytes]:
+def _image_upload(path: str, limits: Any = None) -> tuple[str, bytes]:
     """``(mime type, bytes)`` of an image file to attach to a judge call.
 
     The file must decode as an image header (PIL) whatever its name says: only image
-    files ever leave the machine, never a file an image path happens to point at.
+    files ever leave the machine, never a file an image path happens to point at. Its
+    header's size must be within ``limits`` (``model.image_limits``): a judge server
+    decodes what it is sent.
+
+    Raises:
+        ValueError: not an image file, or one above the limits (:class:`ImageTooLargeError`).
     """
     from PIL import Image as PILImage
 
+    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+
     try:
+        (limits or ImageLimits()).check_file(path)
         with PILImage.open(path) as image:
             kind = image.format
+    except ImageTooLargeError as err:
+        raise ImageTooLargeError(err.path, err.size, f"{err.reason}; judge.send_images sends no such image") from None
     except Exception as err:  # PIL raises many types for files that are not images
         raise ValueError(
             f"judge.send_images: {path} is not an image file ({type(err).__name__}: {err}); only image files are "
@@ -309,6 +335,7 @@ class JudgeClient:
             config path = no cache.
         env: environment mapping to read (defaults to ``os.environ``; tests pass a dict).
         sleep, rng: injected for tests (backoff waits and jitter).
+        image_limits: largest images attached to a call (``model.image_limits``; default: the defaults).
 
     Raises:
         JudgeError: when no judge model name is configured.
@@ -322,8 +349,12 @@ class JudgeClient:
         env: Optional[dict[str, str]] = None,
         sleep: Callable[[float], None] = time.sleep,
         rng: Optional[random.Random] = None,
+        image_limits: Any = None,
     ):
         import openai
+
+        from mmtune.evaluation.judge.deadline import install_deadline
+        from mmtune.io.secrets import Redactor, environment_secrets
 
         env = os.environ if env is None else env
         self.config = config
@@ -334,9 +365,16 @@ class JudgeClient:
             )
         api_key, base_url, self.key_source, self.url_source = resolve_endpoint(config, env)
         self.base_url = base_url
-        self._secret = api_key if api_key != "EMPTY" else None
+        # The key in every spelling a message may carry it in (repr, JSON, URL-encoded, cut
+        # short), and every other secret of the environment, e.g. echoed by a proxy's error page.
+        self._redactor = Redactor([api_key] if api_key != "EMPTY" else [], min_chars=1)
+        self._redactor.add(environment_secrets(env, [config.api_key_env]))
+        # timeout_s bounds the whole call (connect to last byte), not each read: see judge/deadline.py
+        http_client = openai.DefaultHttpxClient()
+        install_deadline(http_client)
         # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=config.timeout_s, max_retries=0)
+        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=config.timeout_s, max_retries=0,
+                                     http_client=http_client)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
         self.stats = JudgeStats()
@@ -344,6 +382,7 @@ class JudgeClient:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._digests: dict[str, str] = {}
+        self._image_limits = image_limits
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         # longest a live caller can hold a claim: every attempt times out and every backoff is maximal
         self._stale_after = (config.max_retries + 1) * config.timeout_s + config.max_retries * config.backoff_max_s + 60
@@ -381,7 +420,7 @@ class JudgeClient:
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
             for path in request.images:
-                mime, raw = _image_upload(path)
+                mime, raw = _image_upload(path, self._image_limits)
                 data = base64.b64encode(raw).decode("ascii")
                 content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}})
             messages.append({"role": "user", "content": content})
@@ -390,7 +429,7 @@ class JudgeClient:
         return messages
 
     def _redact(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
+        return self._redactor.text(text)
 
     # ----------------------------------------------------------------- one call
     def _price(self, model: str) -> tuple[float, float]:
@@ -408,19 +447,21 @@ class JudgeClient:
 
         with self._lock:
             self.stats.calls += 1
+        messages = self._messages(request)
         try:
-            completion = self._client.chat.completions.create(
-                model=request.model or self.model,
-                messages=self._messages(request),
-                temperature=request.temperature,
-                max_tokens=request.max_tokens or self.config.max_tokens,
-            )
+            with deadline(self.config.timeout_s):
+                completion = self._client.chat.completions.create(
+                    model=request.model or self.model,
+                    messages=messages,
+                    temperature=request.temperature,
+                    max_tokens=request.max_tokens or self.config.max_tokens,
+                )
         except openai.RateLimitError as err:
             raise _Retryable("HTTP 429 rate limited", _retry_after(err)) from None
         except openai.InternalServerError as err:
             raise _Retryable(f"HTTP {err.status_code} server error") from None
         except openai.APITimeoutError:
-            raise _Retryable(f"timeout after {self.config.timeout_s}s") from None
+            raise _Retryable(f"timeout: no complete reply within {self.config.timeout_s}s") from None
         except openai.APIConnectionError as err:
             raise _Retryable(f"connection error: {_root_cause(err)}") from None
         except (openai.APIResponseValidationError, json.JSONDecodeError) as err:
@@ -434,13 +475,14 @@ class JudgeClient:
             ) from None
         # A 200 with a body that is not a chat completion (proxies, broken servers) is retried.
         choices = getattr(completion, "choices", None)
-        if not choices or getattr(choices[0], "message", None) is None or choices[0].message.content is None:
-            raise _Retryable("malformed reply: no choices[0].message.content")
+        message = getattr(choices[0], "message", None) if isinstance(choices, list) and choices else None
+        if message is None:
+            raise _Retryable("malformed reply: no choices[0].message")
         usage = getattr(completion, "usage", None)
         return (
-            choices[0].message.content,
-            int(getattr(usage, "prompt_tokens", 0) or 0),
-            int(getattr(usage, "completion_tokens", 0) or 0),
+            getattr(message, "content", None),
+            _count(getattr(usage, "prompt_tokens", 0)),
+            _count(getattr(usage, "completion_tokens", 0)),
         )
 
     def _fail(self, message: str, status: Optional[int]) -> JudgeResponse:
@@ -456,7 +498,8 @@ class JudgeClient:
     def _hit(self, hit: tuple[str, int, int]) -> JudgeResponse:
         with self._lock:
             self.stats.cache_hits += 1
-        return JudgeResponse(hit[0], cached=True, prompt_tokens=hit[1], completion_tokens=hit[2])
+        # redacted again: a cache written before the key was known to the redactor may hold it
+        return JudgeResponse(self._redact(hit[0]), cached=True, prompt_tokens=hit[1], completion_tokens=hit[2])
 
     def judge(self, request: JudgeRequest) -> JudgeResponse:
         """Answer ``request`` from the cache or the endpoint; never raises for transient errors."""
@@ -482,7 +525,7 @@ class JudgeClient:
             response = self._send(request, key)
             return response
         finally:
-            if self.cache is not None and (response is None or not response.ok):
+            if self.cache is not None and (response is None or not response.ok or response.unreadable):
                 self.cache.release(key, self._owner)  # a stored reply already dropped the claim
 
     def _send(self, request: JudgeRequest, key: str) -> JudgeResponse:
@@ -512,14 +555,22 @@ class JudgeClient:
                 continue
             except JudgeError as err:
                 return self._fail(str(err), err.status)
-            if self.cache is not None:
-                self.cache.put(key, request.model or self.model, content, p_tok, c_tok)
             p_in, p_out = self._price(request.model or self.model)
+            unreadable = _unreadable(content)
             with self._lock:
                 self.stats.completed += 1
+                self.stats.unreadable += unreadable is not None
                 self.stats.prompt_tokens += p_tok
                 self.stats.completion_tokens += c_tok
                 self.stats.cost_usd += (p_tok * p_in + c_tok * p_out) / 1e6
+            if unreadable is not None:  # paid for, but nothing to store or parse
+                log.warning("judge reply without text: %s", unreadable)
+                return JudgeResponse("", prompt_tokens=p_tok, completion_tokens=c_tok, unreadable=unreadable)
+            # A judge may echo the key (a prompt-injected answer, a proxy's error page): it is
+            # hidden before the reply is stored anywhere, the cache included.
+            content = self._redact(_storable(content))
+            if self.cache is not None:
+                self.cache.put(key, request.model or self.model, content, p_tok, c_tok)
             return JudgeResponse(content, prompt_tokens=p_tok, completion_tokens=c_tok)
         match = re.search(r"HTTP (\d{3})", last)
         status = int(match.group(1)) if match else None
@@ -549,6 +600,38 @@ class JudgeClient:
         self._client.close()
         if self.cache is not None:
             self.cache.close()
+
+
+def _count(value: Any) -> int:
+    """A token count from a reply's ``usage``; anything that is not a count is 0."""
+    try:
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def _unreadable(content: Any) -> Optional[str]:
+    """Why a reply's ``message.content`` is no text to parse, or None when it is a string."""
+    if isinstance(content, str):
+        return None
+    if content is None:
+        return "the reply's message content is null (no text: a refusal or a tool call?)"
+    shown = json.dumps(content, default=str)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"the reply's message content is a JSON {_JSON_TYPES.get(type(content), type(content).__name__)} ({shown}), not text"
+
+
+_JSON_TYPES = {dict: "object", list: "array", int: "number", float: "number", bool: "boolean"}
+
+
+def _storable(text: str) -> str:
+    """``text`` as UTF-8 can store it: an escape such as ``\\ud800`` (half of a surrogate pair)
+    decodes to no character, and SQLite refuses it; it is kept spelled out."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _retry_after(err: Any) -> Optional[float]:
@@ -582,4 +665,28 @@ def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) ->
         f"scores are not a measure of the model.\n{stats.summary()}\n"
         "Results and per-item errors are written; fix the cause and re-run: completed judge replies "
         "come from the cache. Raise eval.judge.max_failed_share to accept some failures."
+    )
+
+
+def check_unparsed(result: Any, config: JudgeConfig) -> None:
+    """Raise :class:`JudgeFailures` when more than ``config.max_unparsed_share`` of a judged
+    benchmark's replies could not be read as scores.
+
+    ``result`` is the benchmark's :class:`~mmtune.evaluation.results.BenchmarkResult`; a judged
+    benchmark counts its items scored from a reply (``counts["valid"]``) and those whose reply
+    gave no score (``counts["unparsed"]``), and may list why in ``meta["unparsed_reasons"]``
+    (reason -> count). Called after the results and details are written, like :func:`check_failures`.
+    """
+    unparsed = int(result.counts.get("unparsed", 0) or 0)
+    replied = unparsed + int(result.counts.get("valid", 0) or 0)
+    if not unparsed or unparsed / replied <= config.max_unparsed_share:
+        return
+    reasons = result.meta.get("unparsed_reasons") or {}
+    shown = "".join(f"\n  - {n} x {reason}" for reason, n in list(reasons.items())[:5])
+    raise JudgeFailures(
+        f"{result.benchmark}: {unparsed} of {replied} judge replies gave no usable score "
+        f"(allowed: {100 * config.max_unparsed_share:g}%); those items are scored 0, so these scores are not a "
+        f"measure of the model.{' Why:' + shown if shown else ''}\n"
+        "Results and per-item replies are written (details/): check the judge model and prompt suit the benchmark's "
+        "score format, or raise eval.judge.max_unparsed_share (--max-unparsed-share) to accept some."
     )

@@ -28,13 +28,22 @@ class JudgeConfig:
     """Largest share of judge calls allowed to fail (after retries) before the evaluation
     exits with an error. 0.0 = any failed call is an error: a judge that fails must never
     look like a model that scored zero. Results and details are written first either way."""
+    max_unparsed_share: float = 0.05
+    """Largest share of judge replies allowed to be unreadable as scores (no complete score
+    set, a value out of range, content that is not text) before the evaluation exits with an
+    error; a benchmark that retries unparsed replies (MM-Vet) counts an item once, after its
+    last try. Unparsed items score 0, so past a few of them the figure measures the judge
+    prompt or parser, not the model. Results and details are written first either way."""
     stop_after_failures: int = 20
     """Stop sending once this many calls failed and none succeeded (bad key, wrong URL,
     server down): the remaining items fail at once instead of paying retries each."""
     concurrency: int = 8
     """Judge calls in flight at once. Raise it for a local vLLM server; lower it on 429s."""
     timeout_s: float = 120.0
-    """Per-request timeout; a timeout is retried."""
+    """Wall-clock limit of one attempt, in seconds: connecting, sending the request and
+    receiving the whole reply must be done within it (a server that trickles its reply a byte
+    at a time is cut off too, not only one that goes silent). A timed-out attempt is retried;
+    the longest one item can take is about ``(max_retries + 1) * timeout_s`` plus the backoffs."""
     max_retries: int = 6
     """Retries on 429 / 5xx / timeouts / malformed replies before the item counts as failed."""
     backoff_base_s: float = 1.0

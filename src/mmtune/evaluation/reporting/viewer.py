@@ -19,6 +19,10 @@ Images are embedded as JPEG thumbnails of at most :data:`THUMBNAIL_PX` pixels a 
 to :data:`EMBED_BUDGET_BYTES` in total; past that budget (or with ``embed_images=False``)
 the page refers to the image files by a path relative to the output folder, which works
 as long as the images stay where they were. ``report.md`` gets a link to the page.
+
+The page is written after the scores, so nothing about one image may fail it: an image
+above ``model.image_limits`` (checked from its header, never decoded), a decompression
+bomb or a file PIL cannot decode is shown as a placeholder with its reason.
 """
 
 from __future__ import annotations
@@ -92,11 +96,16 @@ def finite_mean(values: list[Optional[float]]) -> Optional[float]:
 
 
 class _Images:
-    """Image keys -> data: URIs of thumbnails, or paths relative to the output folder."""
+    """Image keys -> data: URIs of thumbnails, or paths relative to the output folder; and
+    why an image has neither (``problems``)."""
 
-    def __init__(self, out: Path, *, embed: bool, budget: int):
+    def __init__(self, out: Path, *, embed: bool, budget: int, limits: Any = None):
+        from mmtune.data.image_limits import ImageLimits
+
         self.out, self.embed, self.budget = out, embed, budget
+        self.limits = limits or ImageLimits()
         self.sources: dict[str, str] = {}
+        self.problems: dict[str, str] = {}
         self.embedded = 0
         self.linked = 0
         self.missing = 0
@@ -105,16 +114,29 @@ class _Images:
         if path in self.sources:
             return path
         source = ""
-        if self.embed and self.budget > 0:
-            source = self._thumbnail(path)
-        if not source:
-            if os.path.exists(path):
+        if not os.path.exists(path):
+            self.missing += 1
+        elif not self._refused(path):  # a refused image is neither embedded nor linked (a browser decodes it whole)
+            if self.embed and self.budget > 0:
+                source = self._thumbnail(path)
+            if not source and path not in self.problems:
                 source = Path(os.path.relpath(os.path.abspath(path), self.out.resolve())).as_posix()
                 self.linked += 1
-            else:
-                self.missing += 1
         self.sources[path] = source
         return path
+
+    def _refused(self, path: str) -> bool:
+        """Whether the header of ``path`` states a size above the limits (the reason goes to ``problems``)."""
+        from mmtune.data.image_limits import ImageTooLargeError
+
+        try:
+            self.limits.check_file(path)
+        except ImageTooLargeError as err:
+            self.problems[path] = f"not shown: {err.reason}"
+            return True
+        except Exception:  # not an image PIL can open: the thumbnail says why
+            return False
+        return False
 
     def _thumbnail(self, path: str) -> str:
         try:
@@ -125,7 +147,8 @@ class _Images:
                 img.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
                 buffer = io.BytesIO()
                 img.save(buffer, format="JPEG", quality=80)
-        except (OSError, ValueError) as err:
+        except Exception as err:  # PIL raises many types (truncated files, SyntaxError ...): none may fail the page
+            self.problems[path] = f"not shown: {type(err).__name__}: {err}"
             log.debug("viewer: no thumbnail for %s (%s)", path, err)
             return ""
         data = buffer.getvalue()
@@ -153,6 +176,7 @@ def write_viewer(
     title: str = "Evaluation answers",
     embed_images: bool = True,
     embed_budget_bytes: int = EMBED_BUDGET_BYTES,
+    image_limits: Any = None,
 ) -> Optional[Path]:
     """Write ``output_dir/viewer.html`` with one tab per benchmark of ``sections``.
 
@@ -163,6 +187,8 @@ def write_viewer(
         title: the page title.
         embed_images: embed JPEG thumbnails (<= :data:`THUMBNAIL_PX` px a side) until
             ``embed_budget_bytes`` is spent; otherwise link the image files relatively.
+        image_limits: largest images a thumbnail is made of (``model.image_limits``;
+            default: the defaults); a larger one is a placeholder with the reason.
 
     Returns:
         The page's path, or ``None`` when ``sections`` is empty.
@@ -170,7 +196,7 @@ def write_viewer(
     out = Path(output_dir)
     if not sections:
         return None
-    images = _Images(out, embed=embed_images, budget=embed_budget_bytes)
+    images = _Images(out, embed=embed_images, budget=embed_budget_bytes, limits=image_limits)
     benchmarks = []
     for name, section in sections.items():
         rows = section.entries
@@ -191,10 +217,12 @@ def write_viewer(
         "title": title,
         "benchmarks": benchmarks,
         "images": images.sources,
+        "image_problems": images.problems,
         "plots": plots,
         "report": "report.md" if (out / "report.md").is_file() else None,
         "note": (f"{images.embedded} image(s) embedded as thumbnails of at most {THUMBNAIL_PX} px a side; "
-                 f"{images.linked} linked by relative path; {images.missing} not found."),
+                 f"{images.linked} linked by relative path; {images.missing} not found"
+                 + (f"; {len(images.problems)} not shown (see each one's reason)." if images.problems else ".")),
     }
     path = out / "viewer.html"
     tmp = path.with_suffix(".html.tmp")
@@ -385,7 +413,8 @@ function renderList() {
 function image(key, index) {
   const src = DATA.images[key];
   const name = key.split("/").pop();
-  if (!src) return el("figure", { title: key }, el("div", { class: "chip" }, "image not found"), name);
+  const problem = (DATA.image_problems || {})[key];
+  if (!src) return el("figure", { title: problem || key }, el("div", { class: "chip" }, problem || "image not found"), name);
   return el("figure", { title: key }, el("img", { src: src, alt: name, loading: "lazy" }), `#${index} ${name}`);
 }
 function renderDetail() {

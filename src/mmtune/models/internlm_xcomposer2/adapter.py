@@ -322,7 +322,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
 
         if not images:
             return torch.zeros(0, 3, self.image_size, self.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.image_transform.from_pil(image) for image in images])))
+        return self.normalize_uint8(torch.from_numpy(np.stack([self.image_transform.from_pil(image, self.image_limits) for image in images])))
 
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> nn.Module:

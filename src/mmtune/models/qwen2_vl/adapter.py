@@ -136,7 +136,7 @@ class Qwen2VLAdapter(PieceAdapter):
                 )
         self.model_type = model_type
         self.chat_template = template
-        self.images = QwenVLImages(image_processor, self.model_config.vision_config, where)
+        self.images = QwenVLImages(image_processor, self.model_config.vision_config, where, config.image_limits)
         self.image_processor = image_processor
         self.renderer = renderer_for_template(template, self.tokenizer, where)
         self.image_token_id = int(self.model_config.image_token_id)

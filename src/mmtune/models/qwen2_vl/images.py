@@ -16,13 +16,17 @@ and merged ``merge_size x merge_size`` into ``H' W' / (patch * merge)^2`` image 
   decoded files bit for bit (a test checks it).
 
 ``smart_resize`` refuses aspect ratios above 200; such images raise
-:class:`UnsupportedImageError` naming the file, the dialogue and the turn.
+:class:`UnsupportedImageError` naming the file, the dialogue and the turn. Before that,
+and before any decode, an image is checked against ``model.image_limits``
+(:class:`~mmtune.data.image_limits.ImageLimits`) from its header: ``smart_resize`` bounds
+the resized image, but the decoded source is as large as the file says.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
 from mmtune.data.images import CorruptImageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,13 +76,14 @@ class QwenVLImages:
             name, PIL backend: no torchvision needed).
         vision_config: the model's vision config; its patching must match the processor's.
         where: the checkpoint, for error messages.
+        limits: largest images decoded (``model.image_limits``).
 
     Raises:
         ValueError: the processor is of another kind, does not resize, or patches differently
             from the vision tower (both numbers named).
     """
 
-    def __init__(self, image_processor: Any, vision_config: Any, where: str):
+    def __init__(self, image_processor: Any, vision_config: Any, where: str, limits: ImageLimits | None = None):
         from transformers.image_utils import SizeDict
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -111,6 +116,7 @@ class QwenVLImages:
         self.min_pixels = int(size.shortest_edge)
         self.max_pixels = int(size.longest_edge)
         self.patch_dim = 3 * int(p.temporal_patch_size) * self.patch_size**2
+        self.limits = limits or ImageLimits()
         self._grids: dict[str, tuple[int, int, int]] = {}
 
     # -- counting ----------------------------------------------------------------------------
@@ -141,6 +147,10 @@ class QwenVLImages:
             grid = self.grid_for_size(width, height)
         except ValueError as err:  # smart_resize refuses aspect ratios above 200
             raise UnsupportedImageError(path, dialogue_id, turn, f"it is {width} x {height} px and {err}") from err
+        try:  # counting is arithmetic; the limits are for the decode that follows
+            self.limits.check(path, width, height)
+        except ImageTooLargeError as err:
+            raise CorruptImageError(path, dialogue_id, turn, err) from err
         if len(self._grids) < 1 << 20:  # bounded: one entry per distinct file
             self._grids[path] = grid
         return grid
@@ -160,6 +170,7 @@ class QwenVLImages:
         import numpy as np
         from transformers.image_utils import load_image
 
+        self.limits.check_file(path)  # from the header: nothing is decoded for a refused image
         p = self.processor
         image = p.process_image(load_image(path), do_convert_rgb=p.do_convert_rgb)
         resized = p.resize(image, size=self.size, resample=p.resample, factor=self.factor)

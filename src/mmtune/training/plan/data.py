@@ -40,13 +40,14 @@ class DataPlan:
 
 
 def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Optional[int] = None,
-              allow_skipped: bool = False) -> DataPlan:
+              allow_skipped: bool = False, image_limits: Any = None) -> DataPlan:
     """Load every source through the data layer (validated, cached) and size one epoch.
 
     Tokens come from the data layer's estimate (characters / 4 + tokens per image),
     capped at ``max_length`` per sample (the collator drops whole trailing turns past
     it); records per source and epoch come from the data layer's
     :func:`~mmtune.data.mixture.mixture_counts`, as the training sampler draws them.
+    ``image_limits``: the model's ``model.image_limits``, as training checks them.
     """
     import numpy as np
 
@@ -59,13 +60,14 @@ def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Opt
     for s in data_cfg.mixture.sources:
         try:
             loaded.append(load_source(s, mode=v.mode, cache_dir=data_cfg.cache_dir, check_images=v.check_images,
-                                      max_examples=v.max_examples))
+                                      max_examples=v.max_examples, image_limits=image_limits))
         except (FileNotFoundError, DataValidationError) as err:
             problems.append(f"data source {s.name!r}: {err}")
     if problems:
         raise PlanError("\n".join(problems))
     for sd in loaded:
-        bad_images = {k: n for k, n in sd.report.skipped.items() if k in ("missing_image", "corrupt_image")}
+        bad_images = {k: n for k, n in sd.report.skipped.items()
+                      if k in ("missing_image", "corrupt_image", "image_too_large")}
         if bad_images and not allow_skipped:
             problems.append(
                 f"data source {sd.name!r}: {sum(bad_images.values())} record(s) would be skipped for "

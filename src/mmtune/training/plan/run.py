@@ -163,7 +163,8 @@ def plan_run(
     if not skip_data:
         try:
             tpi = params.image_tokens if params and params.image_tokens else None
-            data = plan_data(cfg.data, tpi, max_length=window, allow_skipped=allow_skipped)
+            data = plan_data(cfg.data, tpi, max_length=window, allow_skipped=allow_skipped,
+                             image_limits=cfg.model.image_limits)
         except PlanError as err:
             problems.append(str(err))
     try:
