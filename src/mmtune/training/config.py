@@ -50,6 +50,7 @@ __all__ = [
 MIXED_PRECISION = ("no", "bf16", "fp16")
 PEFT_METHODS = ("none", "lora", "qlora")
 LOSS_IMPLS = ("auto", "chunked", "fused", "materialized")  # mmtune.training.loss (imports torch)
+PACKED_ATTENTION_MODES = ("auto", "per_sample", "off")  # mmtune.training.packed_attention (imports torch)
 SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial")
 
 
@@ -148,6 +149,12 @@ class TrainingConfig:
     loss_chunk_size: int = 1024
     """Loss rows per chunk of the ``chunked`` loss: larger is faster, smaller holds fewer
     logits (``rows x vocab`` fp32 per chunk; 1024 x 92,544 = 380 MB)."""
+    packed_attention: str = "auto"
+    """Attention over packed rows (``collator.batching=packing``). ``auto``: with
+    ``model.attn_implementation`` sdpa or eager, each packed sample attends alone (its own
+    kernel call: no ``L x L`` block mask, the cost of the samples); flash_attention_2 keeps
+    its varlen kernel. ``per_sample``: the same, failing at start-up where it cannot work.
+    ``off``: transformers' block-diagonal mask (every row pays ``L²`` scores)."""
     ddp_find_unused_parameters: Optional[bool] = None
     """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
     the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
@@ -292,6 +299,13 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+    from mmtune.training.packed_attention import resolve_attention
+
+    try:
+        resolve_attention(t.packed_attention, batching=cfg.collator.batching,
+                          attn_implementation=cfg.model.attn_implementation)
+    except ValueError as err:
+        problems.append(str(err))
     if t.lr <= 0:
         problems.append(f"training.lr={t.lr} must be > 0")
     for name in ("vision", "projector", "language_model"):
