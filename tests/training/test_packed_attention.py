@@ -397,3 +397,49 @@ def test_the_loop_falls_back_on_auto_and_fails_on_per_sample_for_a_model_that_ca
     recipe.cleanup()
     with pytest.raises(ValueError, match="per_sample cannot work with this model: LlamaModel does not call"):
         _recipe(tmp_path, synthetic_dir, tiny_overrides, "forced", "training.packed_attention=per_sample")
+
+
+def test_plan_prints_what_the_attention_runs():
+    from mmtune.training.plan import plan_run
+
+    packed = plan_run(["experiment=demo", "collator.batching=packing"], num_gpus=1, skip_data=True)
+    assert "  attention   sdpa per sample over packed rows" in packed.render()
+    off = plan_run(["experiment=demo", "collator.batching=packing", "training.packed_attention=off"], num_gpus=1,
+                   skip_data=True)
+    assert "block-diagonal [B, 1, L, L] mask" in off.attention and "training.packed_attention=off" in off.attention
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_trains_per_sample_with_the_block_mask_losses(tmp_path, synthetic_dir, tiny_overrides):
+    """One CPU process under ZeRO-3 (partitioned weights, DeepSpeed's engine around the model)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    runs = {}
+    for mode in ("per_sample", "off"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / mode
+        overrides = tiny_overrides(out, synthetic_dir, "collator.batching=packing", "collator.batch_size=1",
+                                   "collator.max_length=768", "training.max_steps=3", f"training.packed_attention={mode}",
+                                   f"training.deepspeed_config={repo}/launch/deepspeed/zero3.json")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
+               "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("dist_worker.py")),
+                               str(tmp_path / f"{mode}.json"), *overrides], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[mode] = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout)
+    assert "attention: sdpa per sample over packed rows" in runs["per_sample"][1]
+    assert "attention: sdpa with transformers' block-diagonal" in runs["off"][1]
+    assert [m["step"] for m in runs["per_sample"][0]] == [1, 2, 3]
+    for a, b in zip(runs["per_sample"][0], runs["off"][0]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)

@@ -62,6 +62,7 @@ __all__ = [
     "PACKED_IMPLEMENTATIONS",
     "AttentionPlan",
     "PackedSegments",
+    "fallback",
     "language_model",
     "model_support_problem",
     "register_packed_attention",
@@ -75,9 +76,9 @@ log = logging.getLogger(__name__)
 PACKED_IMPLEMENTATIONS = {"sdpa": "mmtune_packed_sdpa", "eager": "mmtune_packed_eager"}
 
 #: Samples of one length up to this many tokens share one kernel call. Measured on CPU
-#: (12 heads of 64, forward and backward): for 1-4 token samples one stacked call takes
-#: half the time of a call each; from 16 tokens on, stacking the slices costs more than
-#: the calls it saves.
+#: (one thread, 12 heads of 64, forward and backward): one stacked call takes 0.16x (1-token
+#: samples) to 0.8x (8 tokens) the time of a call per sample, about the same at 12 tokens,
+#: and from 16 tokens on stacking the slices costs more than the calls it saves.
 GROUP_MAX_LENGTH = 8
 
 
@@ -283,7 +284,9 @@ def _packed_mask(base: str) -> Callable:
             device=device, **kwargs)
 
     mask.__name__ = f"packed_{base}_mask"
-    return mask
+    # Python dispatch on each batch's sample layout: compiled graphs would guard on it and
+    # recompile for every new layout, so it runs eagerly between them.
+    return torch.compiler.disable(mask)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -343,7 +346,7 @@ def _packed_attention(base: str) -> Callable:
         return torch.stack(rows), None
 
     attention.__name__ = f"packed_{base}_attention"
-    return attention
+    return torch.compiler.disable(attention)
 
 
 def _causal_additive(size: int, like: torch.Tensor) -> torch.Tensor:
