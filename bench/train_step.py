@@ -16,13 +16,16 @@ All three run *the same micro-batches*: the packing plan (first-fit-decreasing r
 ``collator.max_length``, one row per micro-batch, one micro-batch per optimizer step);
 ``padding`` collates each of those micro-batches unpacked. So every configuration takes
 the same optimizer steps over the same samples per step, and its per-step losses must
-agree (printed side by side: equal up to float rounding in fp32, to bf16 rounding for
-bf16 models). Each configuration runs with and without gradient checkpointing.
+agree (printed side by side). Weights are fp32 by default (``--dtype``), so the losses
+agree up to fp32 rounding; with bf16 weights they drift apart by bf16 rounding after a
+few updates. Each configuration runs with and without gradient checkpointing, one
+thread per run (``--threads``).
 
-Reported per configuration: milliseconds per real (non-padding) token, the median over
-the steps after the first (step 1 pays one-off costs) of step time / real tokens in the
-step, the step time including the optimizer step; the median over ``--repeats`` runs
-of that; attention scores computed per layer relative to the samples' own (``Σ l²`` over
+Reported per configuration: milliseconds per real (non-padding) token by the wall clock
+and by the process's CPU time (which moves far less with other load on the machine),
+the median over the steps after the first (step 1 pays one-off costs) of step time /
+real tokens in the step, the step including the optimizer step; the median over
+``--repeats`` runs of that; attention scores computed per layer relative to the samples' own (``Σ l²`` over
 samples; padding and the block mask compute more, per-sample only adds the row
 padding's own); tokens computed per real token; peak resident memory above the process's
 size before training (sampled every 5 ms: on CPU activations live in process memory);
@@ -52,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 # model config -> (samples, packing row length, image size, images per dialogue)
 MODELS = {
     "llava_tiny": (64, 1024, 56, 4),
-    "llava_100m": (12, 4096, 336, 2),
+    "llava_100m": (24, 4096, 336, 2),
     "internlm_xc2_tiny": (32, 2048, 64, 4),
 }
 # name -> (collate packed rows, training.packed_attention)
@@ -129,7 +132,7 @@ def _work(plan: list, lengths, *, packed: bool, per_sample: bool) -> tuple[int, 
 
 
 def _measure(model: str, data_dir: str, out_dir: str, *, samples: int, row_length: int, packed: bool,
-             packed_attention: str, checkpointing: bool) -> dict:
+             packed_attention: str, checkpointing: bool, dtype: str) -> dict:
     from mmtune.data.collator import MultiImageCollator
     from mmtune.data.datamodule import CollateWithMeta
     from mmtune.training.config import to_sft_config
@@ -143,7 +146,7 @@ def _measure(model: str, data_dir: str, out_dir: str, *, samples: int, row_lengt
         "logging.progress_bar=false", "training.epochs=1", "training.warmup_ratio=0",
         f"training.gradient_checkpointing={str(checkpointing).lower()}",
         f"collator.max_length={row_length}", "collator.batching=packing", "collator.batch_size=1",
-        f"training.packed_attention={packed_attention}",
+        f"training.packed_attention={packed_attention}", f"model.torch_dtype={dtype}",
     ]
     recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
     recipe.setup()
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="override the samples per model")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration (medians reported)")
     parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
+    parser.add_argument("--dtype", default="float32",
+                        help="model weights (float32: the configurations' losses agree to float rounding; "
+                             "bfloat16 weights drift apart by bf16 rounding after a few updates)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (1: on a shared machine, waits at multi-thread barriers "
                              "swamp the small kernels of the tiny models)")
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmtune.data.synthetic import generate_synthetic
 
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} thread(s) per run, CPU, load average "
+    print(f"torch {torch.__version__}, {args.threads} thread(s) per run, {args.dtype} weights, CPU, load average "
           f"{os.getloadavg()[0]:.1f} at start")
     ckpts = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                             key = (name, ckpt)
                             spec = dict(model=model, data_dir=str(data), out_dir=str(Path(tmp) / f"run-{model}-{repeat}"
                                         f"-{len(runs)}"), samples=samples, row_length=row, packed=packed,
-                                        packed_attention=mode, checkpointing=ckpt)
+                                        packed_attention=mode, checkpointing=ckpt, dtype=args.dtype)
                             runs.setdefault(key, []).append(run_one(spec, args.threads))
             except Exception as err:  # report and go on with the next model
                 print(f"\n{model}: failed: {type(err).__name__}: {err}")

@@ -146,6 +146,25 @@ def test_packed_rows_equal_each_sample_alone_and_the_block_mask(family, image_pa
     torch.testing.assert_close(per_sample[2][0], block[2][0], rtol=1e-5, atol=1e-5)
 
 
+def test_the_auto_adapter_model_trains_per_sample(tmp_path, image_paths):
+    """A checkpoint loaded by the generic adapter: its language model uses transformers' registries."""
+    llava = _adapter("llava")
+    llava.load_model(seed=0).save_pretrained(tmp_path)
+    llava.save_pretrained(tmp_path)
+    adapter = build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+    model = adapter.load_model().train()
+    text_config = adapter.text_config(model.config)
+    assert model_support_problem(model, text_config) == ""
+    packed, ordered, _ = _packed_batch(adapter, _examples(adapter, image_paths))
+    assert packed["pixel_values"] is not None
+    block = _loss_and_grads(model, [packed])
+    with use_attention(language_model(model, text_config), "mmtune_packed_sdpa"):
+        per_sample = _loss_and_grads(model, [packed])
+    alone = _loss_and_grads(model, [MultiImageCollator(adapter.tokenizer.pad_token_id)([e]) for e in ordered])
+    _assert_same(per_sample, alone, "auto adapter: per-sample vs each sample alone")
+    _assert_same(per_sample, block, "auto adapter: per-sample vs block mask")
+
+
 def test_lora_gradients_equal_the_block_mask(family, image_paths):
     from peft import LoraConfig, get_peft_model
 
@@ -214,7 +233,7 @@ class _Recorder:
 def test_no_4d_mask_and_only_the_samples_attention_scores(family, image_paths, monkeypatch):
     adapter = _adapter(family)
     model = _model(adapter, "sdpa")
-    packed, ordered, rows = _packed_batch(adapter, _examples(adapter, image_paths))
+    packed, ordered, _ = _packed_batch(adapter, _examples(adapter, image_paths))
     lm = language_model(model, adapter.text_config(model.config))
     layers = adapter.text_config(model.config).num_hidden_layers
     lengths = sorted(len(e) for e in ordered) + [packed["input_ids"].shape[1] * 2 - sum(len(e) for e in ordered)]
@@ -326,7 +345,8 @@ def test_config_errors_are_listed_at_start_up(tmp_path, synthetic_dir, tiny_over
     from mmtune.training.config import ConfigError, to_sft_config
     from mmtune.training.demo import compose_sft_config
 
-    with pytest.raises(ConfigError, match="loss_chunk_size=0.*\n.*training.packed_attention=per_sample cannot work here: collator.batching=padding"):
+    both = "loss_chunk_size=0.*\n.*training.packed_attention=per_sample cannot work here: collator.batching=padding"
+    with pytest.raises(ConfigError, match=both):
         to_sft_config(compose_sft_config(tiny_overrides(tmp_path, synthetic_dir, "training.packed_attention=per_sample",
                                                         "collator.batching=padding", "training.loss_chunk_size=0")))
 
@@ -427,7 +447,8 @@ def test_deepspeed_zero3_trains_per_sample_with_the_block_mask_losses(tmp_path, 
             port = s.getsockname()[1]
         out = tmp_path / mode
         overrides = tiny_overrides(out, synthetic_dir, "collator.batching=packing", "collator.batch_size=1",
-                                   "collator.max_length=768", "training.max_steps=3", f"training.packed_attention={mode}",
+                                   "collator.max_length=768", "training.max_steps=3",
+                                   f"training.packed_attention={mode}",
                                    f"training.deepspeed_config={repo}/launch/deepspeed/zero3.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
                "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -24,10 +24,11 @@ How: two implementations registered in transformers' attention registries
     sample's slice with a plain causal mask; samples of one short length share a call.
 
 Everything else goes through the base kernel unchanged: a padding mask, a KV cache, a
-batch without packed rows, or a pattern the diagonals show is not plain causal attention
-inside each sample (a bidirectional image block, a sliding window, a chunked layer)
-gets exactly the mask and the kernel the base implementation would use. So the switch
-cannot change what a model computes, only how much work it does for packed rows.
+batch without packed rows, or a pattern that is not plain causal attention inside each
+sample (a sliding window or a chunked layer, which transformers' mask builders announce;
+a bidirectional image block, which the diagonals show) gets exactly the mask and the
+kernel the base implementation would use. So the switch changes how much work packed
+rows cost, not what the model computes (up to float rounding).
 
 Selection (``training.packed_attention``, resolved by :func:`resolve_attention`, printed
 at start-up and by ``mmtune plan``): ``auto`` switches the language model to the packed
@@ -48,7 +49,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -69,8 +69,6 @@ __all__ = [
     "resolve_attention",
     "use_attention",
 ]
-
-log = logging.getLogger(__name__)
 
 #: base implementation -> the packed implementation registered for it
 PACKED_IMPLEMENTATIONS = {"sdpa": "mmtune_packed_sdpa", "eager": "mmtune_packed_eager"}
@@ -350,7 +348,8 @@ def _packed_attention(base: str) -> Callable:
 
 
 def _causal_additive(size: int, like: torch.Tensor) -> torch.Tensor:
-    """``[1, 1, size, size]`` additive causal mask (0 where seen, dtype minimum above the diagonal), as eager adds it."""
+    """``[1, 1, size, size]`` additive causal mask as eager attention adds it: 0 where a key is
+    seen, the dtype's minimum above the diagonal."""
     blocked = torch.ones(size, size, dtype=torch.bool, device=like.device).triu(1)
     mask = torch.zeros(size, size, dtype=like.dtype, device=like.device)
     return mask.masked_fill(blocked, torch.finfo(like.dtype).min)[None, None]
