@@ -225,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                     for ckpt in ckpts:
                         for name, (packed, mode) in CONFIGS.items():
                             key = (name, ckpt)
-                            spec = dict(model=model, data_dir=str(data), out_dir=str(Path(tmp) / f"run-{model}-{repeat}"
-                                        f"-{len(runs)}"), samples=samples, row_length=row, packed=packed,
-                                        packed_attention=mode, checkpointing=ckpt, dtype=args.dtype)
+                            out = Path(tmp) / f"run-{model}-{repeat}-{'ckpt' if ckpt else 'no-ckpt'}-{mode}-{packed}"
+                            spec = dict(model=model, data_dir=str(data), out_dir=str(out), samples=samples,
+                                        row_length=row, packed=packed, packed_attention=mode, checkpointing=ckpt,
+                                        dtype=args.dtype)
                             runs.setdefault(key, []).append(run_one(spec, args.threads))
             except Exception as err:  # report and go on with the next model
                 print(f"\n{model}: failed: {type(err).__name__}: {err}")

@@ -464,3 +464,10 @@ def test_deepspeed_zero3_trains_per_sample_with_the_block_mask_losses(tmp_path, 
     for a, b in zip(runs["per_sample"][0], runs["off"][0]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+
+
+def test_other_kernels_keep_transformers_mask_and_say_so():
+    plan = resolve_attention("auto", batching="packing", attn_implementation="flex_attention")
+    assert not plan.per_sample and "no per-sample variant of flex_attention" in plan.description
+    with pytest.raises(ValueError, match="flex_attention has no per-sample variant: use model.attn_implementation"):
+        resolve_attention("per_sample", batching="packing", attn_implementation="flex_attention")

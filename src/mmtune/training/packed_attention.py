@@ -129,10 +129,12 @@ def resolve_attention(mode: str, *, batching: str, attn_implementation: str) -> 
         return AttentionPlan(impl, impl, f"{impl} ({batching} batches: one sample per row, padding masks)")
     if impl.startswith("flash_attention"):
         return AttentionPlan(impl, impl, f"{impl} varlen over packed rows (sample boundaries from position_ids)")
-    if mode == "off" or impl not in PACKED_IMPLEMENTATIONS:
-        why = "training.packed_attention=off" if mode == "off" else f"no per-sample variant of {impl}"
+    if impl not in PACKED_IMPLEMENTATIONS:
+        return AttentionPlan(impl, impl, f"{impl} with transformers' own mask for packed rows (no per-sample "
+                                         f"variant of {impl})")
+    if mode == "off":
         return AttentionPlan(impl, impl, f"{impl} with transformers' block-diagonal [B, 1, L, L] mask over packed "
-                                         f"rows ({why}): every row pays L² attention scores")
+                                         "rows (training.packed_attention=off): every row pays L² attention scores")
     return AttentionPlan(impl, PACKED_IMPLEMENTATIONS[impl],
                          f"{impl} per sample over packed rows ({PACKED_IMPLEMENTATIONS[impl]}, "
                          f"training.packed_attention={mode}): no block mask, each sample's own attention cost")
