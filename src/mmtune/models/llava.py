@@ -536,10 +536,6 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
         # fixed for CLIP at one resolution: never opens the file
         return self.num_image_tokens
 
-    def preprocess_pil(self, images: list) -> "torch.Tensor":
-        """Preprocess already decoded PIL images with the image processor ([N, 3, S, S])."""
-        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-
     def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
         """uint8 [..., 3, S, S] -> normalised float32 pixel values (CLIP mean / std).
 

@@ -244,10 +244,10 @@ def test_logits_term_follows_the_loss_implementation():
     terms = {impl: estimate_cost(params, loss_impl=impl, loss_chunk_size=1024, **common)
              for impl in ("materialized", "chunked", "fused")}
     assert terms["materialized"].memory_gib["logits"] == pytest.approx(14 * s * V / gib)
-    assert terms["chunked"].memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d + 4 * V * d) / gib)
+    assert terms["chunked"].memory_gib["logits"] == pytest.approx((6 * 1024 * V + 2 * s * d + 2 * V * d + 4 * V * d) / gib)
     # Liger's chunk: 8192 rows / ceil(92544 / 4096) = 23 -> 357 -> next power of two 512
     assert terms["fused"].memory_gib["logits"] == pytest.approx((2 * 512 * V + 2 * s * d + 4 * V * d) / gib)
     assert terms["chunked"].memory_gib["logits"] < 0.35 * terms["materialized"].memory_gib["logits"]
     assert "training.loss_impl=chunked" in terms["chunked"].formula
     frozen_head = estimate_cost(params, loss_impl="chunked", loss_chunk_size=1024, head_trains=False, **common)
-    assert frozen_head.memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d) / gib)
+    assert frozen_head.memory_gib["logits"] == pytest.approx((6 * 1024 * V + 2 * s * d) / gib)

@@ -1,6 +1,6 @@
 """MMDU: one judge call per turn, seven 1-10 scores parsed strictly, micro-averaged x10.
 
-Protocol (MMDU paper; see FACTS.md): the judge sees the question, the reference answer
+Protocol (MMDU paper, arXiv:2406.11833, and its evaluation code, github.com/Liuziyu77/MMDU): the judge sees the question, the reference answer
 and the model's answer (plus the dialogue's images when ``judge.send_images``), explains,
 then gives integer scores for Creativity, Richness, Visual Perception, Logical
 Coherence, Answer Accuracy, Image Relationship Understanding and Overall Score.

@@ -318,14 +318,6 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
         std = torch.tensor(_CLIP_STD, dtype=torch.float32).view(3, 1, 1)
         return (pixels.to(torch.float32) / 255.0 - mean) / std
 
-    def preprocess_pil(self, images: list) -> torch.Tensor:
-        """Official preprocessing of decoded PIL images: square bicubic resize (no crop), CLIP mean/std."""
-        import numpy as np
-
-        if not images:
-            return torch.zeros(0, 3, self.image_size, self.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.image_transform.from_pil(image) for image in images])))
-
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> nn.Module:
         """Load the checkpoint (native or official) or build the random-weight model (``path`` None).

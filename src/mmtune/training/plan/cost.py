@@ -92,10 +92,12 @@ def estimate_cost(
 
     * ``materialized``: ``14·s·V`` B (16-bit logits, their fp32 copy, the fp32
       log-softmax kept for backward, and its fp32 gradient in backward);
-    * ``chunked``: ``10·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
-      (fp32 logits, turned into their gradient in place, plus a 16-bit copy and the
-      chunk's 16-bit weight gradient ``2·V·d``), plus ``4·V·d`` for the fp32
-      weight-gradient accumulator when the head trains in 16-bit;
+    * ``chunked``: ``6·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
+      (an fp32 block of logits, turned into their gradient in place, and its 16-bit copy
+      for the matmuls, both allocated once), the gradients computed in the forward pass
+      and held until backward: the hidden states' ``2·s·d`` and, when the head trains, the
+      chunk's 16-bit weight-gradient product ``2·V·d`` and (16-bit weights) the fp32
+      weight-gradient accumulator ``4·V·d``;
     * ``fused`` (Liger): ``2·c·V`` B with Liger's chunk ``c = 2^ceil(log2(s / ceil(V/d)))``
       plus the gradients it computes in the forward pass and holds until backward,
       ``2·s·d + 4·V·d`` B.
@@ -140,7 +142,7 @@ def estimate_cost(
     head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
     if loss_impl == "chunked":
         c = min(s, max(1, loss_chunk_size))
-        logits = 10 * c * V + 2 * V * d + head_grad_fp32
+        logits = 6 * c * V + 2 * s * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
     elif loss_impl == "fused":
         c = min(s, 2 ** math.ceil(math.log2(max(1.0, s / math.ceil(V / d)))))
         logits = 2 * c * V + 2 * s * d + (4 * V * d if head_trains else 0)
@@ -163,7 +165,7 @@ def estimate_cost(
         "Memory = weights + grads + AdamW (8 or 12 B/param) sharded by ZeRO stage (+1e9 gathered params "
         "under ZeRO-3) + activations "
         "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
-        + {"chunked": "10·c·V + 2·V·d [+4·V·d fp32 head grad] B, c = loss_chunk_size rows",
+        + {"chunked": "6·c·V + 2·s·d [+2·V·d +4·V·d fp32 head grad] B, c = loss_chunk_size rows",
            "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
     )
     return CostEstimate(

@@ -30,6 +30,9 @@ class RunPlan:
     batching: dict[str, Any]
     attention: str
     """What the language model's attention runs while training (``training.packed_attention``)."""
+    loss: str
+    """The loss the loop will run (``training.loss_impl`` resolved as the loop resolves it, for
+    CUDA GPUs) and, for a fallback, why."""
     zero: dict[str, Any]
     cost: Optional[dict[str, Any]]
     evaluation: dict[str, Any]
@@ -71,6 +74,7 @@ class RunPlan:
         b = self.batching
         lines.append(f"  batching    {b['description']}")
         lines.append(f"  attention   {self.attention}")
+        lines.append(f"  loss        {self.loss}")
         z = self.zero
         lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
                      + (" + optimizer offload" if z["offload_optimizer"] else "")
@@ -183,14 +187,16 @@ def plan_run(
     if cfg.context.max_length and original and cfg.context.rope_scaling != "none":
         factor = max(1.0, cfg.context.max_length / original)
 
+    from mmtune.training.loss import describe, planned_loss_impl
+
+    loss_line = f"training.loss_impl={cfg.training.loss_impl} (not resolved: the model could not be planned)"
     cost = None
     if params is not None and data is not None:
-        from mmtune.training.loss import planned_loss_impl
-
         try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
             loss = planned_loss_impl(cfg, meta_model(cfg.model)[0], zero_stage=stage)
         except ValueError as err:
             raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
+        loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
             full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
@@ -230,6 +236,7 @@ def plan_run(
               "train_vision": cfg.training.vision.train, "train_projector": cfg.training.projector.train,
               "train_language_model": cfg.training.language_model.train},
         batching=batching,
+        loss=loss_line,
         attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
                                     attn_implementation=cfg.model.attn_implementation).description,
         zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
