@@ -77,6 +77,14 @@ class RopeIndex:
             ValueError: ``input_ids`` is not 1-D, or its image-token runs do not match
                 ``image_grid_thw`` (both counts named).
         """
+        return self.with_delta(input_ids, image_grid_thw)[0]
+
+    def with_delta(
+        self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None" = None
+    ) -> tuple["torch.Tensor", int]:
+        """``position_ids`` [3, L] and the rope delta ``get_rope_index`` returns with them
+        (``positions.max() + 1 - L``: a token appended at index ``i`` has position ``i + delta``).
+        Raises as :meth:`__call__`."""
         import torch
 
         if input_ids.ndim != 1:
@@ -85,10 +93,10 @@ class RopeIndex:
         grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw.long().cpu()
         self._check(input_ids.cpu(), grid)
         if input_ids.numel() == 0:
-            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device)
+            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device), 0
         mm_token_type_ids = (input_ids == self.image_token_id).int()[None]  # 1 = image, as the processor marks it
-        positions, _ = self.model.get_rope_index(
+        positions, deltas = self.model.get_rope_index(
             input_ids[None], mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=None if grid is None else grid.to(input_ids.device),
         )  # fmt: skip
-        return positions[:, 0]
+        return positions[:, 0], int(deltas.reshape(-1)[0])
