@@ -24,7 +24,9 @@ transformers then reads sample boundaries from ``position_ids`` (every place whe
 position does not increase by one starts a new sample; with M-RoPE, from the plain row 0)
 and builds a block-diagonal causal mask for SDPA / eager
 (``masking_utils.find_packed_sequence_indices``), and flash-attention 2 derives
-``cu_seqlens`` from the same ``position_ids``. A 2-D all-ones mask would switch that
+``cu_seqlens`` from the same ``position_ids``. The training loop runs SDPA and eager per
+sample instead (:mod:`mmtune.training.packed_attention`): the same boundaries, no
+``L x L`` mask, each sample's own attention cost. A 2-D all-ones mask would switch that
 detection off and let samples attend to each other, so none is passed. Row padding
 forms its own run of positions 0, 1, ... with pad ids and labels -100: it attends only to
 itself and never to a sample. The first label of every packed sample is -100, so the last

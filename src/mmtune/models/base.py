@@ -204,6 +204,9 @@ class ModelAdapter(ABC):
     stop_token_ids: list[int]
     #: default LoRA target module names (peft ``target_modules``)
     default_lora_targets: ClassVar[list[str]] = []
+    #: the family-specific :class:`~mmtune.models.config.ModelConfig` keys this adapter reads
+    #: (of ``FAMILY_KEYS``); any other one set in a config is refused at start-up
+    reads_model_keys: ClassVar[frozenset[str]] = frozenset()
     #: hub id -> ``config.json`` of public checkpoints the shipped configs name, so
     #: ``mmtune plan`` sizes them without network access or a download
     known_architectures: ClassVar[dict[str, dict[str, Any]]] = {}

@@ -34,6 +34,7 @@ from mmtune.data.config import DataConfig
 from mmtune.evaluation.config import EvalConfig
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
+from mmtune.training.packed_attention import resolve_attention
 
 __all__ = [
     "ConfigError",
@@ -159,6 +160,12 @@ class TrainingConfig:
     loss_chunk_size: int = 1024
     """Loss rows per chunk of the ``chunked`` loss: larger is faster, smaller holds fewer
     logits (``rows x vocab`` fp32 per chunk; 1024 x 92,544 = 380 MB)."""
+    packed_attention: str = "auto"
+    """Attention over packed rows (``collator.batching=packing``). ``auto``: with
+    ``model.attn_implementation`` sdpa or eager, each packed sample attends alone (its own
+    kernel call: no ``L x L`` block mask, the cost of the samples); flash_attention_2 keeps
+    its varlen kernel. ``per_sample``: the same, failing at start-up where it cannot work.
+    ``off``: transformers' block-diagonal mask (every row pays ``L²`` scores)."""
     ddp_find_unused_parameters: Optional[bool] = None
     """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
     the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
@@ -303,6 +310,11 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+    try:
+        resolve_attention(t.packed_attention, batching=cfg.collator.batching,
+                          attn_implementation=cfg.model.attn_implementation)
+    except ValueError as err:
+        problems.append(str(err))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")

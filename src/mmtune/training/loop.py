@@ -204,6 +204,7 @@ class SFTRecipe:
                                gradient_checkpointing=t.gradient_checkpointing)
         groups = self.adapter.module_groups(model)
         apply_freezing(model, groups, t, lora=lora)
+        self._choose_attention(model, text_config)
         # ZeRO-3 partitions parameters at construction; ds_numel is the full size.
         self.num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.num_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
@@ -235,6 +236,7 @@ class SFTRecipe:
         self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
                                  device=acc.device)
         acc.print(f"loss: {self.loss.description}")
+        acc.print(f"attention: {self.attention.description}")
         if t.compile:
             self.model = torch.compile(self.model)
 
@@ -272,6 +274,24 @@ class SFTRecipe:
             + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
                if self.context_extension else "")
         )
+
+    def _choose_attention(self, model: torch.nn.Module, text_config: Any) -> None:
+        """Resolve ``training.packed_attention`` against the loaded model (see
+        :mod:`mmtune.training.packed_attention`); ``auto`` falls back, saying why, where the
+        language model cannot switch, ``per_sample`` fails."""
+        from mmtune.training.packed_attention import fallback, language_model, model_support_problem, resolve_attention
+
+        mode = self.cfg.training.packed_attention
+        self.attention = resolve_attention(mode, batching=self.cfg.collator.batching,
+                                           attn_implementation=text_config._attn_implementation)
+        self._language_model = language_model(model, text_config)
+        if self.attention.per_sample:
+            problem = model_support_problem(model, text_config)
+            if problem and mode == "per_sample":
+                raise ValueError(f"training.packed_attention=per_sample cannot work with this model: {problem}; "
+                                 "set training.packed_attention=auto (transformers' block mask) or off")
+            if problem:
+                self.attention = fallback(self.attention, problem)
 
     def _count_steps(self) -> int:
         """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
@@ -402,14 +422,28 @@ class SFTRecipe:
 
     def train(self) -> None:
         """Run optimizer steps until ``total_steps``, checkpointing every ``save_every_steps``."""
-        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
-        if t.eval_before and self.step == 0:
+        if self.cfg.training.eval_before and self.step == 0:
             self.eval_results["before"] = self.evaluate(tag="before")
-        accum = t.gradient_accumulation_steps
         self.grad_norm = None
+        self.model.train()
+        with self._training_attention():
+            self._train_steps()
+        self._report_skipped()
+
+    def _training_attention(self) -> contextlib.AbstractContextManager:
+        """The training steps' attention (per sample over packed rows when chosen); evaluation
+        and generation outside them keep ``model.attn_implementation``."""
+        from mmtune.training.packed_attention import use_attention
+
+        if not self.attention.per_sample:
+            return contextlib.nullcontext()
+        return use_attention(self._language_model, self.attention.training_implementation)
+
+    def _train_steps(self) -> None:
+        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
+        accum = t.gradient_accumulation_steps
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.model.train()
         while self.step < self.total_steps:
             started = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
@@ -467,7 +501,6 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
-        self._report_skipped()
 
     def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         """The summed next-token loss of one micro-batch (fp32 scalar), under autocast.

@@ -69,7 +69,9 @@ def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig
         values["family"] = metadata["family"]
     merged = dataclasses.asdict(fallback)
     merged.update(values)
-    return ModelConfig(**merged)
+    # keys the saved family does not read (a run saved by an older mmtune recorded every
+    # default; the caller's config may come from another family) are dropped, not refused
+    return ModelConfig(**merged).without_unread_keys()
 
 
 def _remote_code_requests(directory: Path, metadata: Optional[dict[str, Any]]) -> list[str]:

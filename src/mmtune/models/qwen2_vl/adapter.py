@@ -93,6 +93,7 @@ class Qwen2VLAdapter(PieceAdapter):
     """
 
     family = "qwen2_vl"
+    reads_model_keys = frozenset({"architecture", "min_pixels", "max_pixels"})
     # The language model's linear layers (the vision tower's are named qkv / proj / fc* /
     # linear_fc*, but Qwen2.5-VL's vision MLP also has gate/up/down_proj: see the exclude).
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

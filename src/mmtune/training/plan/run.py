@@ -28,6 +28,8 @@ class RunPlan:
     context: dict[str, Any]
     peft: dict[str, Any]
     batching: dict[str, Any]
+    attention: str
+    """What the language model's attention runs while training (``training.packed_attention``)."""
     zero: dict[str, Any]
     cost: Optional[dict[str, Any]]
     evaluation: dict[str, Any]
@@ -68,6 +70,7 @@ class RunPlan:
             lines += ["  note        " + n.replace("\n", "\n              ") for n in d["notes"]]
         b = self.batching
         lines.append(f"  batching    {b['description']}")
+        lines.append(f"  attention   {self.attention}")
         z = self.zero
         lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
                      + (" + optimizer offload" if z["offload_optimizer"] else "")
@@ -133,6 +136,7 @@ def plan_run(
 ) -> RunPlan:
     """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem."""
     from mmtune.training.config import ConfigError, to_sft_config
+    from mmtune.training.packed_attention import resolve_attention
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
@@ -227,6 +231,8 @@ def plan_run(
               "train_vision": cfg.training.vision.train, "train_projector": cfg.training.projector.train,
               "train_language_model": cfg.training.language_model.train},
         batching=batching,
+        attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
+                                    attn_implementation=cfg.model.attn_implementation).description,
         zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
               "num_gpus": num_gpus},
         cost=asdict(cost) if cost else None,
