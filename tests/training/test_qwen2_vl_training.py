@@ -244,3 +244,28 @@ def test_sigkill_then_resume_of_packed_qwen_rows_matches_the_uninterrupted_run(t
     after = [(m["step"], m["train/loss"]) for m in metrics if m["step"] > resume_step]
     assert after and after == [(step, ref_loss[step]) for step, _ in after]
     assert ids == ref_ids
+
+
+def test_a_sample_with_an_image_the_processor_refuses_is_left_out_and_reported(make_recipe, tmp_path):
+    from PIL import Image as PILImage
+
+    images = tmp_path / "images"
+    images.mkdir()
+    PILImage.effect_noise((80, 60), 40).convert("RGB").save(images / "ok.png")
+    PILImage.new("RGB", (4, 1000), (1, 2, 3)).save(images / "strip.png")  # aspect ratio 250: refused
+    records = [{"id": f"r{i}", "image": "strip.png" if i == 3 else "ok.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "noise"}]} for i in range(6)]
+    data = tmp_path / "llava.json"
+    data.write_text(json.dumps(records))
+    source = ("synthetic.enabled=false", "data.mixture.sources.0.format=llava", f"data.mixture.sources.0.path={data}",
+              f"data.mixture.sources.0.image_root={images}", "training.max_steps=1")
+    with pytest.raises(ValueError, match=r"strip\.png.*'r3', turn 0.*aspect ratio"):
+        make_recipe(*source, "data.validation.mode=strict", name="strict")
+    recipe = make_recipe(*source, "data.validation.mode=skip", name="skip")
+    (loss,) = recipe.data.loss_report.sources
+    assert loss.refused_images == 1 and loss.no_window == 0 and "r3: " in loss.refused_examples[0]
+    assert recipe.data.loss_report.trainable_samples == 5
+    assert "1 samples left out for an image that cannot be used" in recipe.data.loss_report.render()
+    report = json.loads((recipe.output_dir / "data_report.json").read_text())
+    assert report["sources"][0]["refused_images"] == 1
+    recipe.train()
