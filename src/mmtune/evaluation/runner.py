@@ -96,6 +96,9 @@ def run_benchmarks(
                     result.meta["generation"] = dataclasses.asdict(cfg.generation)
                     # the window actually applied (the model's own when context_length is null)
                     result.meta["context_window"] = ctx.generator.context_length
+                    if ctx.generator.batch_note:  # the batch size actually run, and why it is not the configured one
+                        result.meta["generation_batch_size"] = ctx.generator.batch_size
+                        result.meta["generation_batch_note"] = ctx.generator.batch_note
                 write_result(result, out)
                 results[result.benchmark] = result
                 sections[result.benchmark] = bench

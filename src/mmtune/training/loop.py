@@ -53,9 +53,6 @@ from mmtune.training.loss import TrainingLoss
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
-
-
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
     random.seed(seed)
@@ -182,7 +179,8 @@ class SFTRecipe:
         self.adapter = build_adapter(cfg.model)
         load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
         if cfg.peft.method == "qlora":
-            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16))
+            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
+                                                  skip_modules=self.adapter.quantization_skip_modules()))
         model = self.adapter.load_model(**load_kwargs)
         text_config = self.adapter.text_config(model.config)
         self.context_extension = apply_context_extension(
@@ -457,13 +455,7 @@ class SFTRecipe:
             seq_tokens = images = 0
             for batch, meta in micro:
                 with acc.accumulate(self.model):
-                    inputs = {k: batch[k].to(acc.device) if batch.get(k) is not None else None for k in _MODEL_INPUTS}
-                    with acc.autocast():
-                        summed = self.loss(self.model, inputs, batch["labels"])
-                        if inputs["pixel_values"] is None:
-                            # Text-only batch: still run the vision tower (ZeRO-3 must see the
-                            # same modules called on every rank); its value is exactly 0.
-                            summed = summed + self.adapter.vision_dummy_loss(self.model)
+                    summed = self.batch_loss(batch)
                     acc.backward(summed * scale)
                     if acc.sync_gradients and not self.is_deepspeed:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
@@ -509,6 +501,23 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+
+    def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The summed next-token loss of one micro-batch (fp32 scalar), under autocast.
+
+        The batch's model inputs (the adapter's image inputs and position layout among them)
+        pass to the forward by name (:func:`~mmtune.data.collator.forward_inputs`)."""
+        from mmtune.data.collator import forward_inputs
+
+        acc = self.accelerator
+        inputs = {k: v.to(acc.device) if v is not None else None for k, v in forward_inputs(batch).items()}
+        with acc.autocast():
+            summed = self.loss(self.model, inputs, batch["labels"])
+            if all(inputs.get(name) is None for name in self.adapter.image_input_names):
+                # Text-only batch: still run the vision tower (ZeRO-3 must see the
+                # same modules called on every rank); its value is exactly 0.
+                summed = summed + self.adapter.vision_dummy_loss(self.model)
+        return summed
 
     def _report_skipped(self) -> None:
         """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""

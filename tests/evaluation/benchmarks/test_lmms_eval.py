@@ -18,7 +18,7 @@ def test_command_for_llava_checkpoint():
 
 def test_unknown_family_needs_model_type():
     with pytest.raises(ValueError, match="eval.lmms_eval.model_type"):
-        build_command("/c", LmmsEvalConfig(), family="qwen2_vl", output_path="/o")
+        build_command("/c", LmmsEvalConfig(), family="auto", output_path="/o")
     cmd = build_command("/c", LmmsEvalConfig(model_type="xcomposer2d5"), family="internlm_xcomposer2", output_path="/o")
     assert cmd[cmd.index("--model") + 1] == "xcomposer2d5"
 

@@ -47,7 +47,7 @@ class LmmsEvalConfig:
 
 #: model family -> lmms-eval ``--model`` for an exported HF checkpoint; ``mmtune`` is
 #: mmtune's own generator registered in lmms-eval (any family mmtune can load)
-MODEL_TYPES = {"llava": "llava_hf", "internlm_xcomposer2": "mmtune"}
+MODEL_TYPES = {"llava": "llava_hf", "internlm_xcomposer2": "mmtune", "qwen2_vl": "mmtune"}
 MMTUNE_MODEL = "mmtune"
 
 #: task -> (metric key in lmms-eval's results, factor to percent); best-known defaults

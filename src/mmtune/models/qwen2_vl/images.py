@@ -38,6 +38,8 @@ _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 class UnsupportedImageError(CorruptImageError):
     """An image the Qwen-VL image processor refuses (aspect ratio above 200)."""
 
+    code = "unsupported_image"
+
     def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str):
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
         where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"

@@ -164,9 +164,10 @@ def plan_run(
             original = (model_dict.get("text_config") or model_dict).get("max_position_embeddings")
         elif cfg.model.path is None:
             original = ((cfg.model.architecture or {}).get("text_config") or {}).get("max_position_embeddings")
-    # The trainer's sample budget: the context window, else the model's own window
-    # (it overrides collator.max_length when it connects the data module).
-    window = int(cfg.context.max_length or original or cfg.collator.max_length)
+    # The trainer's sample budget: the context window when the context group sets one (it
+    # overrides collator.max_length when the trainer connects the data module), else the
+    # collator's own budget, as SFTRecipe.setup takes it.
+    window = int(cfg.context.max_length or cfg.collator.max_length)
     data = None
     if not skip_data:
         try:
