@@ -152,6 +152,8 @@ class ChatReply:
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
     """The endpoint's ``finish_reason`` (``stop``, ``length`` ...)."""
+    cause: Optional[str] = None
+    """The failure's likely cause (:func:`likely_cause`)."""
 
     @property
     def ok(self) -> bool:
@@ -259,7 +261,7 @@ class ChatEndpoint:
             self.stats.causes[cause] = self.stats.causes.get(cause, 0) + 1
             if self.stats.first_error is None:
                 self.stats.first_error = {"status": status, "message": message, "cause": cause}
-        return ChatReply(None, error=message, status=status)
+        return ChatReply(None, error=message, status=status, cause=cause)
 
     def complete(self, model: str, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int,
                  extra: Optional[dict[str, Any]] = None, sleep: Callable[[float], None] = time.sleep) -> ChatReply:

@@ -631,6 +631,16 @@ class DialogueGenerator:
             file.finish(order)
         return [records[k] for k in order if k in records]
 
+    def expected_tokens(self, dialogue: Dialogue) -> int:
+        """What answering ``dialogue`` costs on the KV path, known before answering it (to
+        balance data-parallel ranks): its encoded length, every question and image once,
+        the reference answers standing in for the model's, each at most ``max_new_tokens``."""
+        encoded = self.adapter.encode_dialogue(dialogue, system_prompt=self.config.system_prompt)
+        total = sum(len(c) for c in [*encoded.prefix, *encoded.suffix])
+        for turn in encoded.turns:
+            total += min(turn.length, self.config.max_new_tokens) if turn.role == "assistant" else turn.length
+        return total
+
     def usage(self) -> Optional[dict[str, Any]]:
         """What the last :meth:`generate` paid an endpoint: nothing for a local model."""
         return None

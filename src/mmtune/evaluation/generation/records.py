@@ -28,8 +28,8 @@ from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Turn
 
-__all__ = ["TurnRecord", "StaleGenerationsError", "GenerationsFile", "question_text", "read_generations",
-           "record_line", "settings_path"]
+__all__ = ["TurnRecord", "StaleGenerationsError", "GenerationFailures", "GenerationsFile", "question_text",
+           "read_generations", "record_line", "settings_path", "write_lines", "check_failed_turns"]
 
 FAILED = "error"
 """``finish_reason`` of a turn whose call failed: it has no answer and is asked again on resume."""
@@ -41,6 +41,10 @@ class StaleGenerationsError(ValueError):
     def __init__(self, path: Path, message: str):
         self.path = path
         super().__init__(message)
+
+
+class GenerationFailures(RuntimeError):
+    """Too many turns failed at a served model: the scores would mix real zeros with failures."""
 
 
 @dataclass
@@ -65,8 +69,8 @@ class TurnRecord:
     context: Optional[dict[str, Any]] = None
     """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
     error: Optional[dict[str, Any]] = None
-    """A served model's failure of this turn: ``{"status", "message"}`` (key redacted),
-    also set for an empty answer. Left out of the file when ``None``."""
+    """A served model's failure of this turn: ``{"status", "message", "cause"}`` (key
+    redacted), also set for an empty answer. Left out of the file when ``None``."""
 
 
 def question_text(turn: Turn) -> str:
@@ -160,16 +164,18 @@ class GenerationsFile:
         record per turn; records of turns not in ``order`` (other dialogues) follow in
         their file order. Atomic: a crash leaves the old file or the new one."""
         self.close()
-        write_records(self.path, [self.records[k] for k in order if k in self.records]
-                      + [r for k, r in self.records.items() if k not in set(order)])
+        keys = set(order)
+        rows = [self.records[k] for k in order if k in self.records]
+        rows += [r for k, r in self.records.items() if k not in keys]
+        write_lines(self.path, [json.dumps(r, ensure_ascii=False) for r in rows])
 
 
-def write_records(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Write ``rows`` as the JSONL file ``path`` at once (temporary file, then a rename)."""
+def write_lines(path: Path, lines: Sequence[str]) -> None:
+    """Write ``lines`` as the JSONL file ``path`` at once (a temporary file, then a rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for line in lines:
+            handle.write(line + "\n")
     os.replace(tmp, path)
 
 
@@ -215,3 +221,26 @@ def _drop_torn_line(path: Path) -> None:
         cut = data.rfind(b"\n") + 1
         with path.open("r+b") as handle:
             handle.truncate(cut)
+
+
+def check_failed_turns(records: Sequence[TurnRecord], max_failed_share: float, *, benchmark: str) -> None:
+    """Raise :class:`GenerationFailures` when more than ``max_failed_share`` of ``records``
+    carry an ``error`` (a failed call or an empty answer).
+
+    Called after the benchmark's results and details are written, so nothing paid for is lost.
+    """
+    failed = [r for r in records if r.error]
+    if not failed or len(failed) / len(records) <= max_failed_share:
+        return
+    first = failed[0]
+    status = f"HTTP {first.error['status']}: " if first.error.get("status") else ""
+    raise GenerationFailures(
+        f"{benchmark}: {len(failed)} of {len(records)} turns have no usable answer from the served model "
+        f"(allowed: {100 * max_failed_share:g}%): {sum(r.answer is None for r in failed)} failed after retries, "
+        f"{sum(r.answer is not None for r in failed)} empty. These scores are not a measure of the model.\n"
+        f"  first: dialogue {first.dialogue_id!r}, turn {first.turn}: {status}{first.error.get('message')}\n"
+        f"  likely cause: {first.error.get('cause') or 'see the message'}\n"
+        "Results and per-turn errors are written (generations file, `error` field); fix the cause and re-run: "
+        "answered turns are kept, failed ones are asked again. Raise eval.generation.api.max_failed_share to "
+        "accept some failures."
+    )
