@@ -180,8 +180,10 @@ def evaluate_model(
     model_label: str = "model",
     checkpoint: Optional[str] = None,
     wandb_run: Any = None,
+    layout: Any = None,
 ) -> dict[str, BenchmarkResult]:
-    """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``."""
+    """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``; in a
+    data-parallel run every rank calls it with its own copy (see :func:`run_benchmarks`)."""
     from mmtune.evaluation.generation.generator import DialogueGenerator
 
     was_training = getattr(model, "training", False)
@@ -190,7 +192,7 @@ def evaluate_model(
             cfg, output_dir=output_dir, run_name=run_name, model_label=model_label,
             make_generator=lambda: DialogueGenerator(adapter, model, cfg.generation),
             checkpoint=checkpoint, family=getattr(adapter, "family", None), wandb_run=wandb_run,
-            model_config=getattr(adapter, "config", None),
+            model_config=getattr(adapter, "config", None), layout=layout,
         )
     finally:
         model.train(was_training)  # the trainer may continue after a mid-run evaluation
