@@ -146,7 +146,7 @@ class ApiGenerator:
             extra["top_p"] = cfg.top_p
         extra["seed"] = cfg.seed
         if cfg.repetition_penalty != 1.0:  # not an OpenAI field: vLLM and SGLang read it from the body
-            extra["extra_body"] = {"repetition_penalty": cfg.repetition_penalty}
+            extra["repetition_penalty"] = cfg.repetition_penalty
         return cfg.temperature, extra
 
     def generate(self, dialogues: Sequence[Dialogue], *, out_path: Optional[str | os.PathLike] = None,
@@ -168,9 +168,11 @@ class ApiGenerator:
             file = GenerationsFile(out_path, self._settings(run_key), dialogues, resume_from=resume_from)
             done = file.done
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
-        todo = [d for d in dialogues if any((d.id, t) not in done for t in range(len(list(d.exchanges()))))]
-        bar = tqdm(total=sum(sum((d.id, t) not in done for t in range(len(list(d.exchanges())))) for d in todo),
-                   desc="generating (api)", disable=not progress)
+        pending = {d.id: sum((d.id, t) not in done for t in range(len(list(d.exchanges())))) for d in dialogues}
+        # Dialogues with the most turns left go first, so the last ones to run while other
+        # slots sit idle are short (a dialogue's turns are asked one after the other).
+        todo = sorted((d for d in dialogues if pending[d.id]), key=lambda d: -pending[d.id])
+        bar = tqdm(total=sum(pending.values()), desc="generating (api)", disable=not progress)
         stop = threading.Event()
 
         def emit(record: TurnRecord) -> None:
