@@ -1,10 +1,12 @@
 """mmtune's generator as lmms-eval's model ``mmtune``, run by lmms-eval itself (0.7.3, installed
 without its own requirements: ``pip install --no-deps lmms-eval==0.7.3`` plus the
-``lmms-eval-runtime`` extra) on a local task: a task YAML, a JSON-lines file and images
+``lmms-eval-runtime`` extra) on local tasks: a task YAML, a JSON-lines file and images
 written by the test, no hub. lmms-eval finds the model through mmtune's entry point,
 builds its requests, calls ``generate_until`` and scores the replies; the replies must be
-mmtune's own generator's answers to the same questions."""
+mmtune's own generator's answers to the same questions. lmms-eval runs in a process of its
+own (lmms_worker.py): evaluating changes process-wide state that later tests would see."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,8 +22,9 @@ from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
 
-lmms_eval = pytest.importorskip(
-    "lmms_eval", reason="lmms-eval is an optional extra: pip install --no-deps lmms-eval==0.7.3 && "
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lmms_eval") is None,
+    reason="lmms-eval is an optional extra: pip install --no-deps lmms-eval==0.7.3 && "
     "pip install -e '.[lmms-eval-runtime]' (as .ci/run does)")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,65 +106,51 @@ def llava_final(tmp_path_factory):
     return root / "final", adapter, model
 
 
-@pytest.fixture
-def datasets_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def _tiny_xc2():
+    yaml = ROOT / "configs" / "model" / "internlm_xc2_tiny.yaml"
+    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+    adapter = build_adapter(tiny)
+    return adapter, adapter.load_model(seed=0).eval()
 
 
-def _evaluate(model, model_args, task_dir, task, **kwargs):
-    from lmms_eval.evaluator import simple_evaluate
-    from lmms_eval.tasks import TaskManager
+def _env(tmp_path):
+    import os
 
-    return simple_evaluate(model=model, model_args=model_args, tasks=[task],
-                           task_manager=TaskManager("WARNING", include_path=str(task_dir)), batch_size=1,
-                           log_samples=True, bootstrap_iters=0, **kwargs)
+    return {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                                                  os.environ.get("PYTHONPATH", "")])}
 
 
-def test_lmms_eval_runs_the_mmtune_model_from_its_entry_point_on_a_local_task(llava_final, tmp_path, datasets_cache):
+def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(llava_final, tmp_path):
     final, adapter, model = llava_final
     _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
     own = _own_answers(adapter, model, docs)
+    xc2_own = _own_answers(*_tiny_xc2(), docs)
     # the reference of the first item is the model's own answer, so the score is exactly 1/3
-    task_dir, docs = _task(tmp_path / "task", "mmtune_tiny", [own[0], "not-an-answer", "not-an-answer"])
-    out = _evaluate("mmtune", f"pretrained={final},family=llava,device=cpu", task_dir, "mmtune_tiny")
-    samples = sorted(out["samples"]["mmtune_tiny"], key=lambda s: s["doc_id"])
-    replies = [s["resps"][0][0] if isinstance(s["resps"][0], list) else s["resps"][0] for s in samples]
-    assert replies == [a.split("\n\n")[0] for a in own]  # `until` cuts at its first stop string
-    assert out["results"]["mmtune_tiny"]["exact_match,none"] == pytest.approx(1 / 3)
-    assert out["config"]["model"] == "mmtune"
+    llava_dir, _ = _task(tmp_path / "llava", "mmtune_tiny", [own[0], "not-an-answer", "not-an-answer"])
+    xc2_dir, _ = _task(tmp_path / "xc2", "xc2_tiny", xc2_own, until="NEVER-SEEN")
+    choice_dir, _ = _task(tmp_path / "mc", "xc2_choice", list(COLOURS), output_type="multiple_choice")
+    spec = {"runs": [
+        {"name": "llava", "task_dir": str(llava_dir), "task": "mmtune_tiny",
+         "model_args": f"pretrained={final},family=llava,device=cpu"},
+        {"name": "xc2", "task_dir": str(xc2_dir), "task": "xc2_tiny", "model_args": None},
+        {"name": "choice", "task_dir": str(choice_dir), "task": "xc2_choice", "model_args": None},
+    ]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("lmms_worker.py")), str(tmp_path / "spec.json"),
+                           str(tmp_path / "report.json")], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
 
-
-def _tiny_xc2_loader(checkpoint, config, device="auto"):
-    yaml = ROOT / "configs" / "model" / "internlm_xc2_tiny.yaml"
-    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
-    assert config.family == "internlm_xcomposer2" and config.path == "internlm/internlm-xcomposer2-vl-7b"
-    adapter = build_adapter(tiny)
-    return adapter, adapter.load_model(seed=0).eval(), "tiny"
-
-
-def test_an_xcomposer2_model_object_through_lmms_evals_evaluator(tmp_path, datasets_cache, monkeypatch):
-    from mmtune.evaluation import lmms_model
-
-    real_init = lmms_model.GenerationEngine.__init__
-    monkeypatch.setattr(lmms_model.GenerationEngine, "__init__",
-                        lambda self, *a, **k: real_init(self, *a, **k, loader=_tiny_xc2_loader))
-    lmms_model.register()
-    cls = lmms_eval.models.get_model("mmtune")
-    assert cls is lmms_model.MMTuneLMM and issubclass(cls, lmms_eval.api.model.lmms)
-    lm = cls(pretrained="internlm/internlm-xcomposer2-vl-7b", family="internlm_xcomposer2", device="cpu")
-    _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
-    own = _own_answers(lm.engine.adapter, lm.engine.model, docs)
-    task_dir, _ = _task(tmp_path / "task", "xc2_tiny", own, until="NEVER-SEEN")
-    out = _evaluate(lm, None, task_dir, "xc2_tiny")
-    samples = sorted(out["samples"]["xc2_tiny"], key=lambda s: s["doc_id"])
-    assert [s["resps"][0][0] if isinstance(s["resps"][0], list) else s["resps"][0] for s in samples] == own
-    assert out["results"]["xc2_tiny"]["exact_match,none"] == 1.0
-
+    # LLaVA from a saved final/, found through mmtune's `lmms_eval.models` entry point
+    assert report["llava"]["model"] == "mmtune"
+    assert report["llava"]["replies"] == [a.split("\n\n")[0] for a in own]  # `until` cuts at its first stop string
+    assert report["llava"]["results"]["exact_match,none"] == pytest.approx(1 / 3)
+    # InternLM-XComposer2 as a model object handed to the evaluator
+    assert report["xc2"]["replies"] == xc2_own and report["xc2"]["results"]["exact_match,none"] == 1.0
     # a log-likelihood task is refused with what to use instead
-    task_dir, _ = _task(tmp_path / "mc", "xc2_choice", list(COLOURS), output_type="multiple_choice")
-    with pytest.raises(NotImplementedError, match="generation tasks only"):
-        _evaluate(lm, None, task_dir, "xc2_choice")
+    assert "generation tasks only" in report["choice"]["error"]
 
 
 @pytest.mark.slow
