@@ -4,6 +4,7 @@
     mmtune evaluate score mmdu --data benchmark.json --predictions answers.json --out eval/
     mmtune evaluate score mdi --predictions mdi_with_responses.json --out eval/
     mmtune evaluate checkpoint outputs/demo/final synthetic --data test.json --image-root images/ --out eval/
+    mmtune evaluate checkpoint runs/x/final mmdu --data benchmark.json --image-root mmdu/ --out eval/ --processes 8
     mmtune evaluate lmms-command outputs/run/final --tasks mmmu_val,ai2d --out eval/lmms
     mmtune evaluate lmms-parse eval/lmms/results.json --out eval/
     mmtune evaluate report eval/
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 import typing
@@ -120,7 +122,8 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
     parser.add_argument("--run", default="eval", help="run label written into the results")
     if not generate:
         parser.add_argument("--model", default="external", help="model label written into the results")
-    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
+    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code",
+                                               "--processes"}
     for field in dataclasses.fields(bench.settings_class):
         if generate and field.name == "predictions":
             continue  # `checkpoint` generates the answers
@@ -135,6 +138,9 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
         parser.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
         parser.add_argument("--trust-remote-code", action="store_true",
                             help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
+        parser.add_argument("--processes", type=int, default=1, metavar="N",
+                            help="data-parallel processes, one per GPU: the command runs itself N times through "
+                            "torchrun, each process answers its share of the dialogues, the first one scores")
     parser.set_defaults(cli_defaults=defaults)
 
 
@@ -203,6 +209,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run, model_label=args.model)
             _print(results)
         elif args.command == "checkpoint":
+            if args.processes < 1:
+                raise ValueError(f"--processes {args.processes}: must be >= 1")
+            if args.processes > 1 and "WORLD_SIZE" not in os.environ:
+                return _launch(args.processes, sys.argv[1:] if argv is None else list(argv))
             from mmtune.evaluation.runner import evaluate_checkpoint
             from mmtune.models.config import ModelConfig
 
@@ -236,6 +246,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"mmtune evaluate: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _launch(processes: int, argv: list[str]) -> int:
+    """Run ``mmtune evaluate <argv>`` in ``processes`` processes through torchrun (on this
+    machine, a free rendezvous port); its exit status is theirs (non-zero when a rank failed)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           "-m", "mmtune.cli", "evaluate", *argv]
+    print(f"mmtune evaluate: launching {processes} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.run(cmd).returncode
 
 
 if __name__ == "__main__":

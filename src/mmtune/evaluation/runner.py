@@ -52,13 +52,21 @@ def run_benchmarks(
     lmms_pretrained: Optional[str] = None,
     lmms_is_adapter: bool = False,
     command_runner: Optional[Callable[..., Any]] = None,
+    layout: Any = None,
 ) -> dict[str, BenchmarkResult]:
     """Run ``cfg.benchmarks``; write one result JSON each, details and the report.
 
     Every benchmark is checked before any of them runs, so a run that cannot finish
     refuses at start-up. Judge failures above ``eval.judge.max_failed_share`` raise
-    :class:`~mmtune.evaluation.judge.client.JudgeFailures` after that benchmark's results,
-    details and the report are written.
+    :class:`~mmtune.evaluation.judge.client.JudgeFailures`, and a served model's failed
+    turns above ``eval.generation.api.max_failed_share``
+    :class:`~mmtune.evaluation.generation.records.GenerationFailures`, after that
+    benchmark's results, details and the report are written.
+
+    Launched with several processes, every rank first generates its share of every
+    benchmark (:mod:`mmtune.evaluation.generation.data_parallel`); then rank 0 alone
+    scores, judges and writes the results (the other ranks return ``{}``), so each answer
+    is judged once.
 
     Args:
         make_generator: builds the :class:`DialogueGenerator` on first need (not called
@@ -68,26 +76,38 @@ def run_benchmarks(
         lmms_pretrained: what lmms-eval loads (defaults to ``checkpoint``).
         command_runner: runs external commands (``subprocess.run``); dry runs record them instead.
         wandb_run: an active W&B run to log metrics and plots to (or None).
+        layout: this process's place in a data-parallel run; ``None``: from the launcher's
+            environment (:func:`~mmtune.evaluation.generation.data_parallel.current_layout`).
 
     Returns:
         ``{benchmark: result}`` (lmms-eval adds one entry per task).
     """
+    from mmtune.evaluation.generation.data_parallel import check_layout, current_layout
+
     validate_eval_config(cfg)
+    layout = layout or current_layout()
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ctx = RunContext(cfg, out, make_generator, run=run_name, model=model_label, checkpoint=checkpoint, family=family,
                      model_config=model_config, lmms_pretrained=lmms_pretrained or checkpoint,
-                     lmms_is_adapter=lmms_is_adapter, command_runner=command_runner)
+                     lmms_is_adapter=lmms_is_adapter, command_runner=command_runner, layout=layout)
     benchmarks = [get_benchmark(name) for name in cfg.benchmarks]
-    problems = [p for b in benchmarks for p in b.preflight(ctx)]
+    problems = [p for b in benchmarks for p in b.preflight(ctx)] + check_layout(cfg.generation, layout)
     if problems:
         raise ValueError("this evaluation cannot run to the end:\n  - " + "\n  - ".join(problems))
-    if any(b.uses_judge for b in benchmarks):
+    if any(b.uses_judge for b in benchmarks) and layout.is_main:
         ctx.judge  # noqa: B018 - build the judge now: a missing model name fails before hours of generation, and the
         # start-up line says which endpoint and credentials source are used
     results: dict[str, BenchmarkResult] = {}
     sections: dict[str, Any] = {}
     try:
+        if layout.distributed:  # every rank its share of every benchmark first: no rank waits while rank 0 judges
+            for bench in benchmarks:
+                dialogues = bench.pending_dialogues(ctx)
+                if dialogues:
+                    ctx.generate(bench.name, dialogues)
+            if not layout.is_main:
+                return results
         for bench in benchmarks:
             for result in bench.evaluate(ctx):
                 if bench.uses_judge and ctx.has_judge:
@@ -96,13 +116,19 @@ def run_benchmarks(
                     result.meta["generation"] = dataclasses.asdict(cfg.generation)
                     # the window actually applied (the model's own when context_length is null)
                     result.meta["context_window"] = ctx.generator.context_length
-                    if ctx.generator.batch_note:  # the batch size actually run, and why it is not the configured one
+                    if getattr(ctx.generator, "batch_note", None):  # the batch run, and why it is not the configured one
                         result.meta["generation_batch_size"] = ctx.generator.batch_size
                         result.meta["generation_batch_note"] = ctx.generator.batch_note
+                    if bench.name in ctx.generation_usage:
+                        result.meta["generation_usage"] = ctx.generation_usage[bench.name]
+                    if bench.name in ctx.rank_work:
+                        result.meta["data_parallel"] = {"processes": layout.world_size,
+                                                        "ranks": ctx.rank_work[bench.name]}
                 write_result(result, out)
                 results[result.benchmark] = result
                 sections[result.benchmark] = bench
                 log.info("%s: %s", result.benchmark, {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k})
+            ctx.check_generation(bench.name)
             if bench.uses_judge and ctx.has_judge:
                 from mmtune.evaluation.judge.client import check_failures
 
@@ -157,8 +183,10 @@ def evaluate_model(
     model_label: str = "model",
     checkpoint: Optional[str] = None,
     wandb_run: Any = None,
+    layout: Any = None,
 ) -> dict[str, BenchmarkResult]:
-    """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``."""
+    """Evaluate an already loaded ``model`` (e.g. at the end of training) with ``cfg``; in a
+    data-parallel run every rank calls it with its own copy (see :func:`run_benchmarks`)."""
     from mmtune.evaluation.generation.generator import DialogueGenerator
 
     was_training = getattr(model, "training", False)
@@ -167,7 +195,7 @@ def evaluate_model(
             cfg, output_dir=output_dir, run_name=run_name, model_label=model_label,
             make_generator=lambda: DialogueGenerator(adapter, model, cfg.generation),
             checkpoint=checkpoint, family=getattr(adapter, "family", None), wandb_run=wandb_run,
-            model_config=getattr(adapter, "config", None),
+            model_config=getattr(adapter, "config", None), layout=layout,
         )
     finally:
         model.train(was_training)  # the trainer may continue after a mid-run evaluation
@@ -195,26 +223,43 @@ def evaluate_checkpoint(
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
     """
+    from mmtune.evaluation.generation.data_parallel import current_layout, rank_device
     from mmtune.evaluation.generation.generator import DialogueGenerator
     from mmtune.evaluation.generation.loading import load_for_evaluation, resolve_checkpoint
 
     cfg = cfg or EvalConfig()
     model_config = model_config or ModelConfig()
     family = model_config.family
+    layout = current_layout()
     lmms_pretrained, is_adapter = model_config.path, False  # baseline rows: the base model itself
-    if checkpoint:
-        resolved, peft_dir = resolve_checkpoint(checkpoint, model_config)
-        family = resolved.family
-        model_config = resolved if peft_dir is None else model_config
-        lmms_pretrained, is_adapter = (resolved.path, False) if peft_dir is None else (checkpoint, True)
-    label = checkpoint or model_config.path or f"random:{model_config.family}"
+    if cfg.generation.backend == "api":
+        if checkpoint:
+            raise ValueError(f"checkpoint={checkpoint!r} with eval.generation.backend=api: the served model "
+                             f"{cfg.generation.api.model!r} answers and nothing is loaded; unset checkpoint, or set "
+                             "eval.generation.backend=local to generate with the checkpoint")
+        label = cfg.generation.api.model
 
-    def load_generator():
-        adapter, model, _ = load_for_evaluation(checkpoint, model_config, device=cfg.generation.device)
-        return DialogueGenerator(adapter, model, cfg.generation)
+        def load_generator():
+            from mmtune.evaluation.generation.api import ApiGenerator
+
+            generator = ApiGenerator(cfg.generation)
+            print(generator.describe(), file=sys.stderr, flush=True)  # which endpoint answers; never the key
+            return generator
+    else:
+        if checkpoint:
+            resolved, peft_dir = resolve_checkpoint(checkpoint, model_config)
+            family = resolved.family
+            model_config = resolved if peft_dir is None else model_config
+            lmms_pretrained, is_adapter = (resolved.path, False) if peft_dir is None else (checkpoint, True)
+        label = checkpoint or model_config.path or f"random:{model_config.family}"
+
+        def load_generator():
+            device = rank_device(cfg.generation.device, layout)
+            adapter, model, _ = load_for_evaluation(checkpoint, model_config, device=device)
+            return DialogueGenerator(adapter, model, cfg.generation)
 
     wandb_run = None
-    if wandb:
+    if wandb and layout.is_main:
         import wandb as wandb_lib
 
         # only the eval settings: the judge's URL and key live in the environment, not here
@@ -224,7 +269,7 @@ def evaluate_checkpoint(
         return run_benchmarks(cfg, output_dir=output_dir, run_name=run_name, model_label=label,
                               make_generator=make_generator or load_generator, checkpoint=checkpoint, family=family,
                               wandb_run=wandb_run, model_config=model_config, lmms_pretrained=lmms_pretrained,
-                              lmms_is_adapter=is_adapter, command_runner=command_runner)
+                              lmms_is_adapter=is_adapter, command_runner=command_runner, layout=layout)
     finally:
         if wandb_run is not None:
             wandb_run.finish()

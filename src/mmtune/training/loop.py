@@ -73,11 +73,12 @@ def generate_synthetic_data(syn: Any) -> None:
 def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: int) -> None:
     """Refuse in-training evaluation where it cannot work: ZeRO-3 on several processes.
 
-    Evaluation during training generates on the main process while the other ranks wait.
-    Under ZeRO-3 each rank holds only a shard of every weight, and gathering a layer for
-    one rank's forward is a collective the waiting ranks never join, so the job would
-    hang (or generate from empty shards). ZeRO-0/1/2 and DDP keep full weights on every
-    rank and are fine, as is ZeRO-3 on a single process.
+    Evaluation during training generates on every rank, each its own share of the
+    dialogues (:mod:`mmtune.evaluation.generation.data_parallel`). Under ZeRO-3 each rank
+    holds only a shard of every weight, and every forward pass gathers each layer from all
+    ranks at once: ranks answering different dialogues make different numbers of forward
+    passes, so those gathers would not line up and the job would hang. ZeRO-0/1/2 and DDP
+    keep full weights on every rank and are fine, as is ZeRO-3 on a single process.
 
     Raises:
         ValueError: naming the keys to change, at start-up rather than after training.
@@ -86,8 +87,9 @@ def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: in
     if zero_stage == 3 and num_processes > 1 and asked:
         raise ValueError(
             f"training.{' and training.'.join(asked)}=true cannot run under DeepSpeed ZeRO-3 on {num_processes} "
-            "processes: in-training evaluation generates on the main process alone, which cannot gather ZeRO-3's "
-            "sharded weights. Set " + " ".join(f"training.{k}=false" for k in asked)
+            "processes: in-training evaluation generates on every rank, each its own dialogues, and ZeRO-3's "
+            "per-layer gathers need every rank in the same forward pass. Set "
+            + " ".join(f"training.{k}=false" for k in asked)
             + " and evaluate the saved final/ checkpoint with recipes/evaluate.py (mmtune evaluate), or train with "
             "ZeRO-2 (launch/accelerate/*zero2*.yaml)"
         )
@@ -586,16 +588,16 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:
-        """Run the ``eval`` benchmarks on the current model (main process) and log them."""
+        """Run the ``eval`` benchmarks on the current model and log them: every rank generates
+        its share of the dialogues, the main process scores (see ``check_evaluation_layout``)."""
         from mmtune.training.evaluation import evaluate_in_training
 
         acc = self.accelerator
-        results: dict[str, Any] = {}
+        model = acc.unwrap_model(self.model)
+        results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
+                                       output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
+                                       wandb_run=self.logger.wandb_run if acc.is_main_process else None)
         if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
-                                           output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
-                                           wandb_run=self.logger.wandb_run)
             flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
                     for name, value in metrics.items()}
             self.logger.summary(flat)

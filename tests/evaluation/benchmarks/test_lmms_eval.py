@@ -87,3 +87,10 @@ def test_missing_lmms_eval_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"mmtune\[lmms-eval\].*results_path"):
         run_lmms_eval("/c", LmmsEvalConfig(), family="llava", output_path=str(tmp_path), run="r", model="m")
+
+
+def test_launcher_command_for_xcomposer2():
+    cmd = build_command("/runs/xc2/final", LmmsEvalConfig(tasks=["mmstar"]), family="internlm_xcomposer2",
+                        output_path="/o", python="python", model_config_file="/o/mmtune_model.json")
+    assert cmd[:5] == ["python", "-m", "mmtune.evaluation.lmms_model", "--model", "mmtune"]
+    assert cmd[cmd.index("--model_args") + 1] == "pretrained=/runs/xc2/final,family=internlm_xcomposer2,model_config=/o/mmtune_model.json"

@@ -251,3 +251,19 @@ def test_logits_term_follows_the_loss_implementation():
     assert "training.loss_impl=chunked" in terms["chunked"].formula
     frozen_head = estimate_cost(params, loss_impl="chunked", loss_chunk_size=1024, head_trains=False, **common)
     assert frozen_head.memory_gib["logits"] == pytest.approx((6 * 1024 * V + 2 * s * d) / gib)
+
+
+def test_evaluation_plan_on_several_gpus_and_with_a_served_model(env):
+    experiment = next(e for e in EXPERIMENTS if _recipe(e) == "evaluate" and "mmdu" in e)
+    one = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=1)
+    many = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=8)
+    mmdu = {p.gpus: next(e for e in p.generation if e["benchmark"] == "mmdu") for p in (one, many)}
+    items = next(b for b in many.benchmarks if b["name"] == "mmdu")["items"]
+    assert mmdu[1]["gpus"] == 1 and mmdu[1]["hours_wall"] == pytest.approx(mmdu[1]["hours"])
+    assert mmdu[8]["gpus"] == min(8, items) and mmdu[8]["hours_wall"] < mmdu[1]["hours"]
+    assert mmdu[8]["hours"] == mmdu[1]["hours"]  # the one-GPU figure stays beside it
+    assert f"on {min(8, items)} GPUs: <=" in many.render() and "on 1 GPUs" not in one.render()
+    served = plan_evaluation([f"experiment={experiment}", "eval.generation.backend=api",
+                              "eval.generation.api.model=gpt-4o-2024-05-13"], gpu="a100-80g", num_gpus=8)
+    assert served.served_model == "gpt-4o-2024-05-13" and served.generation == [] and served.params is None
+    assert "served model 'gpt-4o-2024-05-13'" in served.render() and "judge calls" in served.render()

@@ -67,10 +67,20 @@ class RunContext:
     def __init__(self, cfg: Any, out: Path, make_generator: Optional[Callable[[], Any]], *, run: str, model: str,
                  checkpoint: Optional[str] = None, family: Optional[str] = None, model_config: Any = None,
                  lmms_pretrained: Optional[str] = None, lmms_is_adapter: bool = False,
-                 command_runner: Optional[Callable[..., Any]] = None):
+                 command_runner: Optional[Callable[..., Any]] = None, layout: Any = None):
         import subprocess
 
+        from mmtune.evaluation.generation.data_parallel import Layout
+
         self.cfg, self.out, self._make_generator = cfg, out, make_generator
+        self.layout = layout or Layout()
+        """This process's place in a data-parallel evaluation (one process by default)."""
+        self.generated: dict[str, list[Any]] = {}
+        """Turn records per benchmark, once generated (all ranks' in a data-parallel run)."""
+        self.rank_work: dict[str, list[dict[str, Any]]] = {}
+        """Per benchmark, what each rank of a data-parallel run did."""
+        self.generation_usage: dict[str, dict[str, Any]] = {}
+        """Per benchmark, what a served model's calls cost (``api`` backend)."""
         self.run, self.model, self.checkpoint, self.family = run, model, checkpoint, family
         self.model_config = model_config
         """The ModelConfig the model is loaded with (lmms-eval's mmtune model loads it the same way)."""
@@ -114,8 +124,28 @@ class RunContext:
         return self._generator is not None
 
     def generate(self, name: str, dialogues: Sequence[Any]):
-        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
-                                       progress=self.cfg.progress, run_key=self.run_key(name))
+        """The turn records of ``dialogues`` for benchmark ``name``, generated once per run (by
+        every rank of a data-parallel run, each its share) into ``generations/<name>.jsonl``."""
+        from mmtune.evaluation.generation.data_parallel import generate_shared
+
+        if name not in self.generated:
+            records, ranks = generate_shared(self.generator, dialogues, self.out / "generations" / f"{name}.jsonl",
+                                             layout=self.layout, progress=self.cfg.progress, run_key=self.run_key(name))
+            self.generated[name] = records
+            if ranks is not None:
+                self.rank_work[name] = ranks
+            usage = self.generator.usage()
+            if usage is not None:
+                self.generation_usage[name] = usage
+        return self.generated[name]
+
+    def check_generation(self, name: str) -> None:
+        """Raise :class:`~mmtune.evaluation.generation.records.GenerationFailures` when more
+        than ``eval.generation.api.max_failed_share`` of benchmark ``name``'s turns failed."""
+        from mmtune.evaluation.generation.records import check_failed_turns
+
+        if self.generated.get(name):
+            check_failed_turns(self.generated[name], self.cfg.generation.api.max_failed_share, benchmark=name)
 
     def run_key(self, name: str) -> dict[str, Any]:
         """What a benchmark's answers depend on besides decoding: the model and the data file
@@ -149,6 +179,9 @@ class RunContext:
     def close(self) -> None:
         if self._judge is not None:
             self._judge.close()
+        close = getattr(self._generator, "close", None)  # a served model's HTTP client
+        if close is not None:
+            close()
 
 
 class Benchmark:
@@ -209,6 +242,15 @@ class Benchmark:
 
     def load(self, sub: Any, ctx: RunContext) -> list[Any]:
         raise NotImplementedError
+
+    def pending_dialogues(self, ctx: RunContext) -> list[Any]:
+        """The dialogues :meth:`evaluate` hands the generator (``[]`` when it scores a
+        predictions file or runs its own model): what a data-parallel run splits across
+        its ranks before rank 0 scores."""
+        sub = self.settings(ctx.cfg)
+        if not self.generates or getattr(sub, "predictions", None):
+            return []
+        return list(self.dialogues(self.load(sub, ctx), sub))
 
     def dialogues(self, items: list[Any], sub: Any) -> list[Any]:
         """The items as dialogues for the generator."""

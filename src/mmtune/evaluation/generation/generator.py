@@ -27,72 +27,43 @@ drops the oldest exchanges (their images are carried into the first kept user tu
 a kept turn names them, e.g. "Image1"), ``stop`` answers no more turns of the dialogue.
 Each turn's record says what happened.
 
-Every turn's record is appended to a JSONL file and flushed as soon as it exists; a
-restart skips finished turns and rebuilds the history of a half-done dialogue from the
-recorded answers. A restart only resumes answers of the same run: ``<file>.settings.json``
-keys the file on the decoding settings, the weights (a fingerprint of the loaded model
-plus the checkpoint's name) and the data file (path, size, mtime), and every resumed
-record's question must equal the dialogue's; anything else raises
-:class:`StaleGenerationsError` naming the run that wrote the file.
+Every turn's record is appended to a JSONL file and flushed as soon as it exists
+(:class:`~mmtune.evaluation.generation.records.GenerationsFile`); a restart skips
+finished turns and rebuilds the history of a half-done dialogue from the recorded
+answers. A restart only resumes answers of the same run: ``<file>.settings.json`` keys
+the file on the decoding settings, the weights (a fingerprint of the loaded model plus
+the checkpoint's name) and the data file (path, size, mtime), and every resumed record's
+question must equal the dialogue's; anything else raises :class:`StaleGenerationsError`
+naming the run that wrote the file. A finished run leaves the file in dialogue and turn
+order.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import re
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.records import (
+    GenerationsFile,
+    StaleGenerationsError,
+    TurnRecord,
+    question_text,
+    read_generations,
+)
 from mmtune.evaluation.generation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 
 __all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "question_text", "read_generations"]
 
 log = logging.getLogger(__name__)
-
-
-class StaleGenerationsError(ValueError):
-    """A generation file holds answers of another model, data file, prompt or decoding."""
-
-    def __init__(self, path: Path, message: str):
-        self.path = path
-        super().__init__(message)
-
-
-@dataclass
-class TurnRecord:
-    """One answered (or skipped) turn, as written to the generation JSONL."""
-
-    dialogue_id: str
-    turn: int
-    """Exchange index within the dialogue (0 = first question)."""
-    question: str
-    answer: Optional[str]
-    """``None`` when the turn was skipped because the dialogue no longer fits."""
-    reference: Optional[str]
-    prompt_tokens: int
-    """Length of the full prompt of this turn (history + question + generation prompt)."""
-    forward_tokens: int
-    """Tokens run through the model for this turn (fed prompt tokens + decoding steps)."""
-    new_tokens: int
-    finish_reason: str
-    """``stop`` (a stop token), ``length`` (max_new_tokens or window end) or ``context`` (skipped)."""
-    context: Optional[dict[str, Any]] = None
-    """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
-
-
-def question_text(turn: Turn) -> str:
-    """A user turn as text, images shown as ``<image>`` where they stood: the ``question`` of
-    a :class:`TurnRecord` (checked on resume) and of a judge prompt."""
-    return "".join(s if isinstance(s, str) else "<image>" for s in turn.segments).strip()
 
 
 def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
@@ -109,20 +80,6 @@ def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], 
         else:
             ids.extend(chunk.ids)
     return ids, images, spans
-
-
-def read_generations(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a generation JSONL; a torn last line (crash mid-write) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 @dataclass
@@ -654,13 +611,16 @@ class DialogueGenerator:
         out_path: Optional[str | os.PathLike] = None,
         progress: bool = False,
         run_key: Optional[dict[str, Any]] = None,
+        resume_from: Sequence[str | os.PathLike] = (),
     ) -> list[TurnRecord]:
         """Answer every user turn of ``dialogues``; append each record to ``out_path`` at once.
 
-        Turns already in ``out_path`` are not generated again (resume); their answers are
-        used as the history of the dialogue's remaining turns. ``run_key`` names what
-        else the answers depend on (``{"checkpoint": ..., "data": ...}``) and
-        ``{"about": {...}}`` describes the run for messages; both go to the settings file.
+        Turns already in ``out_path`` (or in a ``resume_from`` file) are not generated
+        again (resume); their answers are used as the history of the dialogue's remaining
+        turns. ``run_key`` names what else the answers depend on (``{"checkpoint": ...,
+        "data": ...}``) and ``{"about": {...}}`` describes the run for messages; both go to
+        the settings file. Once every turn is answered, ``out_path`` is rewritten in
+        dialogue and turn order (:meth:`GenerationsFile.finish`).
 
         Raises:
             StaleGenerationsError: ``out_path`` holds answers of another run.
@@ -672,22 +632,16 @@ class DialogueGenerator:
         from tqdm.auto import tqdm
 
         done: dict[tuple[str, int], dict[str, Any]] = {}
-        handle = None
+        file = None
         if out_path is not None:
-            out_path = Path(out_path)
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            self._check_settings(out_path, run_key)
-            _drop_torn_line(out_path)
-            done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
-            _check_questions(out_path, done, dialogues)
-            handle = out_path.open("a", encoding="utf-8")
+            file = GenerationsFile(out_path, self._settings(run_key), dialogues, resume_from=resume_from)
+            done = file.done
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
 
         def emit(record: TurnRecord) -> None:
             records[(record.dialogue_id, record.turn)] = record
-            if handle is not None:
-                handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
-                handle.flush()  # a crash loses at most the turn in flight
+            if file is not None:
+                file.append(record)
 
         states = []
         for dialogue in dialogues:
@@ -750,10 +704,26 @@ class DialogueGenerator:
                             bar.update(1)
         finally:
             bar.close()
-            if handle is not None:
-                handle.close()
+            if file is not None:
+                file.close()
         order = [(s.dialogue.id, t) for s in states for t in range(len(s.answers))]
+        if file is not None:
+            file.finish(order)
         return [records[k] for k in order if k in records]
+
+    def expected_tokens(self, dialogue: Dialogue) -> int:
+        """What answering ``dialogue`` costs on the KV path, known before answering it (to
+        balance data-parallel ranks): its encoded length, every question and image once,
+        the reference answers standing in for the model's, each at most ``max_new_tokens``."""
+        encoded = self.adapter.encode_dialogue(dialogue, system_prompt=self.config.system_prompt)
+        total = sum(len(c) for c in [*encoded.prefix, *encoded.suffix])
+        for turn in encoded.turns:
+            total += min(turn.length, self.config.max_new_tokens) if turn.role == "assistant" else turn.length
+        return total
+
+    def usage(self) -> Optional[dict[str, Any]]:
+        """What the last :meth:`generate` paid an endpoint: nothing for a local model."""
+        return None
 
     def _settings(self, run_key: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         from mmtune.evaluation.generation.fingerprint import weights_fingerprint
@@ -764,48 +734,3 @@ class DialogueGenerator:
         settings["weights"] = weights_fingerprint(self.model)
         settings.update(run_key or {})
         return settings
-
-    def _check_settings(self, out_path: Path, run_key: Optional[dict[str, Any]] = None) -> None:
-        # Resuming another model's, data file's or decoding's answers would mix two
-        # evaluations in one file and report them under the new name.
-        meta = out_path.with_suffix(".settings.json")
-        settings = self._settings(run_key)
-        if meta.exists() and out_path.exists() and out_path.stat().st_size > 0:
-            old = json.loads(meta.read_text())
-            diff = {k: (old.get(k), v) for k, v in settings.items() if k != "about" and old.get(k) != v}
-            if diff:
-                about = old.get("about") or {}
-                who = ", ".join(f"{k} {v!r}" for k, v in about.items()) or "no run recorded"
-                raise StaleGenerationsError(
-                    out_path,
-                    f"{out_path} holds answers generated with other settings by another run ({who}); they "
-                    f"differ in {sorted(diff)}: "
-                    f"{diff} (old, new). Not mixing them: use another output folder (each checkpoint gets its own "
-                    f"by default) or delete {out_path.name} and {meta.name} to start over",
-                )
-        meta.write_text(json.dumps(settings, indent=2, default=str))
-
-
-def _check_questions(out_path: Path, done: dict[tuple[str, int], dict[str, Any]], dialogues: Sequence[Dialogue]) -> None:
-    """Resumed records must answer the questions being asked now (same data, same prompts)."""
-    for dialogue in dialogues:
-        for t, (u, _) in enumerate(dialogue.exchanges()):
-            old = done.get((dialogue.id, t))
-            if old is not None and old.get("question") != question_text(dialogue.turns[u]):
-                raise StaleGenerationsError(
-                    out_path,
-                    f"{out_path}: the stored answer of dialogue {dialogue.id!r}, turn {t} was generated for another "
-                    f"question ({old.get('question')!r:.80} vs now {question_text(dialogue.turns[u])!r:.80}): the data "
-                    "file or prompt changed. Use another output folder or delete the file to start over",
-                )
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Cut a half-written last line so appended records start on a line of their own."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with path.open("r+b") as handle:
-            handle.truncate(cut)

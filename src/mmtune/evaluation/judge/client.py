@@ -9,9 +9,11 @@ Every reply is stored in an SQLite cache as soon as it arrives, keyed by a hash 
 resume after a crash therefore pays only for calls that never completed; multi-run
 protocols (MM-Vet's 5 runs) put the run index in the key so each run is a real call.
 
-Retries are our own loop (the SDK's are switched off) so the policy is explicit and
-testable: 429, 5xx, timeouts, connection errors and malformed replies are retried with
-exponential backoff and full jitter; other 4xx errors fail the item at once.
+Calls go through :class:`~mmtune.evaluation.chat_api.ChatEndpoint` (shared with the
+``api`` generation backend): retries are our own loop (the SDK's are switched off) so the
+policy is explicit and testable: 429, 5xx, timeouts, connection errors and malformed
+replies are retried with exponential backoff and full jitter; other 4xx errors fail the
+item at once. The key is redacted from every message and tokens and cost are counted there.
 
 Failures are loud: each failed call keeps its HTTP status and (redacted) message, the
 stats keep the first error and a count per likely cause, and :func:`check_failures`
@@ -23,24 +25,22 @@ waits for its reply.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
-import mimetypes
 import os
 import random
-import re
 import socket
 import sqlite3
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
+from mmtune.evaluation.chat_api import JUDGE, CallStats, ChatEndpoint, image_data_url, likely_cause, resolve_endpoint
 from mmtune.evaluation.judge.config import JudgeConfig
 
 __all__ = [
@@ -69,45 +69,6 @@ class JudgeError(RuntimeError):
 
 class JudgeFailures(RuntimeError):
     """Too many judge calls failed: the scores would mix real zeros with failures."""
-
-
-def likely_cause(status: Optional[int], message: str, *, key_source: str = "the API key variable",
-                 url_source: str = "the base URL variable") -> str:
-    """A one-line diagnosis of a failed judge call, for the summary a user reads first."""
-    text = message.lower()
-    if status in (401, 403):
-        return f"the API key is wrong, expired or lacks access: check {key_source}"
-    if status == 404:
-        return f"the judge model name or the base URL is wrong (the endpoint does not know it): check judge.model and {url_source}"
-    if status == 429:
-        return "rate limit or quota exhausted: lower judge.concurrency or check the account's quota"
-    if status is not None and status >= 500:
-        return "the judge server failed (HTTP 5xx): retry later or check the server's log"
-    if "refused" in text or "connection error" in text or "connect" in text:
-        return f"no server answered at the base URL (connection refused): start the judge server or fix {url_source}"
-    if "timeout" in text:
-        return "the judge server did not answer in time: raise judge.timeout_s or check the server's load"
-    if "malformed" in text:
-        return "the endpoint answered with something that is not a chat completion: check the base URL points at an OpenAI-compatible /v1"
-    if status == 400:
-        return "the endpoint rejected the request (HTTP 400): check the judge model supports these messages (images?) and max_tokens"
-    return "see the error message"
-
-
-def resolve_endpoint(config: JudgeConfig, env: Any) -> tuple[str, Optional[str], str, str]:
-    """(api key, base URL, key source, url source): mmtune's variables first, then the
-    openai SDK's ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``. Sources are variable names only."""
-    key, key_source = env.get(config.api_key_env), f"${config.api_key_env}"
-    if not key and env.get("OPENAI_API_KEY"):
-        key, key_source = env.get("OPENAI_API_KEY"), "$OPENAI_API_KEY"
-    if not key:
-        key, key_source = "EMPTY", f"none (${config.api_key_env} and $OPENAI_API_KEY unset; local servers accept any key)"
-    url, url_source = env.get(config.base_url_env), f"${config.base_url_env}"
-    if not url and env.get("OPENAI_BASE_URL"):
-        url, url_source = env.get("OPENAI_BASE_URL"), "$OPENAI_BASE_URL"
-    if not url:
-        url, url_source = None, f"the openai default (${config.base_url_env} and $OPENAI_BASE_URL unset)"
-    return key, url, key_source, url_source
 
 
 @dataclass(frozen=True)
@@ -147,69 +108,14 @@ class JudgeResponse:
 
 
 @dataclass
-class JudgeStats:
-    """Counters of one client's lifetime (thread-safe through the client's lock)."""
+class JudgeStats(CallStats):
+    """Counters of one judge client's lifetime (see :class:`~mmtune.evaluation.chat_api.CallStats`)."""
 
-    calls: int = 0
-    """HTTP requests sent (including retried ones)."""
-    completed: int = 0
-    """Requests that returned a usable reply (what you pay for)."""
-    retries: int = 0
-    failed: int = 0
-    """Items given up on after all retries, or rejected with a non-retryable error."""
-    cache_hits: int = 0
-    requests: int = 0
-    """Items asked for (served from cache, completed or failed)."""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
-    first_error: Optional[dict[str, Any]] = None
-    """The first failure: status, message (redacted) and likely cause."""
-    causes: dict[str, int] = field(default_factory=dict)
-    """Failed calls counted by likely cause."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["causes"] = dict(self.causes)
-        return out
-
-    @property
-    def failed_share(self) -> float:
-        return self.failed / self.requests if self.requests else 0.0
-
-    def summary(self) -> str:
-        """One paragraph for the console: counts, first error and its likely cause."""
-        line = (f"judge: {self.requests} requests, {self.completed} completed, {self.cache_hits} from cache, "
-                f"{self.failed} failed ({100 * self.failed_share:.1f}%), {self.retries} retries")
-        if self.first_error:
-            err = self.first_error
-            status = f"HTTP {err['status']}: " if err.get("status") else ""
-            line += f"\n  first error: {status}{err['message']}\n  likely cause: {err['cause']}"
-        return line
+    label: ClassVar[str] = "judge"
 
 
 def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _image_upload(path: str) -> tuple[str, bytes]:
-    """``(mime type, bytes)`` of an image file to attach to a judge call.
-
-    The file must decode as an image header (PIL) whatever its name says: only image
-    files ever leave the machine, never a file an image path happens to point at.
-    """
-    from PIL import Image as PILImage
-
-    try:
-        with PILImage.open(path) as image:
-            kind = image.format
-    except Exception as err:  # PIL raises many types for files that are not images
-        raise ValueError(
-            f"judge.send_images: {path} is not an image file ({type(err).__name__}: {err}); only image files are "
-            "sent to the judge. Fix the image path in the benchmark data or turn send_images off"
-        ) from None
-    mime = PILImage.MIME.get(kind or "", mimetypes.guess_type(path)[0] or "image/png")
-    return mime, Path(path).read_bytes()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -294,12 +200,6 @@ class JudgeCache:
             self._conn.close()
 
 
-class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: Optional[float] = None):
-        super().__init__(reason)
-        self.retry_after = retry_after
-
-
 class JudgeClient:
     """Thread-pooled judge caller.
 
@@ -323,8 +223,6 @@ class JudgeClient:
         sleep: Callable[[float], None] = time.sleep,
         rng: Optional[random.Random] = None,
     ):
-        import openai
-
         env = os.environ if env is None else env
         self.config = config
         self.model = config.model or env.get(config.model_env)
@@ -332,17 +230,14 @@ class JudgeClient:
             raise JudgeError(
                 f"no judge model: set judge.model in the eval config or the environment variable {config.model_env}"
             )
-        api_key, base_url, self.key_source, self.url_source = resolve_endpoint(config, env)
-        self.base_url = base_url
-        self._secret = api_key if api_key != "EMPTY" else None
-        # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=config.timeout_s, max_retries=0)
+        self.stats = JudgeStats()
+        self._endpoint = ChatEndpoint(config, env=env, role=JUDGE, stats=self.stats, rng=rng)
+        self.base_url, self.key_source, self.url_source = (self._endpoint.base_url, self._endpoint.key_source,
+                                                           self._endpoint.url_source)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
-        self.stats = JudgeStats()
-        self._lock = threading.Lock()
+        self._lock = self._endpoint.lock
         self._sleep = sleep
-        self._rng = rng or random.Random()
         self._digests: dict[str, str] = {}
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         # longest a live caller can hold a claim: every attempt times out and every backoff is maximal
@@ -350,8 +245,7 @@ class JudgeClient:
 
     def describe(self) -> str:
         """The start-up line: model, endpoint and where each came from; never the key."""
-        url = self.base_url or "https://api.openai.com/v1"
-        return (f"judge: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source}); "
+        return (f"judge: model {self.model!r} at {self._endpoint.where()}; "
                 f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
 
     # ----------------------------------------------------------------- keys and messages
@@ -381,77 +275,14 @@ class JudgeClient:
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
             for path in request.images:
-                mime, raw = _image_upload(path)
-                data = base64.b64encode(raw).decode("ascii")
-                content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}})
+                url, _ = image_data_url(path, max_side=None, max_bytes=None, oversize="downscale",
+                                        setting="judge.send_images", receiver="the judge",
+                                        remedy="Fix the image path in the benchmark data or turn send_images off")
+                content.append({"type": "image_url", "image_url": {"url": url}})
             messages.append({"role": "user", "content": content})
         else:
             messages.append({"role": "user", "content": request.prompt})
         return messages
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
-
-    # ----------------------------------------------------------------- one call
-    def _price(self, model: str) -> tuple[float, float]:
-        best = ""
-        for name in self.config.prices:
-            if model.startswith(name) and len(name) > len(best):
-                best = name
-        if not best:
-            return 0.0, 0.0
-        price = self.config.prices[best]
-        return float(price.get("input", 0.0)), float(price.get("output", 0.0))
-
-    def _attempt(self, request: JudgeRequest) -> tuple[str, int, int]:
-        import openai
-
-        with self._lock:
-            self.stats.calls += 1
-        try:
-            completion = self._client.chat.completions.create(
-                model=request.model or self.model,
-                messages=self._messages(request),
-                temperature=request.temperature,
-                max_tokens=request.max_tokens or self.config.max_tokens,
-            )
-        except openai.RateLimitError as err:
-            raise _Retryable("HTTP 429 rate limited", _retry_after(err)) from None
-        except openai.InternalServerError as err:
-            raise _Retryable(f"HTTP {err.status_code} server error") from None
-        except openai.APITimeoutError:
-            raise _Retryable(f"timeout after {self.config.timeout_s}s") from None
-        except openai.APIConnectionError as err:
-            raise _Retryable(f"connection error: {_root_cause(err)}") from None
-        except (openai.APIResponseValidationError, json.JSONDecodeError) as err:
-            # Proxies and overloaded servers sometimes answer 200 with an HTML or truncated body.
-            raise _Retryable(f"malformed reply: {type(err).__name__}") from None
-        except openai.APIStatusError as err:
-            raise JudgeError(
-                f"judge endpoint rejected the request with HTTP {err.status_code}: "
-                f"{self._redact(str(err.message))[:300]} (model {request.model or self.model!r})",
-                status=err.status_code,
-            ) from None
-        # A 200 with a body that is not a chat completion (proxies, broken servers) is retried.
-        choices = getattr(completion, "choices", None)
-        if not choices or getattr(choices[0], "message", None) is None or choices[0].message.content is None:
-            raise _Retryable("malformed reply: no choices[0].message.content")
-        usage = getattr(completion, "usage", None)
-        return (
-            choices[0].message.content,
-            int(getattr(usage, "prompt_tokens", 0) or 0),
-            int(getattr(usage, "completion_tokens", 0) or 0),
-        )
-
-    def _fail(self, message: str, status: Optional[int]) -> JudgeResponse:
-        message = self._redact(message)
-        cause = likely_cause(status, message, key_source=self.key_source, url_source=self.url_source)
-        with self._lock:
-            self.stats.failed += 1
-            self.stats.causes[cause] = self.stats.causes.get(cause, 0) + 1
-            if self.stats.first_error is None:
-                self.stats.first_error = {"status": status, "message": message, "cause": cause}
-        return JudgeResponse(None, error=message, status=status)
 
     def _hit(self, hit: tuple[str, int, int]) -> JudgeResponse:
         with self._lock:
@@ -491,41 +322,17 @@ class JudgeClient:
             hopeless = limit > 0 and self.stats.completed == 0 and self.stats.failed >= limit
             first = dict(self.stats.first_error or {})
         if hopeless:
-            return self._fail(f"not sent: the first {limit} judge calls all failed (first: {first.get('message')})",
-                              first.get("status"))
-        last, status = "no attempt made", None
-        for attempt in range(self.config.max_retries + 1):
-            try:
-                content, p_tok, c_tok = self._attempt(request)
-            except _Retryable as err:
-                last = str(err)
-                if attempt == self.config.max_retries:
-                    break
-                cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2**attempt))
-                wait = self._rng.uniform(0, cap)
-                if err.retry_after is not None:
-                    wait = max(wait, min(err.retry_after, self.config.backoff_max_s))
-                with self._lock:
-                    self.stats.retries += 1
-                log.debug("judge call failed (%s); retry %d in %.2fs", last, attempt + 1, wait)
-                self._sleep(wait)
-                continue
-            except JudgeError as err:
-                return self._fail(str(err), err.status)
-            if self.cache is not None:
-                self.cache.put(key, request.model or self.model, content, p_tok, c_tok)
-            p_in, p_out = self._price(request.model or self.model)
-            with self._lock:
-                self.stats.completed += 1
-                self.stats.prompt_tokens += p_tok
-                self.stats.completion_tokens += c_tok
-                self.stats.cost_usd += (p_tok * p_in + c_tok * p_out) / 1e6
-            return JudgeResponse(content, prompt_tokens=p_tok, completion_tokens=c_tok)
-        match = re.search(r"HTTP (\d{3})", last)
-        status = int(match.group(1)) if match else None
-        message = f"judge call failed after {self.config.max_retries + 1} attempts; last error: {last}"
-        log.warning(self._redact(message))
-        return self._fail(message, status)
+            reply = self._endpoint.fail(f"not sent: the first {limit} judge calls all failed (first: "
+                                        f"{first.get('message')})", first.get("status"))
+            return JudgeResponse(None, error=reply.error, status=reply.status)
+        model = request.model or self.model
+        reply = self._endpoint.complete(model, self._messages(request), temperature=request.temperature,
+                                        max_tokens=request.max_tokens or self.config.max_tokens, sleep=self._sleep)
+        if not reply.ok:
+            return JudgeResponse(None, error=reply.error, status=reply.status)
+        if self.cache is not None:
+            self.cache.put(key, model, reply.content, reply.prompt_tokens, reply.completion_tokens)
+        return JudgeResponse(reply.content, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
 
     def judge_many(
         self, requests: Sequence[JudgeRequest], *, progress: bool = False, desc: str = "judging"
@@ -546,27 +353,9 @@ class JudgeClient:
         return [r for r in results if r is not None]
 
     def close(self) -> None:
-        self._client.close()
+        self._endpoint.close()
         if self.cache is not None:
             self.cache.close()
-
-
-def _retry_after(err: Any) -> Optional[float]:
-    response = getattr(err, "response", None)
-    value = response.headers.get("retry-after") if response is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _root_cause(err: BaseException) -> str:
-    """The innermost exception's text (``[Errno 111] Connection refused``) of a connection error."""
-    seen = err
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
-    text = str(seen) or type(seen).__name__
-    return text if seen is err else f"{type(seen).__name__}: {text}"
 
 
 def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) -> None:

@@ -42,7 +42,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "a sweep's `program` decides for --sweep")
     parser.add_argument("--sweep", help="a W&B sweep YAML (launch/sweeps/*.yaml): plan every grid point")
     parser.add_argument("--list", action="store_true", help="with --sweep: print each grid point's overrides and exit")
-    parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs in total (default 8)")
+    parser.add_argument("--gpus", type=int, default=8,
+                        help="data-parallel GPUs in total (default 8); for an evaluation, the processes that split its dialogues")
     parser.add_argument("--gpu", default="a100-80g", choices=sorted(GPU_TYPES), help="GPU type (default a100-80g)")
     parser.add_argument("--utilization", type=float, default=0.35,
                         help="assumed fraction of peak bf16 FLOP/s achieved, recompute included (default 0.35)")
@@ -79,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for point in points:
         try:
             if recipe == "evaluate":
-                plan = plan_evaluation(point, gpu=args.gpu)
+                plan = plan_evaluation(point, gpu=args.gpu, num_gpus=args.gpus)
             else:
                 plan = plan_run(point, num_gpus=args.gpus, gpu=args.gpu, utilization=args.utilization,
                                 accelerate_config=accelerate_config, allow_skipped=args.allow_skipped)
