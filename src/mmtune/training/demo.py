@@ -133,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     from mmtune.data.synthetic import chance_exact_match
+    from mmtune.training.cpu import set_cpu_threads
 
+    threads = set_cpu_threads()
+    print(f"mmtune demo: {threads}", flush=True)
     result = run_demo(argv)
     raw = compose_sft_config(demo_overrides(argv))
     data_dir = Path(raw.synthetic.out_dir)
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if kinds:
         print("  after training, by question: " + ", ".join(
             f"{k.replace('_', ' ')} {100 * c / n:.1f}% ({c}/{n})" for k, (c, n) in sorted(kinds.items())))
-    print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval)")
+    print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval), "
+          f"{threads}")
     print(f"  checkpoint: {result['final_dir']}")
     print(f"  answers, images and scores: {Path(raw.training.output_dir) / 'eval' / 'after' / 'viewer.html'}")
     if not after >= TARGET:
