@@ -313,12 +313,13 @@ class MultiImageDataset(torch.utils.data.Dataset):
         if example is None:
             return None
         try:
-            pixels = self.images.load(example.images, dialogue_id=dialogue.id, raw=True)
+            system_first = bool(dialogue.turns) and dialogue.turns[0].role == "system"  # numbering skips it
+            pixels = self.images.load(example.images, dialogue_id=dialogue.id, raw=True, system_first=system_first)
         except CorruptImageError as err:
             if cfg.image_errors != "skip":
                 raise
             self.skipped_corrupt += 1
-            turn = f" turn {err.turn}" if err.turn is not None else ""
+            turn = f" {err.turn_text}" if err.turn is not None else ""
             return SkippedSample(dialogue.id, dialogue.source, "corrupt_image", f"{err.path}{turn}: {err.__cause__ or err}")
         return replace(example, pixel_values=pixels, row=row)
 

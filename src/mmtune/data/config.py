@@ -166,6 +166,17 @@ class DataConfig:
     """Where parsed, validated sources are cached as Arrow files. ``None``:
     ``$MMTUNE_CACHE_DIR/data`` or ``~/.cache/mmtune/data``."""
 
+    files: List[str] = field(default_factory=list)
+    """Your own data files, JSON or JSONL, each one source named after its file
+    (``chat.json`` -> ``chat``) in the format detected from its first records, as
+    ``mmtune data check FILE`` detects it. When set, these are the sources:
+    ``mixture.sources`` of the data group is replaced (the run prints it). Mix them by
+    ratio with ``mixture.weights`` keyed by those names (``{chat: 3, dialogues: 1}``)."""
+
+    image_root: Optional[str] = None
+    """The image root of the sources made from ``files`` (``None``: each file's own
+    folder). Image paths in the files are relative to it and must stay inside it."""
+
     def validate(self) -> None:
         """Check everything OmegaConf cannot; raise one :class:`ConfigError` listing all."""
         problems = []

@@ -66,9 +66,14 @@ def _read(path: str) -> np.ndarray | None:
 class CorruptImageError(ValueError):
     """An image file could not be decoded."""
 
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException):
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException,
+                 system_first: bool = False):
+        from mmtune.data.validation import turn_label
+
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
+        self.turn_text = turn_label(turn, system_first)
+        """``turn 2 (question)``: the turn as the reports and the viewer number it."""
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
         super().__init__(
             f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the "
             "file, or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
@@ -164,7 +169,8 @@ class ImagePipeline:
         return self.adapter.preprocess_images([path])[0].numpy()
 
     def load_one(
-        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False
+        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False,
+        system_first: bool = False,
     ) -> "torch.Tensor":
         """One image as a float tensor [3, H, W] (``raw=True``: before :meth:`finalize`)."""
         try:
@@ -183,12 +189,12 @@ class ImagePipeline:
                     self._write(target, array)
         except FileNotFoundError as err:
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         except CorruptImageError:
             raise
         except Exception as err:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         tensor = torch.from_numpy(array)
         return tensor if raw else self.finalize(tensor)
 
@@ -199,7 +205,8 @@ class ImagePipeline:
         return pixels
 
     def load(
-        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False
+        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False,
+        system_first: bool = False,
     ) -> "torch.Tensor | None":
         """All images of one example, stacked in order ([N, 3, H, W]); ``None`` without images.
 
@@ -209,6 +216,7 @@ class ImagePipeline:
         if not refs:
             return None
         return torch.stack(
-            [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=raw) for ref in refs]
+            [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=raw, system_first=system_first)
+             for ref in refs]
         )
 
