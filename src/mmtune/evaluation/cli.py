@@ -7,6 +7,7 @@
     mmtune evaluate lmms-command outputs/run/final --tasks mmmu_val,ai2d --out eval/lmms
     mmtune evaluate lmms-parse eval/lmms/results.json --out eval/
     mmtune evaluate report eval/
+    mmtune evaluate experiment=table3_llava15_7b_mmdu45k_eval      # a Hydra config, as recipes/evaluate.py
 
 Each benchmark's flags are its ``eval.<name>`` settings (``mmtune evaluate score mmvet -h``
 lists them with their docs), plus the judge's; ``checkpoint`` decodes as the benchmark's
@@ -16,7 +17,8 @@ lists them with their docs), plus the judge's; ``checkpoint`` decodes as the ben
 Judge settings come from the environment (MMTUNE_JUDGE_BASE_URL, MMTUNE_JUDGE_API_KEY,
 MMTUNE_JUDGE_MODEL; OPENAI_BASE_URL / OPENAI_API_KEY when those are unset) or
 ``--judge-model``. A judge call that still fails after retries makes the command exit
-non-zero (``--max-failed-share`` to allow some). For a full Hydra config use recipes/evaluate.py.
+non-zero (``--max-failed-share`` to allow some). Arguments of the form ``key=value`` (and
+``experiment=<name>``) run the Hydra config of recipes/evaluate.py instead.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Optional
 
 from mmtune.evaluation.config import EvalConfig
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "setting_flags", "checkpoint_command", "run_config", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,27 @@ _SETTING_FLAGS = {"data_path": ("--data", "--data-path")}
 _DEST = "eval:"  # argparse dest prefix of the flags that set an eval key
 
 
+_TAKEN = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
+
+
+def setting_flags(benchmark: str, name: str) -> tuple[str, ...]:
+    """The flags of setting ``eval.<benchmark>.<name>``: ``--<name>`` (``--data`` for
+    ``data_path``), or ``--<benchmark>-<name>`` where a common flag has that name."""
+    names = _SETTING_FLAGS.get(name, (f"--{name.replace('_', '-')}",))
+    return tuple(n if n not in _TAKEN else f"--{benchmark}-{n[2:]}" for n in names)
+
+
+def checkpoint_command(checkpoint: str, benchmark: str, settings: dict[str, Any], out: str) -> str:
+    """The ``mmtune evaluate checkpoint`` command that evaluates ``checkpoint`` on
+    ``benchmark`` with these ``eval.<benchmark>`` settings (``None`` values left out),
+    written with this command's own flags, ready to paste into a shell."""
+    parts = ["mmtune", "evaluate", "checkpoint", str(checkpoint), benchmark]
+    for name, value in settings.items():
+        if value is not None and not isinstance(value, (list, dict)):
+            parts += [setting_flags(benchmark, name)[0], str(value)]
+    return shlex.join(parts + ["--out", str(out)])
+
+
 def _schema_field(cfg: EvalConfig, key: str) -> tuple[Any, str]:
     """(the dataclass instance holding ``key``, the field name)."""
     *path, name = key.split(".")
@@ -81,13 +104,14 @@ def _add_flag(parser: argparse.ArgumentParser, names: tuple[str, ...], flag: _Fl
               required: bool = False) -> bool:
     """Add one flag typed and documented by its schema field; False when the field is not a
     scalar (lists and dicts are set in a YAML config instead)."""
+    from mmtune.argparsing import plain_text
     from mmtune.schema_keys import field_docs
 
     owner, name = _schema_field(cfg, flag.key)
     kind = typing.get_type_hints(type(owner))[name]
     if typing.get_origin(kind) is typing.Union:
         kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-    doc = " ".join(field_docs(type(owner)).get(name, "").split()).replace("%", "%%")
+    doc = plain_text(" ".join(field_docs(type(owner)).get(name, "").split())).replace("%", "%%")
     default = getattr(owner, name)
     kwargs: dict[str, Any] = {"dest": _DEST + flag.key, "default": argparse.SUPPRESS, "required": required}
     if kind is bool:
@@ -120,12 +144,10 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
     parser.add_argument("--run", default="eval", help="run label written into the results")
     if not generate:
         parser.add_argument("--model", default="external", help="model label written into the results")
-    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
     for field in dataclasses.fields(bench.settings_class):
         if generate and field.name == "predictions":
             continue  # `checkpoint` generates the answers
-        names = _SETTING_FLAGS.get(field.name, (f"--{field.name.replace('_', '-')}",))
-        names = tuple(n if n not in taken else f"--{bench.name}-{n[2:]}" for n in names)
+        names = setting_flags(bench.name, field.name)
         _add_flag(parser, names, _Flag(f"{bench.name}.{field.name}"), cfg,
                   required=not generate and field.name == "predictions")
     for flags in (_COMMON, _GENERATION) if generate else (_COMMON,):
@@ -160,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``mmtune evaluate`` parser, one ``score`` / ``checkpoint`` command per registered benchmark."""
     from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
 
-    parser = argparse.ArgumentParser(prog="mmtune evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from mmtune.argparsing import ArgumentParser, plain_text
+
+    parser = ArgumentParser(prog="mmtune evaluate", description=plain_text(__doc__),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     # every registered benchmark that mmtune generates answers for; lmms-eval has its own commands
     benchmarks = [bench for bench in map(get_benchmark, registered_names()) if bench.generates]
@@ -194,7 +219,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_config(config: Any) -> dict[str, Any]:
+    """Evaluate an :class:`~mmtune.evaluation.config.EvaluateConfig` (what ``recipes/evaluate.py``
+    and ``mmtune evaluate key=value ...`` run); prints the headline metrics and the folder."""
+    from mmtune.evaluation.config import default_output_dir
+    from mmtune.evaluation.runner import evaluate_checkpoint
+
+    output_dir = config.output_dir or default_output_dir(config.run_name, config.checkpoint, config.model)
+    results = evaluate_checkpoint(config.checkpoint, config.eval, output_dir=output_dir, run_name=config.run_name,
+                                  model_config=config.model, wandb=config.wandb, wandb_project=config.wandb_project)
+    for name, result in results.items():
+        headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
+        print(f"{name}: {headline}")
+    print(f"results and report in {output_dir}")
+    return results
+
+
+def _run_overrides(overrides: list[str]) -> int:
+    """``mmtune evaluate experiment=... key=value``: the evaluate recipe's config, composed and run."""
+    from mmtune.compose import OverrideError, compose_checked
+    from mmtune.evaluation.config import to_evaluate_config
+
+    try:
+        config = to_evaluate_config(compose_checked(overrides, "evaluate", command="mmtune evaluate"))
+    except (OverrideError, ValueError) as err:
+        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_config(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and ("=" in argv[0] or argv[0].startswith(("+", "~"))):  # Hydra overrides, as for recipes/evaluate.py
+        return _run_overrides(argv)
     try:
         args = build_parser().parse_args(argv)
         if args.command == "score":

@@ -107,9 +107,10 @@ def test_mmdu_viewer_shows_judge_scores_reply_and_dimension_facets(data, tmp_pat
     (out / "details").mkdir(parents=True)
     records = json.loads(open(data.test_json).read())
     dims = {"C": 2.0, "R": 3.0, "VP": 4.0, "LC": 5.0, "AA": 6.0, "IRU": 7.0, "Overall": 3.0}
-    rows = [{"dialogue_id": records[0]["id"], "turn": 0, "status": "ok", "scores": dims, "na": [], "detail": "json",
+    # detail rows number turns from 1, as the viewer shows them
+    rows = [{"dialogue_id": records[0]["id"], "turn": 1, "status": "ok", "scores": dims, "na": [], "detail": "json",
              "reply": "The answer names the wrong colour.\n{...}"},
-            {"dialogue_id": records[0]["id"], "turn": 1, "status": "failed", "scores": {}, "na": [], "detail": "HTTP 500"}]
+            {"dialogue_id": records[0]["id"], "turn": 2, "status": "failed", "scores": {}, "na": [], "detail": "HTTP 500"}]
     (out / "details" / "mmdu.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     entries = {e["id"]: e for e in payload(write_viewer(collect_entries(cfg, out), out))["benchmarks"][0]["entries"]}
     first = entries[records[0]["id"]]

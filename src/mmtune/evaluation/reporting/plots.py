@@ -1,4 +1,4 @@
-"""The report's plots: grouped bars and a line over turn indices, written as PNGs.
+"""The report's plots: grouped bars and a line over turns, written as PNGs.
 
 Benchmarks draw their own plots for ``report.md`` with these (in
 :meth:`~mmtune.evaluation.benchmarks.base.Benchmark.report_section`); matplotlib runs
@@ -39,7 +39,7 @@ def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabe
 
 def plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: str,
                ylim: tuple[float, float] | None = None) -> Path:
-    """A line over turn indices; ``ylim`` fixes the value axis (a flat line at 0% or 100% is
+    """A line over turns (``xs`` numbered from 1, as reports number them); ``ylim`` fixes the value axis (a flat line at 0% or 100% is
     otherwise drawn on an axis of +-0.04)."""
     import matplotlib
 
@@ -53,7 +53,7 @@ def plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: st
     if ylim is not None:
         pad = 0.04 * (ylim[1] - ylim[0])
         ax.set_ylim(ylim[0] - pad, ylim[1] + pad)
-    ax.set_xlabel("turn index")
+    ax.set_xlabel("turn (question/answer exchange)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()

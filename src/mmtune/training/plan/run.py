@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import compose_config
+from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.cost import estimate_cost, zero_settings
@@ -136,8 +136,8 @@ def plan_run(
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
-    try:
-        cfg = to_sft_config(compose_config(overrides))
+    try:  # a bad override is one line naming the key and the closest known one
+        cfg = to_sft_config(compose_checked(overrides, "sft", command="mmtune plan --recipe sft"))
     except (ConfigError, ValueError) as err:
         raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
     except Exception as err:  # OmegaConf errors name the key; pass them on with the run
