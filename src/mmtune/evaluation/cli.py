@@ -33,7 +33,8 @@ from typing import Any, Optional
 
 from mmtune.evaluation.config import EvalConfig
 
-__all__ = ["build_parser", "config_from_args", "setting_flags", "checkpoint_command", "run_config", "main"]
+__all__ = ["build_parser", "config_from_args", "setting_flags", "checkpoint_command", "flag_names", "with_flags",
+           "run_config", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,8 @@ _COMMON = {
     "--judge-model": _Flag("judge.model"),
     "--send-images": _Flag("judge.send_images", True),
     "--concurrency": _Flag("judge.concurrency"),
+    "--judge-timeout": _Flag("judge.timeout_s"),
+    "--no-judge-check": _Flag("judge.check_first", False),
     "--max-failed-share": _Flag("judge.max_failed_share"),
     "--allow-absolute-paths": _Flag("allow_absolute_image_paths", True),
     "--quiet": _Flag("progress", False),
@@ -172,6 +175,32 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return cfg
 
 
+def flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """``{eval key: flag}`` of the command ``args`` was parsed for (``judge.concurrency`` ->
+    ``--concurrency``), so messages written with config keys can name this command's flags."""
+    names: dict[str, str] = {}
+    node: Any = parser
+    for step in (getattr(args, "command", None), getattr(args, "benchmark", None)):
+        sub = next((a for a in node._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or step not in sub.choices:
+            break
+        node = sub.choices[step]
+    for action in node._actions:
+        if action.dest.startswith(_DEST) and action.option_strings:
+            names[action.dest[len(_DEST):]] = action.option_strings[0]
+    return names
+
+
+def with_flags(text: str, names: dict[str, str]) -> str:
+    """``text`` with each config key of ``names`` (``eval.judge.concurrency`` or
+    ``judge.concurrency``) replaced by its flag; other keys are left as they are."""
+    import re
+
+    for key in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.$-])(?:eval\.)?{re.escape(key)}(?![\w])", names[key], text)
+    return text
+
+
 def _print(results) -> None:
     for name, result in results.items():
         headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
@@ -257,19 +286,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and ("=" in argv[0] or argv[0].startswith(("+", "~"))):  # Hydra overrides, as for recipes/evaluate.py
         return _run_overrides(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    names = flag_names(parser, args)
+
+    def say(text: str) -> str:  # the hints of config keys, written as this command's flags
+        return with_flags(text, names)
+
     try:
-        args = build_parser().parse_args(argv)
         if args.command == "score":
             from mmtune.evaluation.runner import run_benchmarks
 
-            results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run, model_label=args.model)
+            results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run,
+                                     model_label=args.model, messages=say)
             _print(results)
         elif args.command == "checkpoint":
             from mmtune.evaluation.runner import evaluate_checkpoint
             from mmtune.models.config import ModelConfig
 
             _print(evaluate_checkpoint(args.checkpoint, config_from_args(args), output_dir=args.out, run_name=args.run,
-                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
+                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code),
+                                       messages=say))
         elif args.command == "lmms-command":
             from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig, build_command
 
@@ -295,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             sections = benchmarks_for(r.benchmark for r in results)
             print(write_report(results, args.directory, sections=sections)[0])
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        print(f"mmtune evaluate: {say(str(err))}", file=sys.stderr)
         return 2
     return 0
 

@@ -52,6 +52,7 @@ def run_benchmarks(
     lmms_pretrained: Optional[str] = None,
     lmms_is_adapter: bool = False,
     command_runner: Optional[Callable[..., Any]] = None,
+    messages: Callable[[str], str] = str,
 ) -> dict[str, BenchmarkResult]:
     """Run ``cfg.benchmarks``; write one result JSON each, details and the report.
 
@@ -68,6 +69,8 @@ def run_benchmarks(
         lmms_pretrained: what lmms-eval loads (defaults to ``checkpoint``).
         command_runner: runs external commands (``subprocess.run``); dry runs record them instead.
         wandb_run: an active W&B run to log metrics and plots to (or None).
+        messages: rewrites what is printed for the user (the evaluate CLI names its own
+            flags instead of config keys); errors raised are the caller's to rewrite.
 
     Returns:
         ``{benchmark: result}`` (lmms-eval adds one entry per task).
@@ -85,6 +88,9 @@ def run_benchmarks(
     if any(b.uses_judge for b in benchmarks):
         ctx.judge  # noqa: B018 - build the judge now: a missing model name fails before hours of generation, and the
         # start-up line says which endpoint and credentials source are used
+        generating = [b for b in benchmarks if b.uses_judge and b.generates and not getattr(b.settings(cfg), "predictions", None)]
+        if generating and cfg.judge.check_first:  # a wrong key or URL fails in seconds, before any answer is made
+            ctx.judge.check()
     results: dict[str, BenchmarkResult] = {}
     sections: dict[str, Any] = {}
     try:
@@ -104,9 +110,9 @@ def run_benchmarks(
                 from mmtune.evaluation.judge.client import check_failures
 
                 stats = ctx.judge.stats
-                if stats.failed:
-                    print(stats.summary(), file=sys.stderr, flush=True)
-                check_failures(stats, cfg.judge, benchmark=bench.name)
+                check_failures(stats, cfg.judge, benchmark=bench.name)  # too many: raises, the summary in its message
+                if stats.failed:  # failures within the allowed share: said once, here
+                    print(messages(stats.summary()), file=sys.stderr, flush=True)
     finally:
         ctx.close()
         if cfg.report and results:
@@ -181,6 +187,7 @@ def evaluate_checkpoint(
     wandb_project: str = "mmtune",
     command_runner: Optional[Callable[..., Any]] = None,
     make_generator: Optional[Callable[[], Any]] = None,
+    messages: Callable[[str], str] = str,
 ) -> dict[str, BenchmarkResult]:
     """Load ``checkpoint`` (a run dir, ``final/``, a LoRA adapter dir or ``None`` for
     ``model_config``) only if a benchmark needs generation, then run ``cfg``'s benchmarks.
@@ -188,6 +195,7 @@ def evaluate_checkpoint(
     Args:
         command_runner: runs external commands (lmms-eval); ``subprocess.run`` by default.
         make_generator: replaces loading the model (tests, dry runs).
+        messages: see :func:`run_benchmarks`.
 
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
@@ -221,7 +229,7 @@ def evaluate_checkpoint(
         return run_benchmarks(cfg, output_dir=output_dir, run_name=run_name, model_label=label,
                               make_generator=make_generator or load_generator, checkpoint=checkpoint, family=family,
                               wandb_run=wandb_run, model_config=model_config, lmms_pretrained=lmms_pretrained,
-                              lmms_is_adapter=is_adapter, command_runner=command_runner)
+                              lmms_is_adapter=is_adapter, command_runner=command_runner, messages=messages)
     finally:
         if wandb_run is not None:
             wandb_run.finish()

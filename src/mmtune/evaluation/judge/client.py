@@ -71,6 +71,11 @@ class JudgeFailures(RuntimeError):
     """Too many judge calls failed: the scores would mix real zeros with failures."""
 
 
+#: how a failed name lookup reads (socket.gaierror on Linux, macOS, Windows)
+_DNS_FAILURES = ("gaierror", "name or service not known", "nodename nor servname", "temporary failure in name resolution",
+                 "getaddrinfo failed", "no address associated with hostname", "name resolution")
+
+
 def likely_cause(status: Optional[int], message: str, *, key_source: str = "the API key variable",
                  url_source: str = "the base URL variable") -> str:
     """A one-line diagnosis of a failed judge call, for the summary a user reads first."""
@@ -83,8 +88,14 @@ def likely_cause(status: Optional[int], message: str, *, key_source: str = "the 
         return "rate limit or quota exhausted: lower judge.concurrency or check the account's quota"
     if status is not None and status >= 500:
         return "the judge server failed (HTTP 5xx): retry later or check the server's log"
-    if "refused" in text or "connection error" in text or "connect" in text:
+    if any(mark in text for mark in _DNS_FAILURES):
+        return (f"the host name in the base URL does not resolve (DNS failure): check the host in {url_source}, "
+                "or this machine's network and DNS")
+    if "refused" in text:
         return f"no server answered at the base URL (connection refused): start the judge server or fix {url_source}"
+    if "connection error" in text or "connect" in text:
+        return (f"could not connect to the base URL (no route, a firewall or a proxy in the way): check {url_source} "
+                "and that the server is reachable from this machine")
     if "timeout" in text:
         return "the judge server did not answer in time: raise judge.timeout_s or check the server's load"
     if "malformed" in text:
@@ -353,6 +364,36 @@ class JudgeClient:
         url = self.base_url or "https://api.openai.com/v1"
         return (f"judge: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source}); "
                 f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
+
+    def check(self, timeout_s: float = 30.0) -> None:
+        """Send one request of one token, so a wrong key, model name or URL stops the run
+        now rather than after hours of generation. Not cached and not counted in
+        :attr:`stats`. A rate limit or a server error passes (the endpoint and key
+        answered; the run's retries handle those).
+
+        Raises:
+            JudgeError: naming what failed and its likely cause.
+        """
+        import openai
+
+        url = self.base_url or "https://api.openai.com/v1"
+        try:
+            self._client.with_options(timeout=min(timeout_s, self.config.timeout_s)).chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "Reply with the word OK."}],
+                max_tokens=1, temperature=0)
+            return
+        except (openai.RateLimitError, openai.InternalServerError) as err:
+            log.warning("judge check: HTTP %s from %s; going on, calls will be retried", err.status_code, url)
+            return
+        except openai.APITimeoutError:
+            status, message = None, f"timeout after {min(timeout_s, self.config.timeout_s):g}s"
+        except openai.APIConnectionError as err:
+            status, message = None, f"connection error: {_root_cause(err)}"
+        except openai.APIStatusError as err:
+            status, message = err.status_code, f"HTTP {err.status_code}: {self._redact(str(err.message))[:300]}"
+        cause = likely_cause(status, message, key_source=self.key_source, url_source=self.url_source)
+        raise JudgeError(f"the judge (model {self.model!r} at {url}) failed a one-token test request before "
+                         f"anything was generated: {message}. Likely cause: {cause}", status=status)
 
     # ----------------------------------------------------------------- keys and messages
     def _image_digest(self, path: str) -> str:
