@@ -112,7 +112,7 @@ def test_checkpoint_decodes_as_the_benchmark_config_unless_a_flag_says_otherwise
     from mmtune.evaluation.cli import build_parser, config_from_args
 
     parser = build_parser()
-    for name in ("synthetic", "mmdu", "mmvet", "mdi"):
+    for name in ("synthetic", "heldout", "mmdu", "mmvet", "mdi"):
         expected = OmegaConf.load(configs_dir() / "eval" / f"{name}.yaml").generation.max_new_tokens
         cfg = config_from_args(parser.parse_args(["checkpoint", "ckpt", name, "--out", "o"]))
         assert cfg.generation.max_new_tokens == expected and cfg.benchmarks == [name]

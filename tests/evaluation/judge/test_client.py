@@ -372,6 +372,17 @@ def test_the_check_sends_one_uncached_token_and_fails_only_on_what_retries_canno
     assert body["max_tokens"] == 1 and client.stats.requests == client.stats.calls == 0 and len(client.cache) == 0
 
 
+def test_the_check_of_a_judge_that_never_answers_gives_up_after_its_own_timeout(tmp_path):
+    from mmtune.evaluation.judge.client import CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JudgeError
+
+    with FakeJudgeServer(lambda body: Scripted("OK", delay_s=3.0)) as server:
+        client = make_client(server, tmp_path, timeout_s=120.0)
+        with pytest.raises(JudgeError, match=r"timeout after 0.5s.*did not answer in time"):
+            client.check(timeout_s=0.5)
+    # a dropped connection waits CONNECT_TIMEOUT_S per attempt, not judge.timeout_s
+    assert client._client.timeout.connect == CONNECT_TIMEOUT_S < CHECK_TIMEOUT_S < client._client.timeout.read == 120.0
+
+
 def test_the_check_of_an_unreachable_judge_fails_in_seconds(tmp_path):
     import socket
 

@@ -71,6 +71,11 @@ class JudgeFailures(RuntimeError):
     """Too many judge calls failed: the scores would mix real zeros with failures."""
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""Longest wait for a connection to the judge; reading a reply has ``judge.timeout_s``."""
+CHECK_TIMEOUT_S = 15.0
+"""Longest wait for the one-token check of :meth:`JudgeClient.check`."""
+
 #: how a failed name lookup reads (socket.gaierror on Linux, macOS, Windows)
 _DNS_FAILURES = ("gaierror", "name or service not known", "nodename nor servname", "temporary failure in name resolution",
                  "getaddrinfo failed", "no address associated with hostname", "name resolution")
@@ -334,6 +339,7 @@ class JudgeClient:
         sleep: Callable[[float], None] = time.sleep,
         rng: Optional[random.Random] = None,
     ):
+        import httpx
         import openai
 
         env = os.environ if env is None else env
@@ -347,7 +353,10 @@ class JudgeClient:
         self.base_url = base_url
         self._secret = api_key if api_key != "EMPTY" else None
         # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=config.timeout_s, max_retries=0)
+        # Connecting gets at most CONNECT_TIMEOUT_S: a host that drops packets would otherwise
+        # hold every attempt for the whole timeout_s (7 x 120 s per call).
+        timeout = httpx.Timeout(config.timeout_s, connect=min(CONNECT_TIMEOUT_S, config.timeout_s))
+        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=timeout, max_retries=0)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
         self.stats = JudgeStats()
@@ -365,7 +374,7 @@ class JudgeClient:
         return (f"judge: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source}); "
                 f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
 
-    def check(self, timeout_s: float = 30.0) -> None:
+    def check(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """Send one request of one token, so a wrong key, model name or URL stops the run
         now rather than after hours of generation. Not cached and not counted in
         :attr:`stats`. A rate limit or a server error passes (the endpoint and key
