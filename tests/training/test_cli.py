@@ -63,14 +63,14 @@ def test_the_printed_evaluate_command_uses_the_runs_own_held_out_file(files, tmp
                                          f"training.output_dir={tmp_path}/run"]))
     command, ready = cli.evaluate_command(cfg, tmp_path / "run" / "final")
     assert ready and command == (f"mmtune evaluate checkpoint {tmp_path}/run/final heldout --data {chat} "
-                                 f"--out {tmp_path}/run/eval/after")
+                                 f"--out {tmp_path}/run/eval/after --run run")
     # the command's flags are the evaluate CLI's own: it parses as printed
     from mmtune.evaluation.cli import build_parser
 
     args = build_parser().parse_args(command.split()[2:])
     assert args.benchmark == "heldout" and args.out == f"{tmp_path}/run/eval/after"
     cfg.training.eval_after = True  # training evaluates final/ into eval/after itself: another folder
-    assert cli.evaluate_command(cfg, "f")[0].endswith(f"--out {tmp_path}/run/eval/final")
+    assert cli.evaluate_command(cfg, "f")[0].endswith(f"--out {tmp_path}/run/eval/final --run run")
     cfg.eval.heldout.data_path = None
     command, ready = cli.evaluate_command(cfg, "f")
     assert not ready and "heldout --data YOUR_HELD_OUT.jsonl" in command

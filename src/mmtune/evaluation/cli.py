@@ -81,15 +81,17 @@ def setting_flags(benchmark: str, name: str) -> tuple[str, ...]:
     return tuple(n if n not in _TAKEN else f"--{benchmark}-{n[2:]}" for n in names)
 
 
-def checkpoint_command(checkpoint: str, benchmark: str, settings: dict[str, Any], out: str) -> str:
+def checkpoint_command(checkpoint: str, benchmark: str, settings: dict[str, Any], out: str,
+                       run: Optional[str] = None) -> str:
     """The ``mmtune evaluate checkpoint`` command that evaluates ``checkpoint`` on
     ``benchmark`` with these ``eval.<benchmark>`` settings (``None`` values left out),
-    written with this command's own flags, ready to paste into a shell."""
+    labelled ``run`` in its results, written with this command's own flags, ready to
+    paste into a shell."""
     parts = ["mmtune", "evaluate", "checkpoint", str(checkpoint), benchmark]
     for name, value in settings.items():
         if value is not None and not isinstance(value, (list, dict)):
             parts += [setting_flags(benchmark, name)[0], str(value)]
-    return shlex.join(parts + ["--out", str(out)])
+    return shlex.join(parts + ["--out", str(out)] + (["--run", run] if run else []))
 
 
 def _schema_field(cfg: EvalConfig, key: str) -> tuple[Any, str]:

@@ -33,7 +33,7 @@ from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
 
-__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries"]
+__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries", "baseline_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,9 @@ def run_benchmarks(
             from mmtune.evaluation.reporting.viewer import write_viewer
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
-            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}")
+            before = baseline_folder(out)
+            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}",
+                         baseline=_baseline_sections(cfg, before), baseline_dir=before)
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
@@ -128,6 +130,29 @@ def run_benchmarks(
                 flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
                 wandb_run.log(flat)
     return results
+
+
+def baseline_folder(output_dir: str | os.PathLike) -> Optional[Path]:
+    """The evaluation of the model a run started from, to show beside this one: a folder
+    ``<run>/eval/<name>`` (training's ``after``, or where ``mmtune train`` tells the
+    evaluate command to write) has ``<run>/eval/before`` (``training.eval_before``)."""
+    out = Path(output_dir)
+    before = out.parent / "before"
+    if out.parent.name == "eval" and out.name != "before" and before.is_dir():
+        return before
+    return None
+
+
+def _baseline_sections(cfg: EvalConfig, folder: Optional[Path]) -> Optional[dict[str, Any]]:
+    """The viewer entries of ``folder`` for ``cfg``'s benchmarks; ``None`` when it has none
+    or cannot be read (the page is then written without them, and a warning says why)."""
+    if folder is None:
+        return None
+    try:
+        return collect_entries(cfg, folder) or None
+    except (ValueError, OSError) as err:
+        log.warning("viewer: the answers in %s are not shown beside these (%s)", folder, err)
+        return None
 
 
 def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str, Any]:

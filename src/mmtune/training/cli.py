@@ -44,12 +44,13 @@ def evaluate_command(cfg: Any, final_dir: str | os.PathLike) -> tuple[str, bool]
     from mmtune.evaluation.cli import checkpoint_command
 
     out = Path(cfg.training.output_dir) / "eval" / ("final" if cfg.training.eval_after else "after")
+    run = cfg.run_name or Path(cfg.training.output_dir).name  # the label training's own evaluations carry
     for name in cfg.eval.benchmarks:
         bench = get_benchmark(name)
         settings = getattr(cfg.eval, name, None)
         if bench.generates and getattr(settings, "data_path", None):
-            return checkpoint_command(str(final_dir), name, _changed_settings(settings), str(out)), True
-    return checkpoint_command(str(final_dir), "heldout", {"data_path": "YOUR_HELD_OUT.jsonl"}, str(out)), False
+            return checkpoint_command(str(final_dir), name, _changed_settings(settings), str(out), run), True
+    return checkpoint_command(str(final_dir), "heldout", {"data_path": "YOUR_HELD_OUT.jsonl"}, str(out), run), False
 
 
 def report_command(cfg: Any) -> str:
