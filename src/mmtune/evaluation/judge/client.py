@@ -368,11 +368,12 @@ class JudgeClient:
         # longest a live caller can hold a claim: every attempt times out and every backoff is maximal
         self._stale_after = (config.max_retries + 1) * config.timeout_s + config.max_retries * config.backoff_max_s + 60
 
-    def describe(self) -> str:
-        """The start-up line: model, endpoint and where each came from; never the key."""
+    def describe(self, role: str = "judge") -> str:
+        """The start-up line: model, endpoint and where each came from; never the key.
+        ``role`` names what the client is (the data builder's ``teacher``)."""
         url = self.base_url or "https://api.openai.com/v1"
-        return (f"judge: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source}); "
-                f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
+        line = f"{role}: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source})"
+        return line + (f"; failures allowed: {100 * self.config.max_failed_share:g}% of calls" if role == "judge" else "")
 
     def check(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """Send one request of one token, so a wrong key, model name or URL stops the run
