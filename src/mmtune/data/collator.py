@@ -368,7 +368,9 @@ class MultiImageDataset(torch.utils.data.Dataset):
         if example is None:
             return None
         try:
-            images = self.images.load_images(example.images, dialogue_id=dialogue.id) if example.images else None
+            system_first = bool(dialogue.turns) and dialogue.turns[0].role == "system"  # numbering skips it
+            images = (self.images.load_images(example.images, dialogue_id=dialogue.id, system_first=system_first)
+                      if example.images else None)
         except CorruptImageError as err:
             return self._skip(dialogue, err)
         return replace(example, raw_images=images, row=row)
@@ -378,7 +380,7 @@ class MultiImageDataset(torch.utils.data.Dataset):
         if self.config.image_errors != "skip":
             raise err
         self.skipped_corrupt += 1
-        turn = f" turn {err.turn}" if err.turn is not None else ""
+        turn = f" {err.turn_text}" if err.turn is not None else ""
         return SkippedSample(dialogue.id, dialogue.source, err.code, f"{err.path}{turn}: {err.__cause__ or err}")
 
     def collator(self) -> MultiImageCollator:

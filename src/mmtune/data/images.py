@@ -70,9 +70,14 @@ class CorruptImageError(ValueError):
     code = "corrupt_image"
     """Problem code of the sample left out for it (skip mode)."""
 
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException):
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException,
+                 system_first: bool = False):
+        from mmtune.data.validation import turn_label
+
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
+        self.turn_text = turn_label(turn, system_first)
+        """``turn 2 (question)``: the turn as the reports and the viewer number it."""
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
         super().__init__(
             f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the "
             "file, or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
@@ -163,7 +168,8 @@ class ImagePipeline:
         return np.ascontiguousarray(self.adapter.load_image(path))
 
     def load_one(
-        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False
+        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False,
+        system_first: bool = False,
     ) -> "torch.Tensor":
         """One image: its ``pixel_values`` ([3, H, W] float, for a family whose only image input
         they are), or with ``raw=True`` the cached array as a tensor, before :meth:`inputs`."""
@@ -183,19 +189,22 @@ class ImagePipeline:
                     self._write(target, array)
         except FileNotFoundError as err:
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         except CorruptImageError:
             raise
         except Exception as err:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         tensor = torch.from_numpy(array)
         return tensor if raw else self.pixel_values([tensor])[0]
 
-    def load_images(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None) -> list["torch.Tensor"]:
+    def load_images(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None,
+                    system_first: bool = False) -> list["torch.Tensor"]:
         """The cached arrays of one example's images, in order (shapes may differ): what a
-        dataset loads in its worker and :meth:`inputs` finishes."""
-        return [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=True) for ref in refs]
+        dataset loads in its worker and :meth:`inputs` finishes. ``system_first``: the dialogue
+        opens with a system turn, which error messages do not count."""
+        return [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=True, system_first=system_first)
+                for ref in refs]
 
     def inputs(self, images: Sequence["torch.Tensor"]) -> dict[str, "torch.Tensor"]:
         """Cached arrays (from :meth:`load_images`) -> the model's image inputs, one tensor per
@@ -229,12 +238,14 @@ class ImagePipeline:
         return self.inputs(self.load_images(refs, dialogue_id=dialogue_id))
 
     def load(
-        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False
+        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False,
+        system_first: bool = False,
     ) -> "torch.Tensor | None":
         """All images of one example stacked in order ([N, 3, H, W] pixel_values, for a family
         whose only image input they are); ``None`` without images. ``raw=True`` stacks the
         cached uint8 pixels instead (images of one shape), finished later by :meth:`finalize`."""
         if not refs:
             return None
-        images = self.load_images(refs, dialogue_id=dialogue_id)
+        images = self.load_images(refs, dialogue_id=dialogue_id, system_first=system_first)
         return torch.stack(images) if raw else self.pixel_values(images)
+

@@ -166,7 +166,7 @@ def _each_or_skip(batch: list["Dialogue"], measure: Any, start: int, image_error
         try:
             out.append(measure([dialogue])[0])
         except CorruptImageError as err:
-            turn = f" turn {err.turn}" if err.turn is not None else ""
+            turn = f" {err.turn_text}" if err.turn is not None else ""
             skipped.append({"index": start + k, "dialogue_id": dialogue.id, "source": dialogue.source,
                             "reason": err.code, "detail": f"{err.path}{turn}: {err.__cause__ or err}"})
             out.append(None)

@@ -728,6 +728,8 @@ def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report
                     if dialogue.id in seen:
                         problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
                     seen.add(dialogue.id)
+            if problems and _system_first(obj):
+                problems = [replace(p, system_first=True) for p in problems]
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
@@ -740,6 +742,14 @@ def _build(source_cfg, ctx, mode, check_images, max_examples, arrow_path, report
         writer.abort()
         raise
     return report
+
+
+def _system_first(obj: Any) -> bool:
+    """Whether a raw record's first message is a system message (turn numbering skips it)."""
+    turns = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
+    first = turns[0] if isinstance(turns, list) and turns else None
+    role = (first.get("from", first.get("role")) if isinstance(first, dict) else None)
+    return isinstance(role, str) and ROLE_MAP.get(role, role) == "system"
 
 
 def load_sources(data_cfg: DataConfig, *, refresh: bool = False) -> list[SourceData]:

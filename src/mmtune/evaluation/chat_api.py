@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-__all__ = ["Role", "JUDGE", "SERVED_MODEL", "likely_cause", "resolve_endpoint", "CallStats", "ChatReply",
+__all__ = ["Role", "JUDGE", "SERVED_MODEL", "CONNECT_TIMEOUT_S", "CHECK_TIMEOUT_S", "EndpointCheckFailed",
+           "likely_cause", "resolve_endpoint", "CallStats", "ChatReply",
            "ChatEndpoint", "ImageTooLarge", "image_upload", "image_data_url"]
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,16 @@ JUDGE = Role("judge", "judge", "judge server", "judge model")
 SERVED_MODEL = Role("model", "generation.api", "model server", "served model")
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""Longest wait for a connection to an endpoint; reading a reply has the settings' ``timeout_s``."""
+CHECK_TIMEOUT_S = 15.0
+"""Longest wait for the one-token check of :meth:`ChatEndpoint.check`."""
+
+#: how a failed name lookup reads (socket.gaierror on Linux, macOS, Windows)
+_DNS_FAILURES = ("gaierror", "name or service not known", "nodename nor servname", "temporary failure in name resolution",
+                 "getaddrinfo failed", "no address associated with hostname", "name resolution")
+
+
 def likely_cause(status: Optional[int], message: str, *, key_source: str = "the API key variable",
                  url_source: str = "the base URL variable", role: Role = JUDGE) -> str:
     """A one-line diagnosis of a failed call, for the summary a user reads first."""
@@ -64,8 +75,14 @@ def likely_cause(status: Optional[int], message: str, *, key_source: str = "the 
         return f"rate limit or quota exhausted: lower {role.section}.concurrency or check the account's quota"
     if status is not None and status >= 500:
         return f"the {role.server} failed (HTTP 5xx): retry later or check the server's log"
-    if "refused" in text or "connection error" in text or "connect" in text:
+    if any(mark in text for mark in _DNS_FAILURES):
+        return (f"the host name in the base URL does not resolve (DNS failure): check the host in {url_source}, "
+                "or this machine's network and DNS")
+    if "refused" in text:
         return f"no server answered at the base URL (connection refused): start the {role.server} or fix {url_source}"
+    if "connection error" in text or "connect" in text:
+        return (f"could not connect to the base URL (no route, a firewall or a proxy in the way): check {url_source} "
+                "and that the server is reachable from this machine")
     if "timeout" in text:
         return f"the {role.server} did not answer in time: raise {role.section}.timeout_s or check the server's load"
     if "malformed" in text:
@@ -187,6 +204,7 @@ class ChatEndpoint:
 
     def __init__(self, settings: Any, *, env: Any, role: Role = JUDGE, stats: Optional[CallStats] = None,
                  rng: Optional[random.Random] = None):
+        import httpx
         import openai
 
         self.settings = settings
@@ -194,8 +212,10 @@ class ChatEndpoint:
         api_key, self.base_url, self.key_source, self.url_source = resolve_endpoint(settings, env)
         self._secret = api_key if api_key != "EMPTY" else None
         # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
-        self.client = openai.OpenAI(api_key=api_key, base_url=self.base_url, timeout=settings.timeout_s,
-                                    max_retries=0)
+        # Connecting gets at most CONNECT_TIMEOUT_S: a host that drops packets would otherwise
+        # hold every attempt for the whole timeout_s (7 x 120 s per call).
+        timeout = httpx.Timeout(settings.timeout_s, connect=min(CONNECT_TIMEOUT_S, settings.timeout_s))
+        self.client = openai.OpenAI(api_key=api_key, base_url=self.base_url, timeout=timeout, max_retries=0)
         self.stats = stats if stats is not None else CallStats()
         self.lock = threading.Lock()
         self._rng = rng or random.Random()
@@ -310,8 +330,47 @@ class ChatEndpoint:
         log.warning(self.redact(message))
         return self.fail(message, status)
 
+    def check(self, model: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """Send one request of one token, so a wrong key, model name or URL stops the run
+        now rather than after hours of work. Not counted in :attr:`stats`. A rate limit or a
+        server error passes (the endpoint and key answered; the run's retries handle those).
+
+        Raises:
+            RuntimeError: naming what failed and its likely cause (callers wrap it in their own error).
+        """
+        import openai
+
+        url = self.base_url or "https://api.openai.com/v1"
+        wait = min(timeout_s, self.settings.timeout_s)
+        try:
+            self.client.with_options(timeout=wait).chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Reply with the word OK."}],
+                max_tokens=1, temperature=0)
+            return
+        except (openai.RateLimitError, openai.InternalServerError) as err:
+            log.warning("%s check: HTTP %s from %s; going on, calls will be retried", self.role.noun,
+                        err.status_code, url)
+            return
+        except openai.APITimeoutError:
+            status, message = None, f"timeout after {wait:g}s"
+        except openai.APIConnectionError as err:
+            status, message = None, f"connection error: {_root_cause(err)}"
+        except openai.APIStatusError as err:
+            status, message = err.status_code, f"HTTP {err.status_code}: {self.redact(str(err.message))[:300]}"
+        cause = likely_cause(status, message, key_source=self.key_source, url_source=self.url_source, role=self.role)
+        raise EndpointCheckFailed(f"the {self.role.noun} (model {model!r} at {url}) failed a one-token test request "
+                                  f"before anything was generated: {message}. Likely cause: {cause}", status)
+
     def close(self) -> None:
         self.client.close()
+
+
+class EndpointCheckFailed(RuntimeError):
+    """:meth:`ChatEndpoint.check` failed; ``status`` is the HTTP status (``None`` without one)."""
+
+    def __init__(self, message: str, status: Optional[int]):
+        super().__init__(message)
+        self.status = status
 
 
 def _retry_after(err: Any) -> Optional[float]:

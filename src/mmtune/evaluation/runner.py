@@ -33,7 +33,7 @@ from mmtune.evaluation.config import EvalConfig, validate_eval_config
 from mmtune.evaluation.results import BenchmarkResult, write_result
 from mmtune.models.config import ModelConfig
 
-__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries"]
+__all__ = ["evaluate_checkpoint", "evaluate_model", "run_benchmarks", "collect_entries", "baseline_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ def run_benchmarks(
     lmms_is_adapter: bool = False,
     command_runner: Optional[Callable[..., Any]] = None,
     layout: Any = None,
+    messages: Callable[[str], str] = str,
 ) -> dict[str, BenchmarkResult]:
     """Run ``cfg.benchmarks``; write one result JSON each, details and the report.
 
@@ -78,6 +79,8 @@ def run_benchmarks(
         wandb_run: an active W&B run to log metrics and plots to (or None).
         layout: this process's place in a data-parallel run; ``None``: from the launcher's
             environment (:func:`~mmtune.evaluation.generation.data_parallel.current_layout`).
+        messages: rewrites what is printed for the user (the evaluate CLI names its own
+            flags instead of config keys); errors raised are the caller's to rewrite.
 
     Returns:
         ``{benchmark: result}`` (lmms-eval adds one entry per task).
@@ -98,6 +101,9 @@ def run_benchmarks(
     if any(b.uses_judge for b in benchmarks) and layout.is_main:
         ctx.judge  # noqa: B018 - build the judge now: a missing model name fails before hours of generation, and the
         # start-up line says which endpoint and credentials source are used
+        generating = [b for b in benchmarks if b.uses_judge and b.generates and not getattr(b.settings(cfg), "predictions", None)]
+        if generating and cfg.judge.check_first:  # a wrong key or URL fails in seconds, before any answer is made
+            ctx.judge.check()
     results: dict[str, BenchmarkResult] = {}
     sections: dict[str, Any] = {}
     try:
@@ -133,9 +139,9 @@ def run_benchmarks(
                 from mmtune.evaluation.judge.client import check_failures
 
                 stats = ctx.judge.stats
-                if stats.failed:
-                    print(stats.summary(), file=sys.stderr, flush=True)
-                check_failures(stats, cfg.judge, benchmark=bench.name)
+                check_failures(stats, cfg.judge, benchmark=bench.name)  # too many: raises, the summary in its message
+                if stats.failed:  # failures within the allowed share: said once, here
+                    print(messages(stats.summary()), file=sys.stderr, flush=True)
     finally:
         ctx.close()
         if cfg.report and results:
@@ -143,7 +149,9 @@ def run_benchmarks(
             from mmtune.evaluation.reporting.viewer import write_viewer
 
             _, plots = write_report(list(results.values()), out, title=f"Evaluation of {run_name}", sections=sections)
-            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}")
+            before = baseline_folder(out)
+            write_viewer(collect_entries(cfg, out), out, title=f"Answers of {run_name}",
+                         baseline=_baseline_sections(cfg, before), baseline_dir=before)
             if wandb_run is not None:
                 flat = {f"eval/{b}/{k}": v for b, r in results.items() for k, v in r.metrics.items()}
                 import wandb
@@ -151,6 +159,29 @@ def run_benchmarks(
                 flat.update({f"eval/plots/{p.stem}": wandb.Image(str(p)) for p in plots})
                 wandb_run.log(flat)
     return results
+
+
+def baseline_folder(output_dir: str | os.PathLike) -> Optional[Path]:
+    """The evaluation of the model a run started from, to show beside this one: a folder
+    ``<run>/eval/<name>`` (training's ``after``, or where ``mmtune train`` tells the
+    evaluate command to write) has ``<run>/eval/before`` (``training.eval_before``)."""
+    out = Path(output_dir)
+    before = out.parent / "before"
+    if out.parent.name == "eval" and out.name != "before" and before.is_dir():
+        return before
+    return None
+
+
+def _baseline_sections(cfg: EvalConfig, folder: Optional[Path]) -> Optional[dict[str, Any]]:
+    """The viewer entries of ``folder`` for ``cfg``'s benchmarks; ``None`` when it has none
+    or cannot be read (the page is then written without them, and a warning says why)."""
+    if folder is None:
+        return None
+    try:
+        return collect_entries(cfg, folder) or None
+    except (ValueError, OSError) as err:
+        log.warning("viewer: the answers in %s are not shown beside these (%s)", folder, err)
+        return None
 
 
 def collect_entries(cfg: EvalConfig, output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -212,6 +243,7 @@ def evaluate_checkpoint(
     wandb_project: str = "mmtune",
     command_runner: Optional[Callable[..., Any]] = None,
     make_generator: Optional[Callable[[], Any]] = None,
+    messages: Callable[[str], str] = str,
 ) -> dict[str, BenchmarkResult]:
     """Load ``checkpoint`` (a run dir, ``final/``, a LoRA adapter dir or ``None`` for
     ``model_config``) only if a benchmark needs generation, then run ``cfg``'s benchmarks.
@@ -219,6 +251,7 @@ def evaluate_checkpoint(
     Args:
         command_runner: runs external commands (lmms-eval); ``subprocess.run`` by default.
         make_generator: replaces loading the model (tests, dry runs).
+        messages: see :func:`run_benchmarks`.
 
     Returns:
         ``{benchmark: BenchmarkResult}``; the files are under ``output_dir``.
@@ -269,7 +302,8 @@ def evaluate_checkpoint(
         return run_benchmarks(cfg, output_dir=output_dir, run_name=run_name, model_label=label,
                               make_generator=make_generator or load_generator, checkpoint=checkpoint, family=family,
                               wandb_run=wandb_run, model_config=model_config, lmms_pretrained=lmms_pretrained,
-                              lmms_is_adapter=is_adapter, command_runner=command_runner, layout=layout)
+                              lmms_is_adapter=is_adapter, command_runner=command_runner, layout=layout,
+                              messages=messages)
     finally:
         if wandb_run is not None:
             wandb_run.finish()

@@ -324,12 +324,17 @@ class DialogueBenchmark(Benchmark):
     """Items are MMDU-schema dialogues; predictions are answers keyed by (dialogue, exchange)."""
 
     def load(self, sub: Any, ctx: RunContext) -> list[Any]:
-        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
-
         if not sub.data_path:
             raise ValueError(f"eval.{self.name}.data_path is required: it holds the questions and reference answers")
+        return self.read_dialogues(sub, allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+
+    def read_dialogues(self, sub: Any, *, allow_absolute_image_paths: bool = False) -> list[Any]:
+        """The dialogues of ``sub.data_path`` (MMDU schema), its first ``sub.limit``; what
+        :meth:`load` and :meth:`viewer_entries` read. A benchmark on other files overrides it."""
+        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+
         return load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
-                                   allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths)
+                                   allow_absolute_image_paths=allow_absolute_image_paths)
 
     def check(self, cfg: Any) -> list[str]:
         if not self.settings(cfg).data_path:
@@ -350,14 +355,18 @@ class DialogueBenchmark(Benchmark):
         return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
                 for r in records if r.answer is not None}
 
+    def source_config(self, sub: Any) -> Any:
+        """``sub.data_path`` as a data-layer source (MMDU schema), for :meth:`count_items`."""
+        from mmtune.data.config import SourceConfig
+
+        return SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
+
     def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
         """Dialogues read through the data layer (MMDU schema, images checked to exist), one
         answer per question/answer exchange, one judge call each when :attr:`uses_judge`."""
-        from mmtune.data.config import SourceConfig
         from mmtune.data.readers import load_source
 
-        source = SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
-        loaded = load_source(source, mode="skip", cache_dir=cache_dir, check_images="exists")
+        loaded = load_source(self.source_config(sub), mode="skip", cache_dir=cache_dir, check_images="exists")
         if loaded.report.records_skipped:
             problems.append(f"eval.{self.name}: {loaded.report.records_skipped} dialogue(s) cannot be evaluated\n"
                             + loaded.report.render())
@@ -366,12 +375,12 @@ class DialogueBenchmark(Benchmark):
                              loaded.report.images)
 
     def viewer_entries(self, sub: Any, out: Path) -> Optional[list[Any]]:
-        """One entry per dialogue, one turn per question/answer exchange; each turn's scores
+        """One entry per dialogue, one turn per question/answer exchange (``details`` rows
+        number them from 1, the generator's records by position from 0); each turn's scores
         and status come from :meth:`viewer_turn`, the entry's score from :meth:`viewer_score`."""
-        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
         from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
 
-        dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit)
+        dialogues = self.read_dialogues(sub)
         details = {(r["dialogue_id"], int(r["turn"])): r for r in read_jsonl(out / "details" / f"{self.name}.jsonl")}
         generated = {(r["dialogue_id"], int(r["turn"])): r.get("answer")
                      for r in read_jsonl(out / "generations" / f"{self.name}.jsonl")}
@@ -380,7 +389,7 @@ class DialogueBenchmark(Benchmark):
             turns, rows = [], []
             shown = 0
             for t, (u, a) in enumerate(dialogue.exchanges()):
-                row = details.get((dialogue.id, t), {})
+                row = details.get((dialogue.id, t + 1), {})  # detail rows number turns from 1
                 question = []
                 for segment in dialogue.turns[u].segments:
                     if isinstance(segment, str):

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from mmtune.evaluation.chat_api import JUDGE, CallStats, ChatEndpoint, image_data_url, likely_cause, resolve_endpoint
+from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint,
+                                       EndpointCheckFailed, image_data_url, likely_cause, resolve_endpoint)
 from mmtune.evaluation.judge.config import JudgeConfig
 
 __all__ = [
@@ -53,6 +54,8 @@ __all__ = [
     "JudgeFailures",
     "likely_cause",
     "check_failures",
+    "CHECK_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
     "resolve_endpoint",
 ]
 
@@ -243,10 +246,25 @@ class JudgeClient:
         # longest a live caller can hold a claim: every attempt times out and every backoff is maximal
         self._stale_after = (config.max_retries + 1) * config.timeout_s + config.max_retries * config.backoff_max_s + 60
 
-    def describe(self) -> str:
-        """The start-up line: model, endpoint and where each came from; never the key."""
-        return (f"judge: model {self.model!r} at {self._endpoint.where()}; "
-                f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
+    def describe(self, role: str = "judge") -> str:
+        """The start-up line: model, endpoint and where each came from; never the key.
+        ``role`` names what the client is (the data builder's ``teacher``)."""
+        line = f"{role}: model {self.model!r} at {self._endpoint.where()}"
+        return line + (f"; failures allowed: {100 * self.config.max_failed_share:g}% of calls" if role == "judge" else "")
+
+    def check(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """Send one request of one token, so a wrong key, model name or URL stops the run
+        now rather than after hours of generation. Not cached and not counted in
+        :attr:`stats`. A rate limit or a server error passes (the endpoint and key
+        answered; the run's retries handle those).
+
+        Raises:
+            JudgeError: naming what failed and its likely cause.
+        """
+        try:
+            self._endpoint.check(self.model, timeout_s)
+        except EndpointCheckFailed as err:
+            raise JudgeError(str(err), status=err.status) from None
 
     # ----------------------------------------------------------------- keys and messages
     def _image_digest(self, path: str) -> str:

@@ -38,7 +38,8 @@ from mmtune.training.plan.common import PlanError
 from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
 from mmtune.training.plan.model import ParamCounts
 
-__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "ZERO3_LIVE_PARAMETERS"]
+__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "resolve_launch_file", "launcher_processes",
+           "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
@@ -176,27 +177,59 @@ def estimate_cost(
     )
 
 
+def resolve_launch_file(path: str, what: str = "accelerate config") -> str:
+    """A launch file as given when it exists from the current folder, else the same
+    relative path under the project (where ``launch/`` lives), as the README's commands
+    name them from the repository root.
+
+    Raises:
+        PlanError: neither exists (both places named).
+    """
+    from mmtune.data.config import configs_dir
+
+    if os.path.isfile(path):
+        return path
+    project = Path(configs_dir()).resolve().parent / path
+    if not os.path.isabs(path) and project.is_file():
+        return str(project)
+    tried = f"{os.path.abspath(path)}" + ("" if os.path.isabs(path) else f" or {project}")
+    raise PlanError(f"{what} {path!r} not found (tried {tried})")
+
+
+def launcher_processes(accelerate_config: str) -> Optional[int]:
+    """GPUs an accelerate config launches (``num_processes``; per machine x ``num_machines``
+    when it gives a per-node count), or None when it does not say."""
+    from omegaconf import OmegaConf
+
+    acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config))) or {}
+    processes = acc.get("num_processes")
+    return int(processes) if isinstance(processes, int) and processes > 0 else None
+
+
 def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
-    """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config)."""
+    """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config);
+    relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`)."""
     ds_path = training_cfg.deepspeed_config
     origin = "training.deepspeed_config"
     if accelerate_config:
         from omegaconf import OmegaConf
 
-        acc = OmegaConf.to_container(OmegaConf.load(accelerate_config))
+        acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config)))
         ds = (acc or {}).get("deepspeed_config") or {}
         if ds.get("deepspeed_config_file"):
-            ds_path = ds["deepspeed_config_file"]
-            origin = f"{accelerate_config} -> {ds_path}"
+            ds_path = resolve_launch_file(ds["deepspeed_config_file"], "DeepSpeed config")
+            origin = f"{accelerate_config} -> {ds['deepspeed_config_file']}"
         elif ds:
             return (int(ds.get("zero_stage", 0)), ds.get("offload_optimizer_device", "none") not in (None, "none"),
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
         else:
             return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
     if not ds_path:
-        return 0, False, False, "no DeepSpeed config: DDP (pass --accelerate-config to plan a ZeRO launch)"
-    if not os.path.isfile(ds_path):
-        raise PlanError(f"DeepSpeed config {ds_path!r} ({origin}) does not exist")
+        return 0, False, False, "no DeepSpeed config: DDP assumed (pass --accelerate-config to plan a ZeRO launch)"
+    try:
+        ds_path = resolve_launch_file(ds_path, "DeepSpeed config")
+    except PlanError as err:
+        raise PlanError(f"{err} ({origin})") from None
     zero = json.loads(Path(ds_path).read_text()).get("zero_optimization", {})
 
     def off(key: str) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import compose_config
+from mmtune.compose import compose_checked
 from mmtune.evaluation.benchmarks.base import BenchmarkWork
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES, GPU_TYPES, OVERHEAD_GIB, GpuType
@@ -126,7 +126,7 @@ def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g", num_gpus
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
     try:
-        cfg = to_evaluate_config(compose_config(overrides, config_name="evaluate"))
+        cfg = to_evaluate_config(compose_checked(overrides, "evaluate", command="mmtune plan --recipe evaluate"))
     except Exception as err:  # noqa: BLE001 - config errors name the key; report them with the run
         raise PlanError(f"evaluation config [{' '.join(overrides)}] is invalid:\n{err}") from err
     problems: list[str] = []

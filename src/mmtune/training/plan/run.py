@@ -6,10 +6,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import compose_config
+from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
-from mmtune.training.plan.cost import estimate_cost, zero_settings
+from mmtune.training.plan.cost import estimate_cost, launcher_processes, zero_settings
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
 from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
@@ -131,21 +131,28 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
 def plan_run(
     overrides: Sequence[str],
     *,
-    num_gpus: int = 8,
+    num_gpus: Optional[int] = 8,
     gpu: str = "a100-80g",
     utilization: float = 0.35,
     accelerate_config: Optional[str] = None,
     allow_skipped: bool = False,
     skip_data: bool = False,
 ) -> RunPlan:
-    """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem."""
+    """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem.
+
+    Without ``accelerate_config``, the run is planned for the launcher its experiment file's
+    command names (``accelerate launch --config_file ...``), so the memory figure is the one
+    of the command that runs it; the plan says which launcher it used or assumed.
+    ``num_gpus=None`` takes the launcher's process count (8 when it gives none).
+    """
+    from mmtune.training.plan.sweeps import experiment_launcher
     from mmtune.training.config import ConfigError, to_sft_config
     from mmtune.training.packed_attention import resolve_attention
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
-    try:
-        cfg = to_sft_config(compose_config(overrides))
+    try:  # a bad override is one line naming the key and the closest known one
+        cfg = to_sft_config(compose_checked(overrides, "sft", command="mmtune plan --recipe sft"))
     except (ConfigError, ValueError) as err:
         raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
     except Exception as err:  # OmegaConf errors name the key; pass them on with the run
@@ -175,11 +182,21 @@ def plan_run(
             data = plan_data(cfg.data, tpi, max_length=window, allow_skipped=allow_skipped)
         except PlanError as err:
             problems.append(str(err))
+    launcher_note = ""
+    if accelerate_config is None:
+        accelerate_config = experiment_launcher(overrides)
+        if accelerate_config:
+            launcher_note = ", the launcher of the experiment's own command"
     try:
         stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
+        if num_gpus is None:
+            num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
+            launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
     except PlanError as err:
         problems.append(str(err))
         stage, off_opt, off_par, origin = 0, False, False, "?"
+        num_gpus = num_gpus or 8
+    origin += launcher_note
     if problems:
         raise PlanError(f"run [{' '.join(overrides)}]:\n" + "\n".join(problems))
 
