@@ -1,22 +1,33 @@
 """Collator benchmark on a generated llava-665k + MMDU-45k length mix at 8k tokens.
 
     OMP_NUM_THREADS=1 python bench/collate.py --samples 3000 --timed 60
+    OMP_NUM_THREADS=1 python bench/collate.py --family qwen2_vl --samples 3000 --timed 60
 
 Prints, on one CPU core:
 
 1. token utilisation (real tokens / tokens computed incl. padding) of plain padding,
    length grouping and packing at 8k;
 2. samples/s of the length pass (mmtune: render + tokenize, no pixels) vs the plain HF
-   processor path (``apply_chat_template`` + ``processor(text, images)``, which decodes
-   every image);
+   processor path (chat template + processor on the text and every decoded image);
 3. collation samples/s (encode + labels + images + batch) mmtune vs the plain HF path on
    the same samples in the same run, cold (no pixel cache) and with the pixel cache;
 4. the attention-mask memory of one packed 8k row on the SDPA path.
 
 Data: dialogues shaped like the two sources (llava-665k: 1 image in the first turn, 1-8
 short turns, ~10% text-only; MMDU-45k: 2-5 images introduced across ~9 long turns),
-mixed 665:45 by sample count, with real 800x600 JPEG files. The tokenizer is the tiny
-byte-level BPE (the LLaVA-1.5 processor is rebuilt offline: CLIP 336 px, 576 tokens).
+mixed 665:45 by sample count, with real JPEG files. The tokenizer is the family's tiny
+byte-level BPE.
+
+- ``--family llava`` (default): 800x600 JPEGs; the LLaVA-1.5 processor rebuilt offline
+  (CLIP 336 px, 576 tokens per image).
+- ``--family qwen2_vl``: JPEGs of 12 photo sizes and aspect ratios (300x300 to 1920x1080,
+  a 2000x400 panorama), so image token counts are dynamic: the Qwen2-VL image processor at
+  the pixel bounds of QwenLM's fine-tuning defaults (``qwen-vl-finetune``'s argument.py:
+  min 28x28x16, max 28x28x576 pixels, i.e. 16 to 576 tokens per image; ``--max-pixels``
+  changes the bound). Its HF path is what ``Qwen2VLProcessor`` does (the class itself needs
+  torchvision for its video part): the checkpoint's chat template, every image decoded by
+  ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
+  grid's token count, the tokenizer on the expanded text.
 """
 
 from __future__ import annotations
@@ -55,14 +66,20 @@ def _text(rng: np.random.Generator, n_words: int) -> str:
     return " ".join(words).capitalize() + "."
 
 
-def make_images(root: str, count: int, seed: int) -> list[str]:
+#: photo sizes of the qwen2_vl mix (width, height): common camera, screen and web sizes
+PHOTO_SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (500, 375), (333, 500), (1920, 1080), (300, 300),
+               (2000, 400), (768, 1024), (1200, 900), (450, 800)]
+
+
+def make_images(root: str, count: int, seed: int, sizes: list[tuple[int, int]] | None = None) -> list[str]:
     rng = np.random.default_rng(seed)
     paths = []
     for k in range(count):
+        size = (800, 600) if sizes is None else sizes[k % len(sizes)]
         # a smooth photo-like field with noise: JPEG sizes close to real photos
         base = rng.integers(0, 255, size=(6, 8, 3), dtype=np.uint8)
-        image = PILImage.fromarray(base).resize((800, 600), PILImage.BICUBIC)
-        noise = PILImage.effect_noise((800, 600), 24).convert("RGB")
+        image = PILImage.fromarray(base).resize(size, PILImage.BICUBIC)
+        noise = PILImage.effect_noise(size, 24).convert("RGB")
         image = PILImage.blend(image, noise, 0.25)
         path = os.path.join(root, f"img{k:04d}.jpg")
         image.save(path, quality=90)
@@ -130,6 +147,39 @@ def hf_processor(adapter):
     )
 
 
+class QwenProcessorPath:
+    """The plain transformers path for a Qwen-VL checkpoint (see the module docstring)."""
+
+    def __init__(self, adapter):
+        self.tokenizer = adapter.tokenizer
+        self.image_processor = adapter.image_processor
+        self.template = adapter.chat_template
+        self.merge = int(adapter.image_processor.merge_size)
+        self.pad = "<|image_pad|>"
+
+    def __call__(self, text: list[str], images: list | None = None, padding: bool = False, return_tensors=None):
+        pixels = self.image_processor(images=images, return_tensors="pt") if images else {}
+        grids = iter(pixels["image_grid_thw"].tolist()) if images else iter(())
+        expanded = []
+        for one in text:
+            parts = one.split(self.pad)
+            expanded.append(parts[0] + "".join(self.pad * (int(np.prod(next(grids))) // self.merge**2) + part
+                                               for part in parts[1:]))
+        out = dict(self.tokenizer(expanded, padding=padding, return_tensors=return_tensors))
+        out.update(pixels)
+        return out
+
+    def apply_chat_template(self, conversation: list[dict], tokenize: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.template, tokenize=tokenize)
+
+
+def load_rgb(path: str):
+    """A decoded image as the HF path reads it (transformers' ``load_image``: EXIF orientation, RGB)."""
+    from transformers.image_utils import load_image
+
+    return load_image(path)
+
+
 def messages(dialogue: Dialogue) -> list[dict]:
     return [
         {
@@ -142,20 +192,13 @@ def messages(dialogue: Dialogue) -> list[dict]:
 
 def hf_encode(processor, dialogue: Dialogue, max_length: int) -> dict:
     text = processor.apply_chat_template(messages(dialogue), tokenize=False)
-    images = []
-    for image in dialogue.images:
-        with PILImage.open(image.path) as handle:
-            images.append(handle.convert("RGB"))
+    images = [load_rgb(image.path) for image in dialogue.images]
     return processor(text=[text], images=images or None, return_tensors="pt")
 
 
 def hf_collate(processor, dialogues: list[Dialogue]) -> dict:
     texts = [processor.apply_chat_template(messages(d), tokenize=False) for d in dialogues]
-    images = []
-    for d in dialogues:
-        for image in d.images:
-            with PILImage.open(image.path) as handle:
-                images.append(handle.convert("RGB"))
+    images = [load_rgb(image.path) for d in dialogues for image in d.images]
     return processor(text=texts, images=images or None, padding=True, return_tensors="pt")
 
 
@@ -192,7 +235,8 @@ def mask_memory(adapter) -> dict[str, int]:
             out[impl] = f"n/a ({type(err).__name__})"
     cfg._attn_implementation = "sdpa"
     out["mmtune_attention_mask"] = 0  # packed batches carry attention_mask=None
-    out["mmtune_position_ids"] = position_ids.numel() * position_ids.element_size()
+    rows = 1 if adapter.position_id_rows == 1 else 1 + adapter.position_id_rows  # M-RoPE: text row + its rows
+    out["mmtune_position_ids"] = rows * position_ids.numel() * position_ids.element_size()
     out["dense_float32_4d"] = length * length * 4
     return out
 
@@ -205,16 +249,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per timed measurement at most")
     parser.add_argument("--max-length", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=("llava", "qwen2_vl"), default="llava",
+                        help="llava: fixed 576 tokens per image; qwen2_vl: dynamic counts from each image's size")
+    parser.add_argument("--max-pixels", type=int, default=28 * 28 * 576,
+                        help="qwen2_vl: the processor's max_pixels (default: qwen-vl-finetune's, <= 576 tokens)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     work = tempfile.mkdtemp(prefix="mmtune-bench-")
     t0 = time.perf_counter()
-    images = make_images(work, args.images, args.seed)
+    qwen = args.family == "qwen2_vl"
+    images = make_images(work, args.images, args.seed, PHOTO_SIZES if qwen else None)
     dialogues = make_mix(args.samples, images, args.seed)
-    adapter = build_adapter(ModelConfig(family="llava", image_size=336))  # 576 tokens per image
+    if qwen:  # the fine-tuning defaults' bounds; Qwen2.5-VL's classes
+        adapter = build_adapter(ModelConfig(family="qwen2_vl", architecture={"model_type": "qwen2_5_vl"},
+                                            min_pixels=28 * 28 * 16, max_pixels=args.max_pixels))
+        counts = [adapter.image_token_count(Image(p)) for p in images]
+        shown = (f"{len(images)} JPEGs of {len(PHOTO_SIZES)} sizes, {min(counts)}-{max(counts)} tokens per image "
+                 f"(mean {np.mean(counts):.0f}) at max_pixels {args.max_pixels}")
+    else:
+        adapter = build_adapter(ModelConfig(family="llava", image_size=336))  # 576 tokens per image
+        shown = f"{len(images)} JPEGs 800x600, 576 tokens per image"
     print(f"data: {len(dialogues)} dialogues ({sum(d.source == 'mmdu' for d in dialogues)} MMDU-shaped), "
-          f"{len(images)} JPEGs 800x600, generated in {time.perf_counter() - t0:.1f}s")
+          f"{shown}, generated in {time.perf_counter() - t0:.1f}s")
 
     # 1. token utilisation at 8k ------------------------------------------------------------
     start = time.perf_counter()
@@ -235,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"utilisation  {name:26s} {100 * stats['utilization']:6.2f}%  ({int(stats['batches'])} batches)")
 
     # 2. length pass ---------------------------------------------------------------------------
-    processor = hf_processor(adapter)
+    processor = QwenProcessorPath(adapter) if qwen else hf_processor(adapter)
     timed = dialogues[: args.timed]
     mmdu = [d for d in dialogues if d.source == "mmdu"]
 

@@ -1,7 +1,19 @@
-"""Multi-turn generation cost: batch-1 KV reuse, batched KV reuse and batched re-encoding, side by side.
+"""Multi-turn generation cost: batch-1 KV reuse, batched KV reuse and batched re-encoding, side by
+side; data-parallel ranks; a served model behind the api backend.
 
     python bench/eval_generation.py [--dialogues 32] [--turns 10] [--images 6] [--max-new-tokens 24]
                                     [--batch-sizes 4,8,16] [--lockstep-batch 8] [--reencode-batch 8] [--raw]
+    python bench/eval_generation.py --part ranks [--ranks 2] [--dialogues 32] [--batch-sizes 4]
+    python bench/eval_generation.py --part api [--dialogues 64] [--turns 10] [--latency 0.1] [--concurrency 16]
+
+``--part paths`` (the default) compares the generator's paths in one process. ``--part
+ranks`` answers the same dialogues with 1 process and with ``--ranks`` processes
+(torchrun, gloo, one CPU thread each; :mod:`mmtune.evaluation.generation.data_parallel`)
+and prints wall time and each rank's work side by side, and whether the gathered file
+equals the one-process file. ``--part api`` answers the dialogues through the ``api``
+backend against a loopback server that answers each request after ``--latency`` seconds,
+``--concurrency`` dialogues at once, and prints the wall time against the ideal (every
+slot busy: ``max(turns / concurrency, longest dialogue) * latency``).
 
 An MMDU-shaped workload: ``--dialogues`` dialogues of ``--turns`` turns on average (the
 count varies by up to 3 either way, so slots free up at different times), each bringing
@@ -32,12 +44,19 @@ turn; ``--raw`` shows that).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The loopback server is test tooling (tests/support/), not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BENCH_ARCHITECTURE = {
     "text_config": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -77,13 +96,15 @@ def build_dialogues(n: int, turns: int, images: int, root: str, seed: int = 0):
     return dialogues
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dialogues", type=int, default=32)
+    parser.add_argument("--part", default="paths", choices=["paths", "ranks", "api"],
+                        help="what to measure (see above); default: the generator's paths")
+    parser.add_argument("--dialogues", type=int, default=None, help="dialogues (default: 32; 64 for api)")
     parser.add_argument("--turns", type=int, default=10, help="mean turns per dialogue (each varies by up to 3)")
     parser.add_argument("--images", type=int, default=6, help="images per dialogue")
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--batch-sizes", default="4,8,16", help="batched KV path batch sizes")
+    parser.add_argument("--batch-sizes", default="4,8,16", help="batched KV path batch sizes (ranks: the first one)")
     parser.add_argument("--lockstep-batch", type=int, default=8,
                         help="batch of the lockstep schedule (rows start turns together; 0 = skip it)")
     parser.add_argument("--reencode-batch", type=int, default=8, help="batch of the re-encode path (0 = skip it)")
@@ -92,8 +113,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads of torch; 1 because a model this small spends more time in thread handoffs than in math")
     parser.add_argument("--raw", action="store_true", help="let the random model emit partial UTF-8 byte tokens")
-    args = parser.parse_args()
+    parser.add_argument("--ranks", type=int, default=2, help="ranks: processes of the data-parallel run")
+    parser.add_argument("--latency", type=float, default=0.1, help="api: seconds the server takes per request")
+    parser.add_argument("--concurrency", type=int, default=16, help="api: dialogues in flight")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # ranks: a rank's report file (internal)
+    parser.add_argument("--image-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--out-dir", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
+
+def build_model(args):
+    """The bench's random LLaVA, its dialogues, a factory of generators that answer like a trained
+    model, and the token ids it bans to that end."""
     import torch
 
     from mmtune.evaluation.config import GenerationConfig
@@ -107,7 +138,7 @@ def main() -> None:
     model = adapter.load_model(seed=0).to(args.device)
     with torch.no_grad():
         model.get_output_embeddings().weight[adapter.stop_token_ids[0]] *= args.stop_scale
-    dialogues = build_dialogues(args.dialogues, args.turns, args.images, tempfile.mkdtemp())
+    dialogues = build_dialogues(args.dialogues, args.turns, args.images, args.image_dir or tempfile.mkdtemp())
 
     tok = adapter.tokenizer
     banned, spaced = [], None
@@ -164,6 +195,20 @@ def main() -> None:
             gen._logits_processors = with_ban
         return gen
 
+    return adapter, model, dialogues, make, banned
+
+
+def main() -> None:
+    args = parse_args()
+    if args.dialogues is None:
+        args.dialogues = {"paths": 32, "ranks": 32, "api": 64}[args.part]
+    if args.worker:
+        return rank_worker(args)
+    if args.part == "ranks":
+        return bench_ranks(args)
+    if args.part == "api":
+        return bench_api(args)
+    adapter, model, dialogues, make, banned = build_model(args)
     paths = [("KV", True, 1)] + [("KV", True, int(b)) for b in args.batch_sizes.split(",") if b]
     if args.lockstep_batch:
         paths.append(("KV lockstep", True, args.lockstep_batch))
@@ -210,6 +255,115 @@ def main() -> None:
             print(f"goal: KV B=8 forward calls <= 1/6 of batch-1's: {ratio:.3f} -> {'met' if ratio <= 1 / 6 else 'NOT met'}")
             real = stats["forward_tokens"] / length
             print(f"goal: KV B=8 real tokens <= 1.1x dialogue length: {real:.3f} -> {'met' if real <= 1.1 else 'NOT met'}")
+
+
+# ---------------------------------------------------------------------------- data-parallel ranks
+
+
+def rank_worker(args) -> None:
+    """One rank of ``--part ranks`` (or the one process): answer the dialogues through
+    :func:`generate_shared`, write this run's wall time and each rank's work (rank 0)."""
+    from mmtune.evaluation.generation.data_parallel import current_layout, generate_shared
+
+    layout = current_layout()
+    _, _, dialogues, make, _ = build_model(args)
+    generator = make(True, int(args.batch_sizes.split(",")[0]), lockstep=True)
+    layout.barrier()  # every rank has built its model: what follows is generation alone
+    start = time.perf_counter()
+    records, ranks = generate_shared(generator, dialogues, Path(args.out_dir) / "bench.jsonl", layout=layout,
+                                     run_key={"checkpoint": "bench", "data": "bench", "about": {"run": "bench"}})
+    wall = time.perf_counter() - start
+    if ranks is None:  # one process: its own work
+        ranks = [{"rank": 0, "dialogues": len(dialogues), "seconds": round(wall, 3),
+                  "expected_tokens": sum(generator.expected_tokens(d) for d in dialogues), **generator.stats}]
+    if layout.is_main:
+        Path(args.worker).write_text(json.dumps({"wall": wall, "ranks": ranks, "turns": len(records)}))
+
+
+def bench_ranks(args) -> None:
+    """1 process vs ``--ranks`` processes on the same dialogues, side by side."""
+    root = Path(tempfile.mkdtemp())
+    (root / "images").mkdir()
+    base = sys.argv[1:]
+    runs = []
+    for n in (1, args.ranks):
+        out = root / f"out{n}"
+        report = root / f"report{n}.json"
+        worker = [str(Path(__file__).resolve()), *base, "--worker", str(report), "--image-dir", str(root / "images"),
+                  "--out-dir", str(out), "--dialogues", str(args.dialogues)]
+        if n == 1:
+            cmd = [sys.executable, *worker]
+        else:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                   str(port), *worker]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        total = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"{n} process(es) failed:\n{proc.stderr[-3000:]}")
+        runs.append((n, total, json.loads(report.read_text()), (out / "bench.jsonl").read_bytes()))
+
+    cores = os.cpu_count()
+    print(f"{args.dialogues} dialogues, {runs[0][2]['turns']} turns; random LLaVA (bench model), fp32, "
+          f"{args.threads} CPU thread(s) per process, {cores} cores on this machine; KV path, lockstep, "
+          f"B={args.batch_sizes.split(',')[0]} per rank")
+    print()
+    header = (f"{'procs':>5} {'gen wall s':>10} {'speedup':>8} {'with start-up s':>16} | {'rank':>4} {'dialogues':>9} "
+              f"{'turns':>6} {'exp. tokens':>11} {'fwd calls':>9} {'real tok':>9} {'pad tok':>8} {'rank s':>7}")
+    print(header)
+    print("-" * len(header))
+    base_wall = runs[0][2]["wall"]
+    for n, total, report, _ in runs:
+        for i, w in enumerate(report["ranks"]):
+            lead = (f"{n:>5} {report['wall']:>10.1f} {base_wall / report['wall']:>7.2f}x {total:>16.1f}" if i == 0
+                    else " " * 42)
+            print(f"{lead} | {w['rank']:>4} {w['dialogues']:>9} {w.get('turns', 0):>6} {w.get('expected_tokens', 0):>11,} "
+                  f"{w.get('forward_calls', 0):>9,} {w.get('forward_tokens', 0):>9,} {w.get('padding_tokens', 0):>8,} "
+                  f"{w['seconds']:>7.1f}")
+    print()
+    same = all(r[3] == runs[0][3] for r in runs)
+    print(f"gathered generations file equals the one-process file byte for byte: {same}")
+    ranks = runs[-1][2]["ranks"]
+    spread = max(w["seconds"] for w in ranks) / max(min(w["seconds"] for w in ranks), 1e-9)
+    shares = ", ".join(f"{w['expected_tokens']:,}" for w in ranks)
+    print(f"{args.ranks} ranks: slowest / fastest rank {spread:.2f}; expected tokens per rank {shares}")
+
+
+# ---------------------------------------------------------------------------- a served model
+
+
+def bench_api(args) -> None:
+    """The api backend against a loopback server with a fixed latency: wall vs the ideal."""
+    from mmtune.evaluation.config import ApiGenerationConfig, GenerationConfig
+    from mmtune.evaluation.generation.api import ApiGenerator
+    from tests.support.fake_judge import FakeJudgeServer, Scripted
+
+    dialogues = build_dialogues(args.dialogues, args.turns, args.images, tempfile.mkdtemp())
+    turns = [len(list(d.exchanges())) for d in dialogues]
+    counter = iter(range(10**9))
+    reply = lambda body: Scripted(f"answer {next(counter)}", delay_s=args.latency)  # noqa: E731
+    with FakeJudgeServer(reply, max_requests=sum(turns) + turns[0], lifetime_s=600) as server:
+        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, backend="api",
+                               api=ApiGenerationConfig(model="bench-served", concurrency=args.concurrency))
+        generator = ApiGenerator(cfg, env={"MMTUNE_GEN_BASE_URL": server.base_url})
+        generator.generate(dialogues[:1])  # connection set-up is not part of the figure
+        warm = len(server.requests)
+        start = time.perf_counter()
+        records = generator.generate(dialogues)
+        wall = time.perf_counter() - start
+        sizes = [len(json.dumps(body)) for body in server.requests[warm:]]
+        generator.close()
+    ideal = max(sum(turns) / args.concurrency, max(turns)) * args.latency
+    print(f"{len(dialogues)} dialogues, {sum(turns)} turns ({min(turns)}-{max(turns)} per dialogue), {args.images} images "
+          f"each (data URLs, every image so far in each request: {sum(sizes) / len(sizes) / 1e3:.1f} kB per request on "
+          f"average); latency {args.latency * 1000:.0f} ms, concurrency {args.concurrency}")
+    print(f"wall {wall:.3f}s vs ideal {ideal:.3f}s -> ratio {wall / ideal:.3f} (goal <= 1.2)")
+    print(f"requests {len(server.requests) - warm}, max in flight at the server {server.max_in_flight}; "
+          f"all answered: {all(r.answer for r in records)}; failed: {generator.usage()['failed']}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ The config tree is configs/sft.yaml, validated against mmtune.training.config.SF
 the lifecycle (setup -> train -> save -> cleanup) lives in mmtune.training.loop.SFTRecipe.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from mmtune.compose import check_recipe_overrides
 from mmtune.training.config import register_configs, to_sft_config
 from mmtune.training.loop import SFTRecipe
 
@@ -28,4 +31,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # experiment= in either spelling; a typo stops here with one line, not Hydra's exception
+    sys.argv[1:] = check_recipe_overrides(sys.argv[1:], "sft")
     main()

@@ -20,3 +20,75 @@ def test_every_recipe_names_its_primary_config():
     for name, script in RECIPES.items():
         assert (configs_dir() / f"{name}.yaml").is_file() and script == f"recipes/{name}.py"
         assert len(compose_config([], config_name=name)) > 0
+
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from mmtune.compose import OverrideError, compose_checked, experiment_recipe, normalize_overrides  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (overrides, recipe, what the one-line message must say)
+BAD_OVERRIDES = [
+    (["training.epoch=2"], "sft",
+     "unknown config key 'training.epoch' (closest: training.epochs); the keys under training are the fields of "
+     "mmtune.training.config.TrainingConfig"),
+    (["trainin.lr=1"], "sft", "unknown config key 'trainin' (closest: training); the keys at the top level"),
+    (["lr=1e-4"], "sft", "unknown config key 'lr' (closest: training.lr)"),  # a known leaf under another section
+    (["eval.generation.max_new_token=3"], "sft", "(closest: eval.generation.max_new_tokens)"),
+    (["eval.mmdu.data_pth=x"], "evaluate", "(closest: eval.mmdu.data_path); the keys under eval.mmdu are the fields "
+     "of mmtune.evaluation.benchmarks.mmdu.MMDUConfig"),
+    (["checkpont=x"], "evaluate", "(closest: checkpoint)"),
+    (["model=llava_tin"], "sft", "no model config 'llava_tin' (closest: llava_tiny); the choices are the files in "
+     "configs/model/: auto_example,"),
+    (["experiment=dmeo"], "sft", "no experiment config 'dmeo' (closest: demo); the choices are the files in "
+     "configs/experiment/ ("),
+    (["training.lr=fast"], "sft", "training.lr: Value 'fast' of type 'str' could not be converted to Float"),
+    (["+training.lr=1"], "sft", "training.lr is already in the config: set it with training.lr=VALUE (no +)"),
+    (["training.lr"], "sft", "cannot read the override 'training.lr': write key=value"),
+    (["experiment=table3_llava15_7b_mmdu45k_eval"], "sft",
+     "experiment 'table3_llava15_7b_mmdu45k_eval' is an evaluation experiment (configs/experiment/"
+     "table3_llava15_7b_mmdu45k_eval.yaml runs recipes/evaluate.py), not one for mmtune train: run it with "
+     "`mmtune evaluate experiment=table3_llava15_7b_mmdu45k_eval`"),
+    (["+experiment=demo"], "evaluate", "experiment 'demo' is a training experiment (configs/experiment/demo.yaml "
+     "runs recipes/sft.py), not one for mmtune evaluate: run it with `mmtune train experiment=demo`"),
+]
+
+
+@pytest.mark.parametrize("overrides, recipe, expected", BAD_OVERRIDES, ids=lambda v: str(v)[:40])
+def test_a_bad_override_is_one_short_line_naming_the_key_and_the_fix(overrides, recipe, expected):
+    with pytest.raises(OverrideError) as info:
+        compose_checked(overrides, recipe)
+    message = str(info.value)
+    assert expected in message
+    assert "Traceback" not in message and "full_key" not in message and "object_type" not in message
+    assert len(message.splitlines()) == 1
+
+
+def test_experiment_is_spelled_for_each_recipe_and_every_experiment_names_its_recipe():
+    assert normalize_overrides(["+experiment=demo", "training.lr=1"], "sft") == ["experiment=demo", "training.lr=1"]
+    assert normalize_overrides(["experiment=x_eval"], "evaluate") == ["+experiment=x_eval"]
+    from mmtune.data.config import configs_dir
+
+    for path in sorted((configs_dir() / "experiment").glob("*.yaml")):
+        recipe = experiment_recipe([f"experiment={path.stem}"])
+        # either entry point composes it the same way; the other refuses with the right command
+        assert compose_checked([f"experiment={path.stem}"], recipe) is not None
+        other = "evaluate" if recipe == "sft" else "sft"
+        with pytest.raises(OverrideError, match=rf"`mmtune {'train' if recipe == 'sft' else 'evaluate'} experiment="):
+            compose_checked([f"+experiment={path.stem}"], other)
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("recipes/sft.py", ["training.epoch=2"], "recipes/sft.py: unknown config key 'training.epoch' (closest: training.epochs)"),
+    ("recipes/evaluate.py", ["experiment=demo"], "run it with `mmtune train experiment=demo`"),
+    ("recipes/evaluate.py", ["+eval.judge.modl=x"], "eval.judge.modl (did you mean eval.judge.model?)"),
+])
+def test_the_recipes_answer_a_typo_with_one_message_and_status_2(script, args, expected):
+    proc = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr

@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "data": ("mmtune.data.check", "validate data (`mmtune data check CONFIG`) or build it (`mmtune data build CONFIG`)"),
     "demo": ("mmtune.training.demo", "generate synthetic data, train the tiny LLaVA on CPU, evaluate it"),
+    "train": ("mmtune.training.cli", "fine-tune on a config or your own data files (data.files=[...])"),
     "plan": ("mmtune.training.plan", "resolve a run or sweep without loading weights; print steps, tokens, cost"),
     "report": ("mmtune.evaluation.reporting.tables", "render the paper's tables with our numbers beside them"),
     "evaluate": ("mmtune.evaluation.cli", "score a predictions file or evaluate a checkpoint"),

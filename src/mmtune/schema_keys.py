@@ -72,6 +72,67 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     return problems
 
 
+def _where(schema: type) -> str:
+    """``mmtune.training.config.TrainingConfig (src/mmtune/training/config.py)``: a schema
+    class and, when it lies under the current folder, its source file."""
+    import inspect
+    import os
+
+    name = f"{schema.__module__}.{schema.__qualname__}"
+    try:
+        source = os.path.relpath(inspect.getsourcefile(schema) or "")
+    except (TypeError, ValueError):  # built at run time, or on another drive
+        return name
+    return name if source.startswith("..") else f"{name} ({source})"
+
+
+def _leaves(schema: type, prefix: str = "") -> dict[str, str]:
+    """``{dotted key: leaf name}`` of every field of ``schema`` and its nested sections."""
+    out = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        kind = _unwrap(hints.get(f.name))
+        if dataclasses.is_dataclass(kind):
+            out.update(_leaves(_schema_of(f, kind), f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = f.name
+    return out
+
+
+def describe_unknown_key(schema: type, key: str) -> str:
+    """One line for a dotted ``key`` that ``schema`` does not have: the first part that is
+    not a field, the closest known key (a field at that level, else a field of the same
+    name elsewhere: ``lr`` -> ``training.lr``), and the schema class listing the keys.
+
+    Example: ``unknown config key 'training.lerning_rat' (closest: training.learning_rate);
+    the keys under training are the fields of mmtune.training.config.TrainingConfig``.
+    """
+    parts = key.split(".")
+    cls, prefix = schema, []
+    for part in parts:
+        if not dataclasses.is_dataclass(cls):
+            return (f"{'.'.join(prefix)} is a single value, not a section: {key!r} names nothing in it "
+                    f"(its type is set by {_where(schema)})")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            bad = ".".join(prefix + [part])
+            close = difflib.get_close_matches(part, sorted(fields), n=1)
+            if close:
+                suggestion = ".".join(prefix + close)
+            else:  # the leaf may exist under another section
+                leaves = _leaves(schema)
+                same = [k for k, leaf in leaves.items() if leaf == parts[-1]]
+                near = difflib.get_close_matches(parts[-1], sorted(set(leaves.values())), n=1)
+                suggestion = same[0] if same else next((k for k, leaf in leaves.items() if near and leaf == near[0]), None)
+            hint = f" (closest: {suggestion})" if suggestion else ""
+            level = f"under {'.'.join(prefix)}" if prefix else "at the top level"
+            return f"unknown config key {bad!r}{hint}; the keys {level} are the fields of {_where(cls)}"
+        kind = _unwrap(typing.get_type_hints(cls).get(part))
+        cls = _schema_of(fields[part], kind) if dataclasses.is_dataclass(kind) else kind
+        prefix.append(part)
+    return f"config key {key!r} cannot be set this way (its type is set by {_where(schema)})"
+
+
 def field_docs(schema: type) -> dict[str, str]:
     """``{field: docstring}`` of a dataclass whose fields carry docstrings (the string
     literal below each field, as every config schema here writes them), read from the

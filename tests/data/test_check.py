@@ -66,13 +66,40 @@ def test_check_reports_skips_and_strict_failure(synthetic_root, capsys):
     records = json.loads(train.read_text())
     records[3]["image"].append("gone.png")
     train.write_text(json.dumps(records))
-    assert main(["check", "synthetic"]) == 0
-    out = capsys.readouterr().out
-    assert "kept 11, skipped 1" in out and "placeholder_mismatch" in out and "e.g. syn-train-000003" in out
+    # a skipped record fails the check (it gates a pipeline) ...
+    assert main(["check", "synthetic"]) == 1
+    captured = capsys.readouterr()
+    assert "kept 11, skipped 1" in captured.out and "placeholder_mismatch" in captured.out
+    assert "e.g. syn-train-000003" in captured.out
+    assert "data check: FAILED: 1 of 22 record(s) skipped (placeholder_mismatch 1)" in captured.err
+    assert "pass --allow-skips" in captured.err and "train.json: record 'syn-train-000003'" in captured.err
+    # ... unless the skips are accepted
+    assert main(["check", "synthetic", "--allow-skips"]) == 0
+    assert "OK with --allow-skips: 1 of 22 record(s) skipped" in capsys.readouterr().out
     assert main(["check", "synthetic", "--strict"]) == 1
     err = capsys.readouterr().err
     assert "FAILED" in err and "train.json: record 'syn-train-000003'" in err and "How to fix" in err
     assert main(["check", "synthetic", "validation.mode=strict", "--refresh"]) == 1
+    assert main(["check", "synthetic", "--strict", "--allow-skips"]) == 2
+    assert "pass one of the two" in capsys.readouterr().err
+
+
+def test_strict_reports_every_problem_before_failing(synthetic_root, capsys):
+    train = synthetic_root / "synthetic" / "train.json"
+    records = json.loads(train.read_text())
+    for r in records[:8]:  # more bad records than the report's examples per kind (5)
+        r["image"].append("gone.png")
+    records[9]["conversations"].append({"from": "user", "value": "And then?"})  # ends with a user turn
+    question = len(records[9]["conversations"]) // 2 + 1  # the 1-based exchange of that question
+    train.write_text(json.dumps(records))
+    assert main(["check", "synthetic"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("e.g. syn-train-") == 5 + 1  # a few examples per kind
+    assert main(["check", "synthetic", "--strict"]) == 1
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines() if "e.g. syn-train-" in line]
+    assert len(listed) == 9 and f"e.g. syn-train-000009 turn {question} (question): ends with a user turn" in out
+    assert all(f"e.g. syn-train-{i:06d}" in out for i in range(8))
 
 
 def test_missing_files_and_usage(tmp_path, monkeypatch, capsys):
@@ -120,7 +147,7 @@ def test_check_a_data_file_format_override_and_missing_image_report(tmp_path, pi
     code = main(["check", str(path), "--format", "xcomposer2", "--images", "exists",
                  "--cache-dir", str(tmp_path / "cache")])
     out = capsys.readouterr().out
-    assert code == 0
+    assert code == 1  # its one record is skipped
     assert "format xcomposer2 (given with --format)" in out
     assert f"tried {tmp_path / 'mmdu_pics' / 'gone.png'}, built as image_root {tmp_path} + rooted path '/mmdu_pics/gone.png'" in out
 
@@ -155,7 +182,7 @@ def test_check_a_data_file_with_hostile_records_reports_each_and_a_broken_list_f
     path.write_text("[" + ",\n".join(elements) + "]")
     code = main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")])
     out = capsys.readouterr().out
-    assert code == 0, out
+    assert code == 1, out
     assert "format mmdu (detected:" in out and "read 4, kept 1, skipped 3" in out
     assert "too_deep 1" in out and "lone_surrogate 1" in out and "invalid_image_path 1" in out
     strict = main(["check", str(path), "--strict", "--image-root", str(pics), "--cache-dir", str(tmp_path / "c2")])
@@ -179,7 +206,50 @@ def test_check_finds_images_too_large_from_their_header(tmp_path, pics, capsys):
     assert main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
     assert "kept 1, skipped 1" in out and "image_too_large" in out
-    assert "e.g. thin turn 0" in out and "1 x 30000 px, an aspect ratio of 30000:1" in out
+    assert "e.g. thin turn 1 (question)" in out and "1 x 30000 px, an aspect ratio of 30000:1" in out
     assert main(["check", str(path), "--image-root", str(pics), "--strict", "--cache-dir", str(tmp_path / "c2")]) == 1
     err = capsys.readouterr().err
-    assert "record 'thin' (#1), turn 0: [image_too_large]" in err and "model.image_limits" in err
+    assert "record 'thin' (#1), turn 1 (question): [image_too_large]" in err and "model.image_limits" in err
+
+
+def test_check_several_data_files_as_training_reads_them(tmp_path, pics, capsys):
+    cases = _data_file_cases(pics)
+    paths = []
+    for fmt in ("llava", "messages"):
+        records, _ = cases[fmt]
+        path = tmp_path / (f"{fmt}.jsonl" if fmt == "messages" else f"{fmt}.json")
+        path.write_text("".join(json.dumps(r) + "\n" for r in records) if fmt == "messages" else json.dumps(records))
+        paths.append(str(path))
+    # the llava record names a.png relative to pics/, the messages record pics/b.jpg relative to its parent
+    code = main(["check", *paths, "--image-root", str(pics.parent), "--cache-dir", str(tmp_path / "cache")])
+    captured = capsys.readouterr()
+    assert code == 1  # a.png is not under pics.parent itself
+    assert f"{paths[0]}: format llava (detected:" in captured.out and f"{paths[1]}: format messages" in captured.out
+    assert "source llava " in captured.out and "source messages " in captured.out
+    assert "data check: FAILED: 1 of 2 record(s) skipped (missing_image 1)" in captured.err
+    assert main(["check", paths[0], "not_a_file.json", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "FILE[1]='not_a_file.json' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"id": "a", "dialogue": [{"speaker": "me", "text": "hi"}]},
+     "expected a 'messages' list of {role, content} (messages), or a 'conversations' list of {from, value} turns"),
+    ({"id": "a", "conversations": [{"role": "user", "content": "hi"}]},
+     "its turns are not {from, value}: the first record's first turn is ['content', 'role']"),
+    (["not", "an", "object"], "the first record is a list, not an object"),
+])
+def test_detection_failure_names_the_keys_expected_and_found(tmp_path, record, expected, capsys):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([record]))
+    assert main(["check", str(path), "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "mine.json" in err
+    if isinstance(record, dict) and "dialogue" in record:
+        assert "the first record has keys ['dialogue', 'id']" in err
+
+
+def test_data_help_lists_its_subcommands(capsys):
+    assert cli.main(["data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  check " in out and "  build " in out
+    assert main([]) == 2 and "subcommands:" in capsys.readouterr().out

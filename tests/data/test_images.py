@@ -105,3 +105,97 @@ def test_non_rgb_files_match_the_image_processor(adapter, tmp_path, mode):
     pixels = ImagePipeline(adapter).load_one(str(path))
     reference = adapter.image_processor(images=[PILImage.open(path).convert("RGB")], return_tensors="pt")["pixel_values"][0]
     torch.testing.assert_close(pixels, reference, atol=1e-5, rtol=0)
+
+
+# -- the qwen2_vl family: one cached array per image, shapes differ, finished per batch -------------
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_adapter(ModelConfig(family="qwen2_vl"))
+
+
+@pytest.fixture()
+def odd_files(tmp_path):
+    paths = []
+    for k, (size, mode) in enumerate([((120, 80), "RGB"), ((30, 200), "L"), ((61, 61), "RGBA"), ((333, 90), "P")]):
+        path = tmp_path / f"odd{k}.png"
+        PILImage.effect_noise(size, 50).convert(mode).save(path)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.parametrize("key", ["content", "stat"])
+def test_qwen_images_of_different_shapes_cache_one_by_one_and_finish_as_the_processor(qwen, odd_files, tmp_path, key):
+    pipe = ImagePipeline(qwen, cache_dir=str(tmp_path / "px"), key=key)
+    first = pipe.load_images([ImageRef(p, 0, 0) for p in odd_files], dialogue_id="q")
+    assert len({tuple(t.shape) for t in first}) == len(odd_files) and all(t.dtype == torch.uint8 for t in first)
+    again = ImagePipeline(qwen, cache_dir=str(tmp_path / "px"), key=key)
+    second = again.load_images([ImageRef(p, 0, 0) for p in odd_files], dialogue_id="q")
+    assert pipe.stats.decoded == len(odd_files) and again.stats.cache_hits == len(odd_files) and again.stats.decoded == 0
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    expected = qwen.image_inputs(odd_files)  # transformers' image processor on the decoded files
+    for inputs in (pipe.inputs(second), pipe.load_inputs([ImageRef(p, 0, 0) for p in odd_files])):
+        assert set(inputs) == set(qwen.image_input_names)
+        for name in qwen.image_input_names:
+            assert torch.equal(inputs[name], expected[name]), name
+    with pytest.raises(ValueError, match="not pixel_values alone: use ImagePipeline.inputs"):
+        pipe.load([ImageRef(odd_files[0], 0, 0)])
+
+
+def test_qwen_cache_key_follows_every_processor_setting(tmp_path):
+    base = ImagePipeline(build_adapter(ModelConfig(family="qwen2_vl")), cache_dir=str(tmp_path)).settings_hash
+    same = ImagePipeline(build_adapter(ModelConfig(family="qwen2_vl")), cache_dir=str(tmp_path)).settings_hash
+    assert base == same
+    keys = {base}
+    for changed in ({"max_pixels": 28 * 28 * 16}, {"min_pixels": 28 * 28 * 8}):
+        keys.add(ImagePipeline(build_adapter(ModelConfig(family="qwen2_vl", **changed)), cache_dir=str(tmp_path)).settings_hash)
+    adapter = build_adapter(ModelConfig(family="qwen2_vl"))
+    for name, value in (("resample", 2), ("do_convert_rgb", False), ("patch_size", 16)):
+        setattr(adapter.image_processor, name, value)  # any setting of the processor, without a list of them
+        keys.add(ImagePipeline(adapter, cache_dir=str(tmp_path)).settings_hash)
+    assert len(keys) == 6
+
+
+def _refused_image(tmp_path):
+    path = tmp_path / "strip.png"
+    PILImage.new("RGB", (4, 1000), (1, 2, 3)).save(path)  # aspect ratio 250: the Qwen-VL processor refuses it
+    return str(path)
+
+
+def test_an_image_the_processor_refuses_is_skipped_or_refused_per_the_image_policy(qwen, files, tmp_path):
+    good, _ = files
+    strip = _refused_image(tmp_path)
+    dialogues = [
+        Dialogue("ok", "t", (Turn("user", (Image(good), "q")), Turn("assistant", ("a",)))),
+        Dialogue("strip", "t", (Turn("user", ("q",)), Turn("assistant", ("a",)), Turn("user", (Image(strip), "q2")),
+                                Turn("assistant", ("b",)))),
+    ]
+    strict = MultiImageDataset(dialogues, qwen, CollatorConfig(max_length=256, image_errors="strict"))
+    with pytest.raises(CorruptImageError, match=r"strip\.png.*'strip', turn 2.*aspect ratio"):
+        strict[1]
+    lenient = MultiImageDataset(dialogues, qwen, CollatorConfig(max_length=256, image_errors="skip"))
+    skipped = lenient[1]
+    assert skipped.reason == "unsupported_image" and "strip.png turn 2" in skipped.detail
+    batch = lenient.collator()([lenient[0], skipped])
+    assert lenient.skipped_corrupt == 1 and batch["input_ids"].shape[0] == 1
+
+
+def test_the_length_pass_skips_or_refuses_an_image_the_processor_refuses(qwen, files, tmp_path):
+    from mmtune.data.lengths import compute_lengths
+
+    good, _ = files
+    strip = _refused_image(tmp_path)
+    dialogues = [Dialogue(f"d{i}", "src", (Turn("user", (Image(strip if i == 2 else good), "q")),
+                                           Turn("assistant", ("a",)))) for i in range(4)]
+    with pytest.raises(CorruptImageError, match=r"strip\.png.*'d2', turn 0"):
+        compute_lengths(qwen, dialogues, max_length=256)
+    table = compute_lengths(qwen, dialogues, max_length=256, image_errors="skip", cache_dir=str(tmp_path / "len"))
+    assert table.lengths[2] == 0 and all(table.lengths[i] > 0 for i in (0, 1, 3))
+    (item,) = table.image_skipped
+    assert item["index"] == 2 and item["dialogue_id"] == "d2" and item["reason"] == "unsupported_image"
+    cached = compute_lengths(qwen, dialogues, max_length=256, image_errors="skip", cache_dir=str(tmp_path / "len"))
+    assert cached.from_cache and cached.image_skipped == table.image_skipped
+    # a strict pass never reads the skip table from the cache
+    with pytest.raises(CorruptImageError):
+        compute_lengths(qwen, dialogues, max_length=256, cache_dir=str(tmp_path / "len"))

@@ -90,10 +90,10 @@ def test_strict_mode_stops_naming_file_record_turn_and_the_setting(adapter, data
     records = [_record("cut", ["cut.jpg"])]
     dm = _module(adapter, data_dir, [_source(data_dir, "s", records)], mode="strict")
     dm.setup()
-    with pytest.raises(CorruptImageError, match=r"cut\.jpg.*dialogue 'cut', turn 0.*data\.validation\.mode=skip"):
+    with pytest.raises(CorruptImageError, match=r"cut\.jpg.*dialogue 'cut', turn 1 \(question\).*data\.validation\.mode=skip"):
         list(dm.dataloader(0))
     dm = _module(adapter, data_dir, [_source(data_dir, "s2", records)], mode="strict", check="decode")
-    with pytest.raises(Exception, match=r"record 'cut' \(#0\), turn 0: \[corrupt_image\]"):
+    with pytest.raises(Exception, match=r"record 'cut' \(#0\), turn 1 \(question\): \[corrupt_image\]"):
         dm.setup()  # the decode level finds it before training
 
 

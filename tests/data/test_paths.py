@@ -95,7 +95,7 @@ def test_training_reader_applies_the_rule_and_the_config_key(tree, tmp_path):
     skipped = load_source(cfg, cache_dir=str(tmp_path / "c1"))
     assert skipped.report.skipped == {"path_outside_root": 1} and len(skipped.dialogues) == 0
     assert "allow_absolute_image_paths" in skipped.report.render()
-    with pytest.raises(DataValidationError, match=r"record 'r1' \(#0\), turn 0: \[path_outside_root\]"):
+    with pytest.raises(DataValidationError, match=r"record 'r1' \(#0\), turn 1 \(question\): \[path_outside_root\]"):
         load_source(cfg, mode="strict", cache_dir=str(tmp_path / "c2"))
     allowed = load_source(cfg, cache_dir=str(tmp_path / "c3"), allow_absolute_image_paths=True)
     assert [i.path for i in allowed.dialogues[0].images] == [str(root / "pics" / "a.png"), str(outside / "secret.png")]

@@ -7,7 +7,14 @@ import pytest
 from mmtune.data.config import SourceConfig
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.data.readers import load_source
-from mmtune.data.validation import PROBLEMS, DataValidationError, ImageChecker, ValidationReport, check_dialogue
+from mmtune.data.validation import (
+    PROBLEMS,
+    DataValidationError,
+    ImageChecker,
+    ValidationReport,
+    check_dialogue,
+    turn_label,
+)
 
 
 def _user(v):
@@ -20,7 +27,7 @@ def _asst(v):
 
 GOOD = {"id": "good", "image": ["a.png"], "conversations": [_user("Image1: <ImageHere>. Colour?"), _asst("Red.")]}
 
-# code -> (bad record, turn index the strict error must name or None)
+# code -> (bad record, position of the message the strict error must name, or None)
 MMDU_CASES = {
     "placeholder_mismatch": ({"id": "bad", "image": ["a.png", "c.png"], "conversations": [_user("<ImageHere> ?"), _asst("x")]}, None),
     "missing_image": ({"id": "bad", "image": ["nope.png"], "conversations": [_user("<ImageHere> ?"), _asst("x")]}, 0),
@@ -61,8 +68,8 @@ def _check_both_modes(path, fmt, image_root, cache_dir, code, turn, n_good=1, re
         load_source(cfg, mode="strict", cache_dir=cache_dir + "-strict")
     msg = str(e.value)
     assert str(path) in msg and f"record {record_id!r}" in msg and f"[{code}]" in msg and "How to fix:" in msg
-    if turn is not None:
-        assert f"turn {turn}:" in msg
+    if turn is not None:  # named as the viewer numbers turns: 1-based exchange and its side
+        assert f"{turn_label(turn)}:" in msg and f"{record_id} {turn_label(turn)}" in r.examples[code][0]
     # The cached skip-mode entry also refuses strict mode, naming the same problem.
     with pytest.raises(DataValidationError, match=rf"\[{code}\]"):
         load_source(cfg, mode="strict", cache_dir=cache_dir)
@@ -247,8 +254,33 @@ def test_image_limits_are_the_callers_and_part_of_the_cache_entry(tmp_path, pics
     wide = ImageLimits(max_side=30000, max_aspect_ratio=30000)
     assert load_source(cfg, cache_dir=cache_dir, image_limits=wide, mode="strict").report.records_kept == 2
     # the area limit holds on its own: 1 x 30000 is 30000 pixels
-    with pytest.raises(DataValidationError, match=r"turn 2: \[image_too_large\].*max_pixels=20000"):
+    with pytest.raises(DataValidationError, match=r"turn 2 \(question\): \[image_too_large\].*max_pixels=20000"):
         load_source(cfg, cache_dir=cache_dir, mode="strict",
                     image_limits=ImageLimits(max_side=30000, max_aspect_ratio=30000, max_pixels=20000))
     # "exists" opens no file, so it checks no size either
     assert load_source(cfg, cache_dir=cache_dir, check_images="exists").report.records_kept == 2
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_turns_are_numbered_by_exchange_from_one_with_a_system_message_left_out(system):
+    # message positions 0..5 of a record, with or without a system message in front
+    offset = int(system)
+    labels = [turn_label(i + offset, system) for i in range(6)]
+    assert labels == ["turn 1 (question)", "turn 1 (answer)", "turn 2 (question)", "turn 2 (answer)",
+                      "turn 3 (question)", "turn 3 (answer)"]
+    assert turn_label(0, True) == "system message" and turn_label(None) == ""
+
+
+def test_a_problem_after_a_system_message_names_the_exchange_the_viewer_shows(tmp_path, pics, cache_dir):
+    records = [
+        {"id": "good", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"id": "bad", "messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                   {"role": "user", "content": [{"type": "image", "path": "gone.png"}]},
+                                   {"role": "assistant", "content": "c"}]},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    src = load_source(SourceConfig(name="s", format="messages", path=str(path), image_root=str(pics)),
+                      mode="skip", cache_dir=cache_dir, check_images="exists")
+    assert src.report.examples["missing_image"][0].startswith("bad turn 2 (question): tried ")

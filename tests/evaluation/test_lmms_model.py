@@ -1,128 +1,185 @@
-"""mmtune's generator behind lmms-eval's model interface, checked against a stand-in of
-lmms-eval's documented API (lmms-eval itself is an optional extra and not installed in CI):
-the ``lmms_eval.api.model.lmms`` base class with ``generate_until`` / ``loglikelihood`` /
-``generate_until_multi_round``, requests whose ``args`` are
-``(context, gen_kwargs, doc_to_visual, doc_id, task, split)``, the ``task_dict`` the
-evaluator sets on the model, and the v2 model registry with ``ModelManifest``."""
+"""mmtune's generator as lmms-eval's model ``mmtune``, run by lmms-eval itself (0.7.3, installed
+without its own requirements: ``pip install --no-deps lmms-eval==0.7.3`` plus the
+``lmms-eval-runtime`` extra) on local tasks: a task YAML, a JSON-lines file and images
+written by the test, no hub. lmms-eval finds the model through mmtune's entry point,
+builds its requests, calls ``generate_until`` and scores the replies; the replies must be
+mmtune's own generator's answers to the same questions. lmms-eval runs in a process of its
+own (lmms_worker.py): evaluating changes process-wide state that later tests would see."""
 
-import abc
-import dataclasses
-import importlib
+import importlib.util
+import json
+import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from PIL import Image as PILImage
 
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
 
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lmms_eval") is None,
+    reason="lmms-eval is an optional extra: pip install --no-deps lmms-eval==0.7.3 && "
+    "pip install -e '.[lmms-eval-runtime]' (as .ci/run does)")
+
 ROOT = Path(__file__).resolve().parents[2]
+COLOURS = ("red", "green", "blue")
+QUESTION = "What colour is this image? Answer with one word."
+UTILS = '''
+from PIL import Image
 
 
-@pytest.fixture
-def fake_lmms_eval(monkeypatch):
-    api_model = types.ModuleType("lmms_eval.api.model")
-
-    class lmms(abc.ABC):  # noqa: N801 (lmms-eval's name)
-        def __init__(self):
-            self._rank, self._world_size = 0, 1
-
-        @abc.abstractmethod
-        def loglikelihood(self, requests): ...
-
-        @abc.abstractmethod
-        def generate_until(self, requests): ...
-
-        @abc.abstractmethod
-        def generate_until_multi_round(self, requests): ...
-
-    api_model.lmms = lmms
-    registry_v2 = types.ModuleType("lmms_eval.models.registry_v2")
-
-    @dataclasses.dataclass(frozen=True)
-    class ModelManifest:
-        model_id: str
-        simple_class_path: str = None
-        chat_class_path: str = None
-        aliases: tuple = ()
-
-    registry_v2.ModelManifest = ModelManifest
-
-    class Registry:
-        def __init__(self):
-            self.manifests = {}
-
-        def register_manifest(self, manifest, *, overwrite=False):
-            self.manifests[manifest.model_id] = manifest
-
-        def get_model_class(self, name):
-            module, _, cls = self.manifests[name].simple_class_path.rpartition(".")
-            return getattr(importlib.import_module(module), cls)
-
-    models = types.ModuleType("lmms_eval.models")
-    models.MODEL_REGISTRY_V2 = Registry()
-    models.AVAILABLE_MODELS = {}
-    package, api = types.ModuleType("lmms_eval"), types.ModuleType("lmms_eval.api")
-    package.models, package.api, api.model = models, api, api_model
-    for name, module in {"lmms_eval": package, "lmms_eval.api": api, "lmms_eval.api.model": api_model,
-                         "lmms_eval.models": models, "lmms_eval.models.registry_v2": registry_v2}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    import mmtune.evaluation.lmms_model as module
-
-    monkeypatch.delitem(module.__dict__, "MMTuneLMM", raising=False)  # rebuild against this stand-in
-    return models
+def doc_to_visual(doc):
+    return [Image.open(doc["image"]).convert("RGB")]
 
 
-def _tiny_xc2_loader(checkpoint, config, device="auto"):
+def doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    return "<image>\\n" + doc["question"]
+
+
+def process_results(doc, results):
+    return {"exact_match": float(results[0].strip() == doc["answer"])}
+'''
+TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {docs}
+test_split: test
+output_type: {output_type}
+doc_to_visual: !function utils.doc_to_visual
+doc_to_text: !function utils.doc_to_text
+doc_to_target: answer
+{extra}
+"""
+GENERATE = """generation_kwargs:
+  max_new_tokens: 6
+  temperature: 0
+  until: ["{until}"]
+process_results: !function utils.process_results
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true"""
+CHOICE = """doc_to_choice: choices
+metric_list:
+  - metric: acc"""
+
+
+def _task(root: Path, name: str, answers: list[str], *, until: str = "\\n\\n", output_type: str = "generate_until"):
+    """A local lmms-eval task of one image per colour; ``answers`` are the references."""
+    root.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for i, (colour, answer) in enumerate(zip(COLOURS, answers)):
+        image = root / f"{colour}.png"
+        PILImage.new("RGB", (40, 40), colour).save(image)
+        docs.append({"id": i, "image": str(image), "question": QUESTION, "answer": answer, "choices": list(COLOURS)})
+    (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (root / "utils.py").write_text(UTILS)
+    extra = GENERATE.format(until=until) if output_type == "generate_until" else CHOICE
+    (root / f"{name}.yaml").write_text(TASK.format(name=name, docs=root / "docs.jsonl", output_type=output_type,
+                                                   extra=extra))
+    return root, docs
+
+
+def _own_answers(adapter, model, docs, max_new_tokens=6):
+    """mmtune's generator on the questions as the lmms-eval model asks them."""
+    generator = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=max_new_tokens, device="cpu"))
+    dialogues = [Dialogue(f"q{d['id']}", "t", (Turn("user", (Image(d["image"]), "\n", QUESTION)), Turn("assistant", ("",))))
+                 for d in docs]
+    return [r.answer for r in generator.generate(dialogues)]
+
+
+@pytest.fixture(scope="module")
+def llava_final(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmms")
+    adapter = build_adapter(ModelConfig(family="llava"))
+    model = adapter.load_model(seed=0)
+    model.save_pretrained(root / "final")
+    adapter.save_pretrained(str(root / "final"))
+    (root / "final" / "mmtune_run.json").write_text(json.dumps({"family": "llava", "run": "tiny"}))
+    return root / "final", adapter, model
+
+
+def _tiny_xc2():
     yaml = ROOT / "configs" / "model" / "internlm_xc2_tiny.yaml"
     tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
-    assert config.family == "internlm_xcomposer2" and config.path == "internlm/internlm-xcomposer2-vl-7b"
     adapter = build_adapter(tiny)
-    return adapter, adapter.load_model(seed=0).eval(), "tiny"
+    return adapter, adapter.load_model(seed=0).eval()
 
 
-@dataclasses.dataclass
-class Request:
-    args: tuple
+def _env(tmp_path):
+    import os
+
+    return {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                                                  os.environ.get("PYTHONPATH", "")])}
 
 
-def test_registered_model_answers_generation_requests_for_xcomposer2(fake_lmms_eval, monkeypatch):
-    from mmtune.evaluation import lmms_model
+def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(llava_final, tmp_path):
+    final, adapter, model = llava_final
+    _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
+    own = _own_answers(adapter, model, docs)
+    xc2_own = _own_answers(*_tiny_xc2(), docs)
+    # the reference of the first item is the model's own answer, so the score is exactly 1/3
+    llava_dir, _ = _task(tmp_path / "llava", "mmtune_tiny", [own[0], "not-an-answer", "not-an-answer"])
+    xc2_dir, _ = _task(tmp_path / "xc2", "xc2_tiny", xc2_own, until="NEVER-SEEN")
+    choice_dir, _ = _task(tmp_path / "mc", "xc2_choice", list(COLOURS), output_type="multiple_choice")
+    spec = {"runs": [
+        {"name": "llava", "task_dir": str(llava_dir), "task": "mmtune_tiny",
+         "model_args": f"pretrained={final},family=llava,device=cpu"},
+        {"name": "xc2", "task_dir": str(xc2_dir), "task": "xc2_tiny", "model_args": None},
+        {"name": "choice", "task_dir": str(choice_dir), "task": "xc2_choice", "model_args": None},
+    ]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("lmms_worker.py")), str(tmp_path / "spec.json"),
+                           str(tmp_path / "report.json")], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
 
-    lmms_model.register()
-    cls = fake_lmms_eval.MODEL_REGISTRY_V2.get_model_class("mmtune")
-    assert cls.__name__ == "MMTuneLMM" and issubclass(cls, sys.modules["lmms_eval.api.model"].lmms)
-    assert fake_lmms_eval.AVAILABLE_MODELS["mmtune"] == "MMTuneLMM"
-
-    real_init = lmms_model.GenerationEngine.__init__
-    monkeypatch.setattr(lmms_model.GenerationEngine, "__init__",
-                        lambda self, *a, **k: real_init(self, *a, **k, loader=_tiny_xc2_loader))
-    model = cls(pretrained="internlm/internlm-xcomposer2-vl-7b", family="internlm_xcomposer2", batch_size="1")
-    image = PILImage.new("RGB", (56, 56), (200, 30, 30))
-    model.task_dict = {"mmstar": {"val": {0: {"image": image}, 1: {"image": image}}}}
-    visual = lambda doc: [doc["image"]]  # noqa: E731
-    requests = [Request(("<image>\nWhat colour is it?", {"max_new_tokens": 5, "temperature": 0}, visual, 0, "mmstar", "val")),
-                Request(("Describe.", {"max_new_tokens": 5, "until": ["\n\n"]}, visual, 1, "mmstar", "val"))]
-    replies = model.generate_until(requests)
-    assert len(replies) == 2 and all(isinstance(r, str) for r in replies)
-
-    # `until` cuts the reply at its first stop string; greedy decoding repeats the same reply
-    full = model.engine.answer("Describe.", [image], {"max_new_tokens": 8})
-    if len(full) >= 3:
-        stop = full[1:3]
-        assert model.engine.answer("Describe.", [image], {"max_new_tokens": 8, "until": [stop]}) == full[: full.index(stop)]
-    with pytest.raises(NotImplementedError, match="generation tasks only"):
-        model.loglikelihood(requests)
+    # LLaVA from a saved final/, found through mmtune's `lmms_eval.models` entry point
+    assert report["llava"]["model"] == "mmtune"
+    assert report["llava"]["replies"] == [a.split("\n\n")[0] for a in own]  # `until` cuts at its first stop string
+    assert report["llava"]["results"]["exact_match,none"] == pytest.approx(1 / 3)
+    # InternLM-XComposer2 as a model object handed to the evaluator
+    assert report["xc2"]["replies"] == xc2_own and report["xc2"]["results"]["exact_match,none"] == 1.0
+    # a log-likelihood task is refused with what to use instead
+    assert "generation tasks only" in report["choice"]["error"]
 
 
-def test_launcher_command_for_xcomposer2():
-    from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig
-    from mmtune.evaluation.benchmarks.lmms_eval import build_command
+@pytest.mark.slow
+def test_the_runner_hands_off_to_lmms_evals_command_line_and_reads_its_results(llava_final, tmp_path):
+    """eval.lmms_eval with model_type mmtune: mmtune's launcher, lmms-eval's CLI in a
+    subprocess, its results JSON parsed into an mmtune result."""
+    import os
 
-    cmd = build_command("/runs/xc2/final", LmmsEvalConfig(tasks=["mmstar"]), family="internlm_xcomposer2",
-                        output_path="/o", python="python", model_config_file="/o/mmtune_model.json")
-    assert cmd[:5] == ["python", "-m", "mmtune.evaluation.lmms_model", "--model", "mmtune"]
-    assert cmd[cmd.index("--model_args") + 1] == "pretrained=/runs/xc2/final,family=internlm_xcomposer2,model_config=/o/mmtune_model.json"
+    final, adapter, model = llava_final
+    _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
+    own = _own_answers(adapter, model, docs)
+    task_dir, _ = _task(tmp_path / "task", "mmtune_cli", [own[0], own[1], "not-an-answer"])
+    code = f"""
+import sys
+from mmtune.evaluation.config import EvalConfig
+from mmtune.evaluation.runner import evaluate_checkpoint
+cfg = EvalConfig(benchmarks=["lmms_eval"], progress=False)
+cfg.lmms_eval.tasks = ["mmtune_cli"]
+cfg.lmms_eval.model_type = "mmtune"
+cfg.lmms_eval.extra_args = ["--include_path", {str(task_dir)!r}]
+results = evaluate_checkpoint({str(final)!r}, cfg, output_dir={str(tmp_path / "out")!r}, run_name="r")
+print("SCORE", results["mmtune_cli"].metrics["exact_match"])
+"""
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SCORE 0.666" in proc.stdout
+    assert "mmtune.evaluation.lmms_model --model mmtune" in proc.stdout  # the command it ran
+    result = json.loads((tmp_path / "out" / "mmtune_cli.json").read_text())
+    assert result["meta"]["source"] == "lmms-eval" and result["metrics"]["exact_match"] == pytest.approx(2 / 3)

@@ -94,11 +94,14 @@ def test_mmdu_generate_then_judge_with_local_server(data, saved, tmp_path, monke
         cfg.mmdu.data_path, cfg.mmdu.image_root = str(data.test_json), str(data.image_dir)
         out = tmp_path / "eval"
         results = evaluate_checkpoint(str(saved["full"]), cfg, output_dir=str(out), run_name="r")
-        calls = len(server.requests)
+        check, *judged = server.requests  # the judge is checked with one token before generation starts
+        assert check["max_tokens"] == 1 and all(b["max_tokens"] > 1 for b in judged)
+        calls = len(judged)
         # images of the dialogue travel with each judge call when send_images is on
-        assert any(isinstance(b["messages"][-1]["content"], list) for b in server.requests)
+        assert any(isinstance(b["messages"][-1]["content"], list) for b in judged)
         evaluate_checkpoint(str(saved["full"]), cfg, output_dir=str(out), run_name="r")
-        assert len(server.requests) == calls  # resume: generation and judging both cached
+        # resume: generation and judging both cached; only the one-token check again
+        assert len(server.requests) == 1 + calls + 1 and server.requests[-1]["max_tokens"] == 1
     result = results["mmdu"]
     assert result.metrics["Overall"] == pytest.approx(50.0) and result.metrics["C"] == pytest.approx(40.0)
     assert result.counts["turns"] == calls and result.meta["judge_stats"]["completed"] == calls

@@ -46,7 +46,8 @@ class ToyBenchmark(DialogueBenchmark):
                 answer, reference = (prediction.answer if prediction else None), dialogue.turns[a].text
                 if answer is not None and not sub.case_sensitive:
                     answer, reference = answer.lower(), reference.lower()
-                rows.append({"dialogue_id": dialogue.id, "turn": t, "answer": prediction.answer if prediction else None,
+                # detail rows number turns from 1, as data check, report.md and the viewer do
+                rows.append({"dialogue_id": dialogue.id, "turn": t + 1, "answer": prediction.answer if prediction else None,
                              "hit": answer is not None and reference.strip() in answer})
         hits = sum(r["hit"] for r in rows)
         metrics = {"contains": 100.0 * hits / len(rows) if rows else float("nan")}

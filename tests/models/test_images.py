@@ -98,7 +98,7 @@ def test_an_image_above_the_limits_is_refused_from_its_header_before_any_decode(
         adapter.preprocess_images([str(thin)])
     assert decoded == []  # refused from the header: no pixel and no canvas was made
     # through the pixel cache (training, generation): named with its dialogue and turn, code image_too_large
-    with pytest.raises(Exception, match=r"thin\.png' \(dialogue 'd3', turn 4\) is not decoded") as info:
+    with pytest.raises(Exception, match=r"thin\.png' \(dialogue 'd3', turn 3 \(question\)\) is not decoded") as info:
         ImagePipeline(adapter).load_one(str(thin), dialogue_id="d3", turn=4)
     assert info.value.code == "image_too_large"
     # an already decoded image is held to the same limits (XComposer2's official PIL entry point)
@@ -123,7 +123,7 @@ def test_qwen_vl_counts_and_loads_only_images_within_the_limits(tmp_path):
                                         image_limits=ImageLimits(max_side=1000)))
     dialogue = Dialogue("q1", "t", (Turn("user", ("a",)), Turn("assistant", ("b",)),
                                     Turn("user", (Image(str(tall)), "c")), Turn("assistant", ("d",))))
-    with pytest.raises(CorruptImageError, match=r"tall\.png' \(dialogue 'q1', turn 2\) is not decoded.*max_side=1000") as info:
+    with pytest.raises(CorruptImageError, match=r"tall\.png' \(dialogue 'q1', turn 2 \(question\)\) is not decoded.*max_side=1000") as info:
         adapter.encode_dialogue(dialogue)
     assert info.value.code == "image_too_large"
     with pytest.raises(ImageTooLargeError):

@@ -315,7 +315,7 @@ def test_pixel_bounds_change_token_counts_as_the_processor(tmp_path, images):
 
 
 def test_pixel_bounds_are_validated_and_refused_for_other_families():
-    with pytest.raises(ValueError, match="model.min_pixels=784 is set but model.family='llava' does not read it"):
+    with pytest.raises(ValueError, match="model.min_pixels=784 is not read by model.family='llava'"):
         build_adapter(ModelConfig(family="llava", min_pixels=784))
     with pytest.raises(ValueError) as info:
         ModelConfig(family="qwen2_vl", min_pixels=0, max_pixels=-5).validate()

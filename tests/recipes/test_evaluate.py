@@ -17,7 +17,8 @@ EVAL_CONFIGS = sorted(p.stem for p in (ROOT / "configs" / "eval").glob("*.yaml")
 def test_every_eval_config_composes_into_the_schema(name):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-        cfg = compose("evaluate", overrides=[f"eval={name}", "eval.synthetic.data_path=x.json"])
+        cfg = compose("evaluate", overrides=[f"eval={name}", "eval.synthetic.data_path=x.json",
+                                             "eval.heldout.data_path=x.json"])
     config = to_evaluate_config(cfg)
     assert isinstance(config, EvaluateConfig) and config.eval.benchmarks
 

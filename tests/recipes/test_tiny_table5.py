@@ -66,5 +66,9 @@ def test_tiny_table5_reproduction(tmp_path: Path):
         assert f"{measured[run]:.1f}" in stdout
     assert (report_dir / "tiny_table5.png").stat().st_size > 10_000
     assert "<table>" in (report_dir / "report.html").read_text()
-    # Trained models score above chance on the one-word answers (colors: 1/4, shapes: 1/3, yes/no: 1/2).
-    assert max(measured.values()) > 40.0, measured
+    # The direction of the paper's Table 5: at the longer window the context-extended model
+    # (trained at 2W with RoPE interpolation) beats the baseline, which was trained at W and
+    # sees positions it never learned there; at W the baseline keeps its own score.
+    long_2x, base_2x = measured["tiny_table5_long_eval_2x"], measured["tiny_table5_baseline_eval_2x"]
+    assert long_2x > base_2x, measured
+    assert long_2x >= measured["tiny_table5_long_eval_1x"] - 5.0, measured  # more context never costs it much

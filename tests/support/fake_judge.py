@@ -8,7 +8,9 @@ It implements ``POST /v1/chat/completions`` only. A ``responder`` callable maps 
 request body to a :class:`Scripted` reply (content, HTTP status, raw garbage body,
 delay), so tests can inject 429s, 500s, timeouts and malformed bodies and count calls.
 It never checks the key; it records the Authorization header only so tests can assert
-where the key did (and did not) travel.
+where the key did (and did not) travel. It is bounded: past ``max_requests`` requests it
+answers 503 (so a client in a retry loop cannot hammer it), and after ``lifetime_s``
+seconds it shuts itself down, so a test that hangs never leaves it behind.
 
 Example::
 
@@ -40,11 +42,15 @@ class Scripted:
     """Send the whole response (status line, headers, body) one byte at a time, this many
     seconds apart: a server that never lets a single read time out. It stops when the
     response is out or the client hangs up (counted in ``FakeJudgeServer.cut_off``)."""
+    finish_reason: str = "stop"
 
 
 class FakeJudgeServer:
-    def __init__(self, responder: Callable[[dict[str, Any]], Scripted], *, port: int = 0):
+    def __init__(self, responder: Callable[[dict[str, Any]], Scripted], *, port: int = 0,
+                 max_requests: int = 100_000, lifetime_s: float = 900.0):
         self.responder = responder
+        self.max_requests = max_requests
+        self.lifetime_s = lifetime_s
         self.requests: list[dict[str, Any]] = []
         self.auth_headers: list[str] = []
         self.in_flight = 0
@@ -72,7 +78,9 @@ class FakeJudgeServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    reply = server.responder(body)
+                    over = len(server.requests) > server.max_requests
+                    reply = Scripted("request budget of the test server exhausted", status=503) if over \
+                        else server.responder(body)
                     if reply.delay_s:
                         time.sleep(reply.delay_s)
                     if reply.raw is not None:
@@ -88,7 +96,7 @@ class FakeJudgeServer:
                                 "choices": [
                                     {
                                         "index": 0,
-                                        "finish_reason": "stop",
+                                        "finish_reason": reply.finish_reason,
                                         "message": {"role": "assistant", "content": reply.content},
                                     }
                                 ],
@@ -133,6 +141,8 @@ class FakeJudgeServer:
                         return
                     time.sleep(reply.trickle_s)
 
+        self._stopped = False
+        self._timer: Optional[threading.Timer] = None
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
@@ -152,9 +162,18 @@ class FakeJudgeServer:
 
     def start(self) -> "FakeJudgeServer":
         self._thread.start()
+        self._timer = threading.Timer(self.lifetime_s, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
         return self
 
     def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._httpd.shutdown()
         self._httpd.server_close()
 

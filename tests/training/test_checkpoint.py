@@ -318,3 +318,23 @@ def test_a_full_disk_during_the_final_save_keeps_the_previous_final_and_checkpoi
     assert f"{tmp_path / 'checkpoints' / 'step-3'} (step 3), is intact" in message
     assert json.loads((tmp_path / "final" / RUN_METADATA).read_text()) == {"version": "A"}
     assert not (tmp_path / ".tmp-final").exists()
+
+
+def test_checkpoint_and_final_weights_are_readable_like_every_other_file(tmp_path):
+    """safetensors writes 0600 whatever the umask; a checkpoint another account (a server,
+    a container user) reads must follow the umask like config.json does."""
+    from mmtune.training.checkpoint import save_final
+    from tests.training.save_worker import TinyPretrained
+
+    old = os.umask(0o022)
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(TinyPretrained())
+        CheckpointManager(tmp_path).save(accelerator, 1, {"epoch": 0})
+        save_final(accelerator, model, tmp_path / "final", save_pretrained_extras=[], metadata={"version": "A"})
+    finally:
+        os.umask(old)
+    weights = sorted(tmp_path.rglob("*.safetensors"))
+    assert {p.parent.name for p in weights} >= {"final", "step-1"}
+    for path in [*weights, tmp_path / "final" / RUN_METADATA, tmp_path / "checkpoints" / "step-1" / TRAINER_STATE]:
+        assert path.stat().st_mode & 0o777 == 0o644, path

@@ -28,7 +28,7 @@ def test_demo_reaches_target_from_chance(tmp_path):
     after = json.loads((out / "eval" / "after" / "synthetic.json").read_text())["metrics"]["exact_match"]
     assert before <= chance_exact_match(out / "data" / "test.json") and after >= TARGET, (before, after)
     for line in ("task:", "model:", "chance level", "held-out exact match before training", "held-out exact match after training",
-                 "same color", "viewer.html"):  # "same color": the per-question line
+                 "same color", "viewer.html", "CPU threads:"):  # "same color": the per-question line
         assert line in proc.stdout, line
     assert (out / "final" / "model.safetensors").is_file() and (out / "eval" / "after" / "viewer.html").is_file()
 

@@ -172,3 +172,28 @@ def test_deepspeed_zero_on_cpu_trains_and_saves_a_loadable_hf_checkpoint(stage, 
     assert all(trained_params[n].shape == p.shape for n, p in initial_params.items())
     changed = [n for n, p in initial_params.items() if not torch.equal(trained_params[n], p)]
     assert any(".language_model." in n for n in changed) and any(".multi_modal_projector." in n for n in changed)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_evaluation_after_training_and_match_one_process(tmp_path, synthetic_dir, tiny_overrides):
+    from mmtune.evaluation.config import EvalConfig, GenerationConfig
+    from mmtune.evaluation.runner import evaluate_checkpoint
+
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, synthetic_dir, "training.max_steps=2", "training.eval_after=true",
+                               "eval.generation.batch_size=2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = out / "eval" / "after"
+    result = json.loads((after / "synthetic.json").read_text())
+    ranks = result["meta"]["data_parallel"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["turns"] > 0 for r in ranks)  # both ranks generated
+    # the saved final/ evaluated by one process answers the same
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False, generation=GenerationConfig(max_new_tokens=8, batch_size=2))
+    cfg.synthetic.data_path, cfg.synthetic.image_root = str(synthetic_dir / "test.json"), str(synthetic_dir / "images")
+    one = evaluate_checkpoint(str(out / "final"), cfg, output_dir=str(tmp_path / "one"))
+    assert (after / "generations" / "synthetic.jsonl").read_text() == \
+        (tmp_path / "one" / "generations" / "synthetic.jsonl").read_text()
+    assert one["synthetic"].metrics == result["metrics"]

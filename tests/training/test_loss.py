@@ -555,6 +555,14 @@ def test_plan_run_estimates_the_loss_the_loop_will_run(tmp_path, synthetic_dir, 
     if linear != "fused":  # Liger is not installed here: the run could not start, so the plan says so
         with pytest.raises(PlanError, match="loss_impl=fused needs liger-kernel"):
             planned("training.loss_impl=fused")
+    # the rendered plan names the loss and, for a fallback, the loop's own reason
+    fallback = plan_run(tiny_overrides(tmp_path, synthetic_dir, *lora_head, "peft.dropout=0.05"), num_gpus=1,
+                        gpu="h100")
+    [line] = [x for x in fallback.render().splitlines() if x.strip().startswith("loss ")]
+    assert "materialised logits" in line and "LoRA output head" in line and "dropout" in line
+    [line] = [x for x in plan_run(tiny_overrides(tmp_path, synthetic_dir), num_gpus=1, gpu="h100").render().splitlines()
+              if x.strip().startswith("loss ")]
+    assert ("chunked linear cross-entropy" if linear == "chunked" else "fused") in line and ";" not in line
 
 
 # -- DeepSpeed ZeRO-3, one CPU process through accelerate ----------------------------------------

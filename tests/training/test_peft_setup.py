@@ -51,3 +51,25 @@ def test_lora_run_saves_adapter_and_a_loadable_merged_checkpoint(tmp_path, synth
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
     assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("family, architecture", [("llava", {}), ("qwen2_vl", {"model_type": "qwen2_vl"}),
+                                                  ("qwen2_vl", {"model_type": "qwen3_vl"})])
+def test_qlora_keeps_the_vision_tower_projector_and_head_in_full_precision(family, architecture):
+    """The adapter's skip patterns, read the way transformers' quantizer reads
+    ``llm_int8_skip_modules``: every linear layer of the vision tower, the projector and the
+    output head stays unquantized, every one of the language model is quantized."""
+    from torch import nn
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    adapter = build_adapter(ModelConfig(family=family, architecture=architecture))
+    model = adapter.load_model()
+    groups = adapter.module_groups(model)
+    patterns = adapter.quantization_skip_modules()
+    kept = {id(m) for part in (groups.vision, groups.projector) for root in part for m in root.modules()}
+    head = model.get_output_embeddings()
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert any(id(m) in kept for _, m in linear)
+    for name, module in linear:
+        full_precision = id(module) in kept or module is head
+        assert should_convert_module(name, patterns) is not full_precision, name

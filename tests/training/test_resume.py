@@ -47,7 +47,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
     # SIGKILL once a checkpoint exists and training has moved past it.
     deadline = time.time() + 300
     while time.time() < deadline and victim.poll() is None:
-        steps = _lines(killed_dir / "sample_ids.jsonl") if (killed_dir / "checkpoints" / "step-3").exists() else []
+        # The metrics line of a step is written after its sample ids, so wait for the metrics.
+        steps = _lines(killed_dir / "metrics.jsonl") if (killed_dir / "checkpoints" / "step-3").exists() else []
         if steps and steps[-1]["step"] >= 4:
             victim.send_signal(signal.SIGKILL)
             break

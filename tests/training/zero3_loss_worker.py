@@ -15,7 +15,7 @@ def main() -> None:
 
     from mmtune.training.config import to_sft_config
     from mmtune.training.demo import compose_sft_config
-    from mmtune.training.loop import _MODEL_INPUTS, SFTRecipe
+    from mmtune.training.loop import SFTRecipe
 
     out, overrides = sys.argv[1], sys.argv[2:]
     recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
@@ -25,11 +25,7 @@ def main() -> None:
     head = recipe.adapter.loss_modules(recipe.model)[1]
     head_status = getattr(head.weight, "ds_status", None)
     batch, _ = next(iter(recipe.data.dataloader(0)))
-    inputs = {k: batch[k].to(acc.device) if batch.get(k) is not None else None for k in _MODEL_INPUTS}
-    with acc.autocast():
-        summed = recipe.loss(recipe.model, inputs, batch["labels"])
-        if inputs["pixel_values"] is None:
-            summed = summed + recipe.adapter.vision_dummy_loss(recipe.model)
+    summed = recipe.batch_loss(batch)
     acc.backward(summed)
     grads = {}
     for name, param in recipe.model.module.named_parameters():

@@ -25,7 +25,7 @@ from datasets import Dataset, Features, List, Value
 from datasets.arrow_writer import ArrowWriter
 
 # Bump when the reader's output or validation rules change, so old caches are not reused.
-READER_VERSION = 2
+READER_VERSION = 3  # 3: reports number turns by question/answer exchange
 
 # Dialogue.to_record() plus cheap per-record statistics used by mixing and stacking.
 FEATURES = Features(

@@ -1,22 +1,28 @@
-"""``mmtune data check CONFIG|FILE``: read and validate data, print the report.
+"""``mmtune data check CONFIG|FILE...``: read and validate data, print the report.
 
 CONFIG is a YAML file or a name under ``configs/data/`` (``synthetic``, ``add_to_pool``,
-...). Extra ``key=value`` arguments override the config (``validation.mode=strict``).
-FILE is a data file (JSON list or JSONL) checked as one source: its format (llava,
-mmdu, xcomposer2, messages) is detected from its first records and stated in the
-report (``--format`` overrides), images resolve under ``--image-root`` (default: the
-file's folder). Every report ends with the image path rule each source was read with
-(see :mod:`mmtune.data.paths`): relative and rooted paths joined to the image root and
-kept inside it, absolute paths outside it rejected unless ``--allow-absolute-paths``.
-Exit status: 0 when the data loaded (in skip mode, even with skipped records: they
-are listed), 1 when strict mode found a problem or a file is missing or broken,
-2 for a config error.
+...). Extra ``key=value`` arguments override the config (``validation.check_images=exists``).
+FILE is a data file (JSON list or JSONL), checked as one source; several files are
+several sources, as ``data.files`` makes them for training. A file's format (llava,
+mmdu, xcomposer2, messages) is detected from its first records and stated in the report
+(``--format`` overrides), images resolve under ``--image-root`` (default: the file's
+folder). Every report ends with the image path rule each source was read with (see
+:mod:`mmtune.data.paths`): relative and rooted paths joined to the image root and kept
+inside it, absolute paths outside it rejected unless ``--allow-absolute-paths``.
+
+Every record is read, so the report lists every problem, whatever ``validation.mode``
+says; then the command decides. Exit status: 0 when every record was kept (or records
+were skipped and ``--allow-skips`` accepts that), 1 when records were skipped, a file is
+missing or broken, 2 for a config error. ``--strict`` (or a config with
+``validation.mode: strict``) lists every problem, not only a few examples per kind, and
+accepts no skipped record, so ``mmtune data check ... --strict`` can gate a pipeline.
 
 Example::
 
     mmtune data check add_to_pool --images exists
     mmtune data check configs/data/synthetic.yaml --strict --refresh
     mmtune data check data/mmdu/benchmark.json --image-root data/mmdu
+    mmtune data check chat.json dialogues.jsonl --image-root imgs --allow-skips
 """
 
 from __future__ import annotations
@@ -24,42 +30,60 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from omegaconf.errors import OmegaConfBaseException
 
 from mmtune.data.config import FORMATS, ConfigError, DataConfig, MixtureConfig, SourceConfig, load_data_config
 
 _DATA_SUFFIXES = (".json", ".jsonl")
+_EXPECTED = ("a 'messages' list of {role, content} (messages), or a 'conversations' list of {from, value} "
+             "turns (llava with <image>, mmdu / xcomposer2 with <ImageHere>)")
+#: examples kept per problem kind when every problem is to be listed (--strict)
+EVERY_PROBLEM = 1_000_000
+
+
+def _keys(obj: Any) -> str:
+    return str(sorted(map(str, obj))[:12]) if isinstance(obj, dict) else f"a {type(obj).__name__}, not an object"
 
 
 def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
     """``(format, why)`` of a data file, from its first ``sample`` records.
 
     Raises:
-        ValueError: no record looks like any format (the message says what was seen).
+        ValueError: no record looks like any format; the message says which keys each
+            format needs and which the first record has.
     """
     from mmtune.data.readers import iter_records
 
     records: list[Any] = []
+    first: Any = None
     for _, obj, problem in iter_records(path):
+        if first is None and problem is None:
+            first = obj
         if problem is None and isinstance(obj, dict):
             records.append(obj)
         if len(records) >= sample:
             break
+    choose = f"write {_EXPECTED}, or pass --format {{{','.join(FORMATS)}}}"
     if not records:
-        raise ValueError(f"{path}: no JSON object records found; pass --format {{{','.join(FORMATS)}}}")
+        found = "no readable record" if first is None else f"the first record is {_keys(first)}"
+        raise ValueError(f"{path}: no JSON object records found ({found}); {choose}")
     if sum("messages" in r for r in records) > len(records) / 2:
         return "messages", "records have a 'messages' list (OpenAI chat style)"
     convs = [r for r in records if isinstance(r.get("conversations"), list)]
     if not convs:
-        keys = sorted({k for r in records for k in r})[:10]
-        raise ValueError(f"{path}: records have neither 'conversations' nor 'messages' (keys seen: {keys}); "
-                         f"pass --format {{{','.join(FORMATS)}}}")
+        raise ValueError(f"{path}: cannot tell the format: expected {_EXPECTED}; the first record has keys "
+                         f"{_keys(records[0])}. Rename the keys, or pass --format {{{','.join(FORMATS)}}}")
     # Only strings are looked at: a value may be any JSON, nested deeper than str() follows.
     messages = [m for r in convs for m in r["conversations"] if isinstance(m, dict)]
     texts = [m["value"] for m in messages if isinstance(m.get("value"), str)]
     roles = {m["from"] for m in messages if isinstance(m.get("from"), str)}
+    if not texts or not roles:
+        turn = next((m for m in convs[0]["conversations"]), None)
+        raise ValueError(f"{path}: records have 'conversations', but its turns are not {{from, value}}: the first "
+                         f"record's first turn is {_keys(turn) if turn is not None else 'missing'}. Write turns as "
+                         "{\"from\": \"human\", \"value\": \"...\"}, or put {role, content} messages under 'messages'")
     mmdu_marks = sum(t.count("<ImageHere>") for t in texts)
     llava_marks = sum(t.count("<image>") for t in texts)
     list_images = any(isinstance(r.get("image"), list) for r in convs)
@@ -70,57 +94,131 @@ def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
     return "llava", f"'conversations' with {'<image> placeholders' if llava_marks else 'no image placeholders'} and roles {sorted(roles)} (llava-665k schema)"
 
 
+def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
+                       fmt: Optional[str] = None) -> tuple[list[SourceConfig], list[str]]:
+    """One source per data file, its format detected (:func:`detect_format`), named after
+    the file (``chats/a.json`` -> ``a``; ``a_2`` ... when two files share a name).
+
+    Args:
+        image_root: every source's image root (``None``: each file's folder).
+        key: the config key (or command-line argument) the files came from, named in problems.
+        fmt: the format of every file, when given (``--format``); ``None``: detected.
+
+    Returns:
+        The sources, and per source the reason for its format (``detected: ...``).
+
+    Raises:
+        ConfigError: listing every file that is missing, not JSON/JSONL or of no known format.
+        DataValidationError: a JSON list broken in its own structure (line and column).
+    """
+    sources, reasons, problems, names = [], [], [], set()
+    for i, path in enumerate(files):
+        where = f"{key}[{i}]={path!r}"
+        if not os.path.isfile(path):
+            problems.append(f"{where} does not exist (relative paths start at the folder you run in, {os.getcwd()})")
+            continue
+        if not path.lower().endswith(_DATA_SUFFIXES):
+            problems.append(f"{where} is not a .json or .jsonl file")
+            continue
+        if fmt:
+            found, why = fmt, "given with --format"
+        else:
+            from mmtune.data.validation import DataValidationError
+
+            try:
+                found, why = detect_format(path)
+            except DataValidationError:  # the file's own structure is broken: that is the message
+                raise
+            except ValueError as err:
+                problems.append(f"{where}: {err}")
+                continue
+            why = f"detected: {why}"
+        stem = os.path.splitext(os.path.basename(path))[0] or "data"
+        name, n = stem, 1
+        while name in names:
+            n += 1
+            name = f"{stem}_{n}"
+        names.add(name)
+        sources.append(SourceConfig(name=name, format=found, path=path, image_root=image_root))
+        reasons.append(why)
+    if problems:
+        raise ConfigError("data files that cannot be read:\n  - " + "\n  - ".join(problems))
+    return sources, reasons
+
+
 def _is_data_file(name: str) -> bool:
     return os.path.isfile(name) and name.lower().endswith(_DATA_SUFFIXES)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmtune data check", description="Validate data sources and print a report.")
+    p = argparse.ArgumentParser(prog="mmtune data check", description="Read and validate a data config or data files and print the report: what was read, "
+                                "kept and skipped, every problem kind with its fix and examples.",
+                                epilog="Exit status: 0 every record kept (or skips accepted with --allow-skips), "
+                                "1 records skipped or a file missing or broken, 2 a config error.")
     p.add_argument("config", help="data config YAML path or name under configs/data/, or a data file (.json/.jsonl)")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. validation.check_images=exists")
-    p.add_argument("--strict", action="store_true", help="fail at the first problem (validation.mode=strict)")
+    p.add_argument("overrides", nargs="*", help="more data files, and config overrides such as "
+                   "validation.check_images=exists")
+    p.add_argument("--strict", action="store_true",
+                   help="list every problem (not a few examples per kind) and accept no skipped record")
+    p.add_argument("--allow-skips", action="store_true",
+                   help="exit 0 even when records were skipped (they are still listed)")
     p.add_argument("--images", choices=("verify", "decode", "exists", "none"),
                    help="image check level (validation.check_images; decode: full decode of every image)")
     p.add_argument("--refresh", action="store_true", help="re-read the files instead of using the Arrow cache")
     p.add_argument("--cache-dir", help="cache folder (data.cache_dir)")
     p.add_argument("--mixture", action="store_true", help="also print each source's samples per epoch")
-    p.add_argument("--format", choices=FORMATS, help="data file only: its format (default: detected)")
-    p.add_argument("--image-root", help="data file only: folder image paths are joined to (default: the file's folder)")
+    p.add_argument("--format", choices=FORMATS, help="data files only: their format (default: detected)")
+    p.add_argument("--image-root", help="data files only: folder image paths are joined to (default: each file's folder)")
     p.add_argument("--allow-absolute-paths", action="store_true",
                    help="accept absolute image paths outside the image root (data.allow_absolute_image_paths=true)")
     return p
 
 
-def _file_config(args: argparse.Namespace) -> tuple[DataConfig, str]:
-    """A one-source config for a data file, and the line that states its format."""
-    if args.format:
-        fmt, why = args.format, "given with --format"
-    else:
-        fmt, why = detect_format(args.config)
-        why = f"detected: {why}; override with --format"
-    name = os.path.splitext(os.path.basename(args.config))[0] or "data"
-    source = SourceConfig(name=name, format=fmt, path=args.config, image_root=args.image_root)
-    return DataConfig(mixture=MixtureConfig(sources=[source])), f"format {fmt} ({why})"
+def _files_config(files: list[str], args: argparse.Namespace) -> tuple[DataConfig, list[str]]:
+    """A config with one source per data file, and the line that states each one's format."""
+    sources, reasons = sources_from_files(files, args.image_root, key="FILE", fmt=args.format)
+    stated = [f"{s.path}: format {s.format} ({why}{'' if args.format else '; override with --format'})"
+              for s, why in zip(sources, reasons)]
+    return DataConfig(mixture=MixtureConfig(sources=sources)), stated
+
+
+def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool) -> tuple[int, str]:
+    """Exit status and the closing line, from what was skipped."""
+    read = sum(r.records_read for r in reports)
+    skipped = sum(r.records_skipped for r in reports)
+    if not skipped:
+        return 0, f"data check: OK, all {read} record(s) of {len(reports)} source(s) kept"
+    reasons: dict[str, int] = {}
+    for r in reports:
+        for code, n in r.skipped.items():
+            reasons[code] = reasons.get(code, 0) + n
+    why = ", ".join(f"{code} {n}" for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+    if allow_skips:
+        return 0, f"data check: OK with --allow-skips: {skipped} of {read} record(s) skipped ({why}), listed above"
+    firsts = "\n".join(f"  first in {r.source}: {r.first_problem}" for r in reports if r.first_problem)
+    fix = "fix them" if strict else "fix them, or pass --allow-skips to train without them"
+    return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n{firsts}"
 
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    overrides = list(args.overrides)
-    if args.strict:
-        overrides.append("validation.mode=strict")
+    files = [a for a in [args.config, *args.overrides] if "=" not in a]
+    overrides = [a for a in args.overrides if "=" in a]
     if args.images:
         overrides.append(f"validation.check_images={args.images}")
     if args.cache_dir:
         overrides.append(f"cache_dir={args.cache_dir}")
     if args.allow_absolute_paths:
         overrides.append("allow_absolute_image_paths=true")
-    stated = None
+    stated: list[str] = []
     from mmtune.data.validation import DataValidationError
 
     try:
+        if args.strict and args.allow_skips:
+            raise ConfigError("--strict accepts no skipped record and --allow-skips accepts them: pass one of the two")
         if _is_data_file(args.config):
             try:
-                cfg, stated = _file_config(args)
+                cfg, stated = _files_config(files, args)
             except DataValidationError as e:  # the file itself is broken, not the command line
                 print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
                 return 1
@@ -134,14 +232,23 @@ def run(argv: list[str]) -> int:
             cfg = OmegaConf.to_object(merged)
             cfg.validate()
         else:
+            if len(files) > 1:
+                raise ConfigError(f"{files[1]!r} is neither key=value nor a .json/.jsonl file"
+                                  + ("" if os.path.exists(files[1]) else " that exists"))
             if args.format or args.image_root:
-                raise ConfigError("--format and --image-root apply to a data file; set them in the config's sources")
+                raise ConfigError("--format and --image-root apply to data files; set them in the config's sources")
             cfg = load_data_config(args.config, overrides)
     except (ConfigError, OmegaConfBaseException, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: {e}", file=sys.stderr)
         return 2
-    if stated:
-        print(f"{args.config}: {stated}")
+    for line in stated:
+        print(line)
+    strict = args.strict or cfg.validation.mode == "strict"
+    # Every record is read whatever the mode, so the report can list every problem;
+    # strictness decides the exit status below.
+    cfg.validation.mode = "skip"
+    if strict:
+        cfg.validation.max_examples = EVERY_PROBLEM
 
     from mmtune.data.mixture import build_mixture
     from mmtune.data.readers import image_rules
@@ -160,18 +267,36 @@ def run(argv: list[str]) -> int:
         print(f"\nmixture (strategy {cfg.mixture.strategy}, by {cfg.mixture.by}, seed {cfg.mixture.seed}):")
         for s, c in zip(mixture.sources, mixture.counts):
             print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
-    return 0
+    code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips)
+    print("\n" + verdict, file=sys.stderr if code else sys.stdout)
+    return code
+
+
+SUBCOMMANDS = {
+    "check": "read and validate data configs or data files, print what would be skipped and why",
+    "build": "make MMDU-style multi-image dialogues from your own corpus with a teacher model",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mmtune data <subcommand> [args...]", "", "subcommands:"]
+    lines += [f"  {name:<8} {text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "`mmtune data check -h` and `mmtune data build -h` list each one's arguments."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mmtune data ...`` (only ``check`` exists)."""
+    """Entry point of ``mmtune data ...``: ``check`` here, ``build`` in :mod:`mmtune.data.build.cli`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mmtune data check CONFIG|FILE [overrides...] [--strict] [--images LEVEL] [--refresh] "
-              "[--format FMT] [--image-root DIR] [--allow-absolute-paths]")
+        print(_usage())
         return 0 if argv else 2
+    if argv[0] == "build":
+        from mmtune.data.build.cli import main as build_main
+
+        return int(build_main(argv[1:]) or 0)
     if argv[0] != "check":
-        print(f"mmtune data: unknown subcommand {argv[0]!r} (available: check)", file=sys.stderr)
+        print(f"mmtune data: unknown subcommand {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     return run(argv[1:])
 

@@ -1,21 +1,33 @@
 """The multi-image conversation collator: encoded examples -> one model-ready batch.
 
-Batches are dicts with fixed keys::
+Batches are dicts with fixed keys, the image inputs and the position-id layout being the
+adapter's (:mod:`mmtune.models.base`, "The batch")::
 
     input_ids        [B, L] long   token ids; an image is a run of image_token_id
     labels           [B, L] long   -100 everywhere except assistant content + end-of-turn
     attention_mask   [B, L] long   1 real / 0 pad; ``None`` for packed batches (below)
-    position_ids     [B, L] long   0.. per sample; restarts at 0 for every packed sample
-    pixel_values     [N_img, 3, H, W] float or None, images in the order of their token
-                     runs, row-major
+    position_ids     [B, L] long   0.. per sample; restarts at 0 for every packed sample.
+                     Adapters with several rows per token (M-RoPE) get ``[1 + rows, B, L]``:
+                     the plain running position first, then each sample's own rows
+    <image inputs>   one entry per name of ``adapter.image_input_names``, the images of
+                     every sample concatenated along dim 0 in the order of their token runs,
+                     row-major; ``None`` when the batch has no image. LLaVA-1.5 and
+                     XComposer2: ``pixel_values [N_img, 3, H, W]`` float; Qwen2-VL:
+                     ``pixel_values [sum of patches, D]`` and ``image_grid_thw [N_img, 3]``
     num_loss_tokens  long scalar   count of labels != -100 (for token-weighted losses)
+
+(:data:`BATCH_KEYS` is that list for a family whose only image input is ``pixel_values``;
+:func:`batch_keys` gives it for any adapter.)
 
 **Packed batches** put several samples in one row. Their ``attention_mask`` is ``None``:
 transformers then reads sample boundaries from ``position_ids`` (every place where the
-position does not increase by one starts a new sample) and builds a block-diagonal causal
-mask for SDPA / eager (``masking_utils.find_packed_sequence_indices``), and flash-attention
-2 derives ``cu_seqlens`` from the same ``position_ids``. A 2-D all-ones mask would switch
-that detection off and let samples attend to each other, so none is passed. Row padding
+position does not increase by one starts a new sample; with M-RoPE, from the plain row 0)
+and builds a block-diagonal causal mask for SDPA / eager
+(``masking_utils.find_packed_sequence_indices``), and flash-attention 2 derives
+``cu_seqlens`` from the same ``position_ids``. The training loop runs SDPA and eager per
+sample instead (:mod:`mmtune.training.packed_attention`): the same boundaries, no
+``L x L`` mask, each sample's own attention cost. A 2-D all-ones mask would switch that
+detection off and let samples attend to each other, so none is passed. Row padding
 forms its own run of positions 0, 1, ... with pad ids and labels -100: it attends only to
 itself and never to a sample. The first label of every packed sample is -100, so the last
 token of one sample never learns to predict the next sample's first token (the same
@@ -27,7 +39,7 @@ needs the cache anyway).
 
 Example::
 
-    collate = MultiImageCollator(pad_token_id=tok.pad_token_id)
+    collate = MultiImageCollator(pad_token_id=tok.pad_token_id, adapter=adapter)
     batch = collate([example_a, example_b])
     loss = model(**model_inputs(batch)).loss
 """
@@ -49,22 +61,38 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModelAdapter
 
 __all__ = ["BATCHING_MODES", "BATCH_KEYS", "CollatorConfig", "MultiImageCollator", "MultiImageDataset", "SkippedSample",
-           "model_inputs"]
+           "batch_keys", "forward_inputs", "model_inputs"]
 
 BATCHING_MODES = ("padding", "length_grouped", "token_budget", "packing")
-BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "pixel_values", "num_loss_tokens")
+_TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+#: keys of the batches of a family whose only image input is ``pixel_values``
+BATCH_KEYS = (*_TEXT_KEYS, "pixel_values", "num_loss_tokens")
+# what a batch holds beside the forward's inputs
+_NOT_INPUTS = ("labels", "num_loss_tokens")
+
+
+def batch_keys(image_input_names: Sequence[str] = ("pixel_values",)) -> tuple[str, ...]:
+    """The keys of a batch whose images become the inputs ``image_input_names`` (the adapter's)."""
+    return (*_TEXT_KEYS, *image_input_names, "num_loss_tokens")
+
+
+def forward_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a collated batch that the model's forward takes (everything but
+    ``labels`` and ``num_loss_tokens``), ``None`` ones included: whatever the adapter's
+    image inputs and position layout are, they pass through by name."""
+    return {k: v for k, v in batch.items() if k not in _NOT_INPUTS}
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for the model's forward from a collated batch.
 
-    Drops ``num_loss_tokens`` and sets ``use_cache=False``: a KV cache would turn off
-    transformers' detection of packed samples from ``position_ids`` (and training does not
-    need one).
+    Drops ``num_loss_tokens`` and the image inputs of a text-only batch (``None``), and
+    sets ``use_cache=False``: a KV cache would turn off transformers' detection of packed
+    samples from ``position_ids`` (and training does not need one).
     """
     inputs = {k: v for k, v in batch.items() if k != "num_loss_tokens"}
-    if inputs.get("pixel_values") is None:
-        inputs.pop("pixel_values", None)
+    for key in [k for k, v in inputs.items() if v is None and k not in _TEXT_KEYS]:
+        inputs.pop(key)
     inputs["use_cache"] = False
     return inputs
 
@@ -153,8 +181,11 @@ class MultiImageCollator:
         pad_token_id: id used for padding (labels there are -100).
         packed: group examples into rows by ``Example.row`` (set by packing plans).
         pad_to_multiple_of: round the padded length up to a multiple of this.
-        image_pipeline: loads pixels for examples whose ``pixel_values`` are not loaded yet
-            (a dataset normally loads them in its worker already).
+        image_pipeline: loads pixels for examples whose images are not loaded yet (a
+            dataset normally loads them in its worker already) and finishes cached ones.
+        adapter: the model adapter, for its image inputs and position-id layout; default:
+            the image pipeline's, else a family whose only image input is ``pixel_values``
+            with one position row (examples must then carry their ``pixel_values``).
     """
 
     def __init__(
@@ -164,28 +195,40 @@ class MultiImageCollator:
         packed: bool = False,
         pad_to_multiple_of: int | None = None,
         image_pipeline: ImagePipeline | None = None,
+        adapter: "ModelAdapter | None" = None,
     ):
         self.pad_token_id = int(pad_token_id)
         self.packed = packed
         self.pad_to_multiple_of = pad_to_multiple_of
         self.image_pipeline = image_pipeline
+        self.adapter = adapter if adapter is not None else getattr(image_pipeline, "adapter", None)
+        self.image_input_names = tuple(getattr(self.adapter, "image_input_names", ("pixel_values",)))
+        self.position_rows = int(getattr(self.adapter, "position_id_rows", 1))
 
-    def _pixels(self, example: Example) -> torch.Tensor | None:
+    def _image_inputs(self, example: Example) -> dict[str, torch.Tensor] | None:
+        """The model inputs of one example's images (``None`` without images)."""
         if not example.images:
             return None
-        if example.pixel_values is not None:
-            if example.pixel_values.shape[0] != len(example.images):
+        loaded = example.raw_images if example.raw_images is not None else example.pixel_values
+        if loaded is not None:
+            if len(loaded) != len(example.images):
                 raise ValueError(
-                    f"dialogue {example.dialogue_id!r}: {example.pixel_values.shape[0]} pixel tensors for "
-                    f"{len(example.images)} images"
+                    f"dialogue {example.dialogue_id!r}: {len(loaded)} pixel tensors for {len(example.images)} images"
                 )
-            return example.pixel_values
+            if example.raw_images is None and loaded.dtype != torch.uint8:
+                return {"pixel_values": loaded}  # finished pixel values
+            if self.image_pipeline is None:
+                raise ValueError(
+                    f"dialogue {example.dialogue_id!r} carries images as the pixel cache holds them but the collator "
+                    "has no image_pipeline to finish them; pass image_pipeline="
+                )
+            return self.image_pipeline.inputs(list(loaded))
         if self.image_pipeline is None:
             raise ValueError(
                 f"dialogue {example.dialogue_id!r} has images but no pixel_values and the collator has no "
                 "image_pipeline; load images in the dataset or pass image_pipeline="
             )
-        return self.image_pipeline.load(example.images, dialogue_id=example.dialogue_id, raw=True)
+        return self.image_pipeline.load_inputs(example.images, dialogue_id=example.dialogue_id)
 
     def __call__(self, examples: Sequence[Example | None]) -> dict[str, Any]:
         examples = [e for e in examples if isinstance(e, Example)]
@@ -208,7 +251,9 @@ class MultiImageCollator:
         labels = torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long)
         position_ids = torch.zeros((batch_size, width), dtype=torch.long)
         attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        pixels: list[torch.Tensor] = []
+        # one sample's own rows (M-RoPE) next to the plain running position
+        rows_of = torch.zeros((self.position_rows, batch_size, width), dtype=torch.long) if self.position_rows > 1 else None
+        images: list[dict[str, torch.Tensor]] = []
         for r, row in enumerate(grouped):
             start = 0
             for example in row:
@@ -217,32 +262,38 @@ class MultiImageCollator:
                     raise ValueError(
                         f"dialogue {example.dialogue_id!r}: {n} input ids but {len(example.labels)} labels"
                     )
-                input_ids[r, start : start + n] = torch.tensor(example.input_ids, dtype=torch.long)
+                ids = torch.tensor(example.input_ids, dtype=torch.long)
+                input_ids[r, start : start + n] = ids
                 labels[r, start : start + n] = torch.tensor(example.labels, dtype=torch.long)
                 if self.packed:
                     labels[r, start] = IGNORE_INDEX  # no target across the sample boundary
                 position_ids[r, start : start + n] = torch.arange(n)
                 attention_mask[r, start : start + n] = 1
+                inputs = self._image_inputs(example)
+                if inputs is not None:
+                    images.append(inputs)
+                if rows_of is not None:
+                    rows_of[:, r, start : start + n] = self.adapter.position_ids(ids, inputs)
                 start += n
-                pix = self._pixels(example)
-                if pix is not None:
-                    pixels.append(pix)
             if self.packed and start < width:
                 # padding is a sample of its own: a fresh position run, so it attends to itself only
                 position_ids[r, start:] = torch.arange(width - start)
-        pixel_values = None
-        if pixels:
-            pixel_values = torch.cat(pixels, dim=0)
-            if pixel_values.dtype == torch.uint8:  # raw cached pixels: normalise the batch at once
-                if self.image_pipeline is None:
-                    raise ValueError("examples carry raw uint8 pixels but the collator has no image_pipeline")
-                pixel_values = self.image_pipeline.finalize(pixel_values)
+                if rows_of is not None:
+                    rows_of[:, r, start:] = torch.arange(width - start)
+        if rows_of is not None:
+            position_ids = self.adapter.model_position_ids(rows_of, position_ids)
+        image_inputs: dict[str, Any] = {name: None for name in self.image_input_names}
+        if images:
+            missing = [name for name in self.image_input_names if name not in images[0]]
+            if missing:
+                raise ValueError(f"the image inputs {sorted(images[0])} lack {missing}, which the adapter declares")
+            image_inputs = {name: torch.cat([one[name] for one in images], dim=0) for name in self.image_input_names}
         return {
             "input_ids": input_ids,
             "labels": labels,
             "attention_mask": None if self.packed else attention_mask,
             "position_ids": position_ids,
-            "pixel_values": pixel_values,
+            **image_inputs,
             "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
         }
 
@@ -256,7 +307,8 @@ class SkippedSample:
     dialogue_id: str
     source: str
     reason: str
-    """Problem code, e.g. ``corrupt_image``."""
+    """Problem code: ``corrupt_image`` (cannot be decoded), ``unsupported_image`` (the image
+    processor refuses it)."""
     detail: str
 
 
@@ -301,26 +353,35 @@ class MultiImageDataset(torch.utils.data.Dataset):
         index, row = (key if isinstance(key, tuple) else (key, None))
         dialogue = self.dialogues[index]
         cfg = self.config
-        example = encode_example(
-            self.adapter,
-            dialogue,
-            max_length=cfg.max_length,
-            truncation=cfg.truncation,
-            train_on=cfg.train_on,
-            system_prompt=cfg.system_prompt,
-            stats=self.truncation_stats,
-        )
+        try:
+            example = encode_example(
+                self.adapter,
+                dialogue,
+                max_length=cfg.max_length,
+                truncation=cfg.truncation,
+                train_on=cfg.train_on,
+                system_prompt=cfg.system_prompt,
+                stats=self.truncation_stats,
+            )
+        except CorruptImageError as err:  # e.g. an image the processor refuses, found while counting its tokens
+            return self._skip(dialogue, err)
         if example is None:
             return None
         try:
-            pixels = self.images.load(example.images, dialogue_id=dialogue.id, raw=True)
+            system_first = bool(dialogue.turns) and dialogue.turns[0].role == "system"  # numbering skips it
+            images = (self.images.load_images(example.images, dialogue_id=dialogue.id, system_first=system_first)
+                      if example.images else None)
         except CorruptImageError as err:
-            if cfg.image_errors != "skip":
-                raise
-            self.skipped_corrupt += 1
-            turn = f" turn {err.turn}" if err.turn is not None else ""
-            return SkippedSample(dialogue.id, dialogue.source, err.code, f"{err.path}{turn}: {err.__cause__ or err}")
-        return replace(example, pixel_values=pixels, row=row)
+            return self._skip(dialogue, err)
+        return replace(example, raw_images=images, row=row)
+
+    def _skip(self, dialogue: "Dialogue", err: CorruptImageError) -> "SkippedSample":
+        """The sample left out for an image that cannot be used (skip mode); re-raises otherwise."""
+        if self.config.image_errors != "skip":
+            raise err
+        self.skipped_corrupt += 1
+        turn = f" {err.turn_text}" if err.turn is not None else ""
+        return SkippedSample(dialogue.id, dialogue.source, err.code, f"{err.path}{turn}: {err.__cause__ or err}")
 
     def collator(self) -> MultiImageCollator:
         """The collate function matching this dataset's config."""
@@ -331,4 +392,5 @@ class MultiImageDataset(torch.utils.data.Dataset):
             packed=self.config.batching == "packing",
             pad_to_multiple_of=self.config.pad_to_multiple_of,
             image_pipeline=self.images,
+            adapter=self.adapter,
         )

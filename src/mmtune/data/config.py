@@ -166,6 +166,23 @@ class DataConfig:
     """Where parsed, validated sources are cached as Arrow files. ``None``:
     ``$MMTUNE_CACHE_DIR/data`` or ``~/.cache/mmtune/data``."""
 
+    files: List[str] = field(default_factory=list)
+    """Your own data files, JSON or JSONL, each one source named after its file
+    (``chat.json`` -> ``chat``) in the format detected from its first records, as
+    ``mmtune data check FILE`` detects it. When set, these are the sources:
+    ``mixture.sources`` of the data group is replaced (the run prints it). Without
+    ``ratios`` each file's records are used once per epoch."""
+
+    ratios: List[float] = field(default_factory=list)
+    """Share of each of ``files`` in an epoch, in their order (``[3, 1]``: three samples
+    of the first for one of the second), counted in ``mixture.by`` units; the epoch
+    holds ``mixture.epoch_size`` samples (default: all records). A small file given a
+    large share is repeated (``mmtune plan`` says how often). Empty: each file once."""
+
+    image_root: Optional[str] = None
+    """The image root of the sources made from ``files`` (``None``: each file's own
+    folder). Image paths in the files are relative to it and must stay inside it."""
+
     def validate(self) -> None:
         """Check everything OmegaConf cannot; raise one :class:`ConfigError` listing all."""
         problems = []
@@ -190,6 +207,11 @@ class DataConfig:
                 )
             if s.move_image_to_start is True and s.format != "llava":
                 problems.append(f"{key}.move_image_to_start applies to format llava only")
+        if self.ratios and len(self.ratios) != len(self.files):
+            problems.append(f"data.ratios has {len(self.ratios)} value(s) for {len(self.files)} data.files: give one "
+                            "share per file, in the same order")
+        if self.ratios and not self.files:
+            problems.append("data.ratios is set without data.files: mix a data group's sources with data.mixture.weights")
         if mix.weights is not None:
             for name, w in mix.weights.items():
                 if name not in names:

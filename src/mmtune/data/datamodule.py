@@ -123,6 +123,7 @@ class SFTDataModule:
         self.lengths, per_source = lengths_per_source(
             self.adapter, self.mixture, max_length=cfg.max_length, truncation=cfg.truncation,
             train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=cfg.length_cache_dir,
+            image_errors=cfg.image_errors,
         )
         self.loss_report = DataLossReport.build(self.mixture, per_source, cfg.max_length)
         if self.loss_report.trainable_samples == 0:
@@ -204,7 +205,10 @@ class SFTDataModule:
         from mmtune.data.batching import plan_stats
 
         rp = self.rank_plan(epoch)
-        out = {"samples": int(len(self.lengths)), "skipped_by_truncation": int((self.lengths.lengths == 0).sum()),
+        refused = len(self.lengths.image_skipped)  # length 0 too, for an image that cannot be used
+        out = {"samples": int(len(self.lengths)),
+               "skipped_by_truncation": int((self.lengths.lengths == 0).sum()) - refused,
+               "skipped_for_images": refused,
                **{f"truncation/{k}": v for k, v in self.lengths.stats.items()}}
         row = self.collator_config.max_length if self.collator_config.batching == "packing" else None
         out.update({f"plan/{k}": v for k, v in plan_stats(rp.batches[:rp.real], self.lengths.lengths.tolist(),

@@ -69,7 +69,7 @@ class Dialogue:
 
     @property
     def num_images(self) -> int:
-        return sum(len(turn.images) for turn in self.turns)
+        return sum(1 for turn in self.turns for segment in turn.segments if type(segment) is Image)
 
     def exchanges(self) -> Iterator[tuple[int, int]]:
         """Yield ``(user_turn_index, assistant_turn_index)`` pairs in order.

@@ -66,8 +66,13 @@ class Example:
     dropped_turns: int = 0
     """Turns removed by truncation."""
     pixel_values: "torch.Tensor | None" = None
-    """Images loaded by a dataset in its worker ([len(images), 3, H, W]): float pixel values,
-    or raw uint8 pixels that the collator's image pipeline normalises per batch."""
+    """The images' finished ``pixel_values`` ([len(images), 3, H, W] float, for a family whose
+    only image input they are), or their stacked raw uint8 pixels that the collator's image
+    pipeline finishes."""
+    raw_images: "list[torch.Tensor] | None" = None
+    """The images as the pixel cache holds them (one tensor per image, shapes may differ),
+    loaded by a dataset in its worker; the collator's image pipeline turns them into the
+    adapter's image inputs."""
     row: int | None = None
     """Row of a packed batch this sample goes into (set by packing plans)."""
 

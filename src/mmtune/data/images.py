@@ -2,9 +2,11 @@
 
 Runs where the dataset's ``__getitem__`` runs, i.e. inside DataLoader workers, never in
 the training process's main loop. Each image is decoded once per (file content,
-processor settings): the cache stores the padded and resized ``uint8`` image (a quarter
-of the float tensor's size; normalisation is re-applied per batch in float32), so later
-epochs and re-runs skip the JPEG decode and the resize.
+processor settings): the cache stores the adapter's ``load_image`` array, the padded and
+resized ``uint8`` image for every shipped family (a quarter of the float tensor's size;
+normalisation is re-applied per batch in float32), so later epochs and re-runs skip the
+JPEG decode and the resize. Arrays of one sample may have different shapes (Qwen2-VL
+keeps each image's aspect ratio); the adapter's ``image_batch`` finishes them.
 
 Cache layout: ``<cache_dir>/<settings hash>/<key[:2]>/<key>.px``: a small header (magic,
 dtype, dims) and the raw array (a plain format: ``np.load``'s header parsing alone
@@ -19,7 +21,6 @@ dialogue and the turn; datasets in ``skip`` mode catch it and count the sample i
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -67,20 +68,27 @@ class CorruptImageError(ValueError):
     """An image file could not be decoded, or was refused before decoding (too large).
 
     ``code`` is the problem's code in reports: ``corrupt_image`` or ``image_too_large``
-    (the cause is an :class:`~mmtune.data.image_limits.ImageTooLargeError`).
+    (the cause is an :class:`~mmtune.data.image_limits.ImageTooLargeError`); a subclass
+    may name its own.
     """
 
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException):
+    code = "corrupt_image"
+    """Problem code of the sample left out for it (skip mode)."""
+
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException,
+                 system_first: bool = False):
         from mmtune.data.image_limits import ImageTooLargeError
+        from mmtune.data.validation import turn_label
 
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
+        self.turn_text = turn_label(turn, system_first)
+        """``turn 2 (question)``: the turn as the reports and the viewer number it."""
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
         if isinstance(cause, ImageTooLargeError):
             self.code = "image_too_large"
             what = f"image {path!r} ({where}) is not decoded: {cause.reason}. Crop or downscale the file, raise " \
                    "model.image_limits if such images are expected,"
         else:
-            self.code = "corrupt_image"
             what = f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the file,"
         super().__init__(
             f"{what} or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
@@ -109,14 +117,19 @@ def image_size(path: str) -> tuple[int, int]:
 
 
 class ImagePipeline:
-    """Loads the images of examples as the adapter's ``pixel_values``, through a pixel cache.
+    """Loads the images of examples as the adapter's image inputs, through a pixel cache.
+
+    The cache holds one array per image, whatever the adapter's
+    :meth:`~mmtune.models.base.ModelAdapter.load_image` returns (LLaVA, XComposer2: the
+    squared uint8 image; Qwen2-VL: the resized uint8 image, a different shape per image;
+    otherwise the float pixel values), keyed on the adapter's
+    :meth:`~mmtune.models.base.ModelAdapter.pixel_settings` (every field of a
+    :class:`~mmtune.models.images.SquareImage`, every setting of a Qwen-VL image processor).
+    :meth:`inputs` finishes cached images into the model inputs with the adapter's
+    ``image_batch`` (normalisation, patchifying).
 
     Args:
-        adapter: the model adapter. When it has an ``image_transform``
-            (:class:`~mmtune.models.images.SquareImage`: LLaVA, XComposer2) the cache holds
-            the uint8 pixels of its ``load_uint8``, keyed on every field of the transform,
-            and ``normalize_uint8`` makes them float per batch; otherwise it holds the float
-            tensors of ``preprocess_images``, keyed on the image processor's settings.
+        adapter: the model adapter.
         cache_dir: where to keep processed images; ``None`` disables the cache.
         key: ``"content"`` (hash of file bytes) or ``"stat"`` (path, size, mtime).
     """
@@ -128,15 +141,7 @@ class ImagePipeline:
         self.cache_dir = cache_dir
         self.key = key
         self.stats = ImageStats()
-        transform = getattr(adapter, "image_transform", None)
-        self._uint8 = dataclasses.is_dataclass(transform)
-        settings: Any
-        if self._uint8:  # every setting that produces the pixels is a field of the transform
-            settings = {"transform": type(transform).__qualname__, **dataclasses.asdict(transform)}
-        else:
-            processor = getattr(adapter, "image_processor", None)
-            settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)
-        settings = {"settings": settings, "uint8": self._uint8, "family": getattr(adapter, "family", "?")}
+        settings = {**adapter.pixel_settings(), "family": getattr(adapter, "family", "?")}
         self.settings_hash = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     # -- cache -----------------------------------------------------------------------------
@@ -171,14 +176,14 @@ class ImagePipeline:
 
     # -- loading ---------------------------------------------------------------------------
     def _decode(self, path: str) -> np.ndarray:
-        if self._uint8:
-            return np.ascontiguousarray(self.adapter.load_uint8(path))
-        return self.adapter.preprocess_images([path])[0].numpy()
+        return np.ascontiguousarray(self.adapter.load_image(path))
 
     def load_one(
-        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False
+        self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False,
+        system_first: bool = False,
     ) -> "torch.Tensor":
-        """One image as a float tensor [3, H, W] (``raw=True``: before :meth:`finalize`)."""
+        """One image: its ``pixel_values`` ([3, H, W] float, for a family whose only image input
+        they are), or with ``raw=True`` the cached array as a tensor, before :meth:`inputs`."""
         try:
             array = None
             target = None
@@ -195,32 +200,63 @@ class ImagePipeline:
                     self._write(target, array)
         except FileNotFoundError as err:
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         except CorruptImageError:
             raise
         except Exception as err:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
             self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err) from err
+            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         tensor = torch.from_numpy(array)
-        return tensor if raw else self.finalize(tensor)
+        return tensor if raw else self.pixel_values([tensor])[0]
+
+    def load_images(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None,
+                    system_first: bool = False) -> list["torch.Tensor"]:
+        """The cached arrays of one example's images, in order (shapes may differ): what a
+        dataset loads in its worker and :meth:`inputs` finishes. ``system_first``: the dialogue
+        opens with a system turn, which error messages do not count."""
+        return [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=True, system_first=system_first)
+                for ref in refs]
+
+    def inputs(self, images: Sequence["torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+        """Cached arrays (from :meth:`load_images`) -> the model's image inputs, one tensor per
+        name of the adapter's ``image_input_names``, the images' rows in order along dim 0."""
+        return self.adapter.image_batch(images)
+
+    def pixel_values(self, images: Sequence["torch.Tensor"]) -> "torch.Tensor":
+        """:meth:`inputs` of a family whose only image input is ``pixel_values``: that tensor.
+
+        Raises:
+            ValueError: the family has other image inputs too (use :meth:`inputs`).
+        """
+        inputs = self.inputs(images)
+        if set(inputs) != {"pixel_values"}:
+            raise ValueError(
+                f"the {getattr(self.adapter, 'family', '?')} adapter's image inputs are {sorted(inputs)}, not "
+                "pixel_values alone: use ImagePipeline.inputs (or load_inputs)"
+            )
+        return inputs["pixel_values"]
 
     def finalize(self, pixels: "torch.Tensor") -> "torch.Tensor":
-        """Raw pixels (uint8 for adapters with a uint8 path) -> the model's float pixel_values."""
+        """Stacked raw pixels (uint8 for adapters with a uint8 path) -> the model's float pixel_values."""
         if pixels.dtype == torch.uint8:
-            return self.adapter.normalize_uint8(pixels)
+            return self.pixel_values(list(pixels))
         return pixels
 
-    def load(
-        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False
-    ) -> "torch.Tensor | None":
-        """All images of one example, stacked in order ([N, 3, H, W]); ``None`` without images.
-
-        ``raw=True`` keeps uint8 pixels (a quarter of the float size through the DataLoader's
-        worker queues); the collator then normalises the whole batch with :meth:`finalize`.
-        """
+    def load_inputs(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None) -> dict[str, "torch.Tensor"] | None:
+        """The image inputs of one example's images; ``None`` without images."""
         if not refs:
             return None
-        return torch.stack(
-            [self.load_one(ref.path, dialogue_id=dialogue_id, turn=ref.turn, raw=raw) for ref in refs]
-        )
+        return self.inputs(self.load_images(refs, dialogue_id=dialogue_id))
+
+    def load(
+        self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None, raw: bool = False,
+        system_first: bool = False,
+    ) -> "torch.Tensor | None":
+        """All images of one example stacked in order ([N, 3, H, W] pixel_values, for a family
+        whose only image input they are); ``None`` without images. ``raw=True`` stacks the
+        cached uint8 pixels instead (images of one shape), finished later by :meth:`finalize`."""
+        if not refs:
+            return None
+        images = self.load_images(refs, dialogue_id=dialogue_id, system_first=system_first)
+        return torch.stack(images) if raw else self.pixel_values(images)
 

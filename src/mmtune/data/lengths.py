@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from mmtune.data.encoding import encode_dialogues
+from mmtune.data.images import CorruptImageError
 from mmtune.data.truncation import TruncationStats, fit_turns, truncate
 from mmtune.models.base import ImageChunk
 
@@ -56,6 +57,9 @@ class LengthTable:
     stats: dict[str, int] = field(default_factory=dict)
     """Truncation counters (samples, truncated, skipped, dropped_turns, dropped_images)."""
     from_cache: bool = False
+    image_skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Samples left out (length 0) for an image that cannot be used (``image_errors="skip"``):
+    ``{"index", "dialogue_id", "source", "reason", "detail"}``, the detail naming file and turn."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -97,18 +101,23 @@ def _lengths_of_range(
     truncation: str,
     train_on: str,
     system_prompt: str | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, TruncationStats]:
+    image_errors: str = "strict",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, TruncationStats, list[dict[str, Any]]]:
     start, stop = bounds
     batch = [dialogues[i] for i in range(start, stop)]
     lengths = np.zeros(len(batch), dtype=np.int32)
     full = np.zeros(len(batch), dtype=np.int32)
     images = np.zeros(len(batch), dtype=np.int32)
     stats = TruncationStats()
+    skipped: list[dict[str, Any]] = []
     measure_many = getattr(adapter, "measure_many", None)
     if measure_many is not None:  # the adapter can count without building chunks
-        for i, (fixed, turn_lengths, turn_images, roles) in enumerate(
-            measure_many(batch, system_prompt=system_prompt)
-        ):
+        measured = _each_or_skip(batch, lambda some: measure_many(some, system_prompt=system_prompt),
+                                 start, image_errors, skipped)
+        for i, measure in enumerate(measured):
+            if measure is None:
+                continue
+            fixed, turn_lengths, turn_images, roles = measure
             full[i] = fixed + sum(turn_lengths)
             kept = len(turn_lengths)
             if max_length is not None:
@@ -121,8 +130,13 @@ def _lengths_of_range(
             images[i] = sum(turn_images[:kept])
         if max_length is None:
             stats.samples += len(batch)
-        return lengths, full, images, stats
-    for i, encoded in enumerate(encode_dialogues(adapter, batch, system_prompt=system_prompt, train_on=train_on)):
+        return lengths, full, images, stats, skipped
+    encoded_list = _each_or_skip(
+        batch, lambda some: encode_dialogues(adapter, some, system_prompt=system_prompt, train_on=train_on),
+        start, image_errors, skipped)
+    for i, encoded in enumerate(encoded_list):
+        if encoded is None:
+            continue
         full[i] = encoded.length
         kept = truncate(encoded, max_length, truncation, stats=stats) if max_length is not None else encoded
         if kept is None:
@@ -133,7 +147,30 @@ def _lengths_of_range(
         )
     if max_length is None:
         stats.samples += len(batch)
-    return lengths, full, images, stats
+    return lengths, full, images, stats, skipped
+
+
+def _each_or_skip(batch: list["Dialogue"], measure: Any, start: int, image_errors: str,
+                  skipped: list[dict[str, Any]]) -> list[Any]:
+    """``measure(batch)``; in skip mode, a batch with an image that cannot be used (a
+    :class:`~mmtune.data.images.CorruptImageError`: unreadable, or refused by the image
+    processor) is measured dialogue by dialogue and the failing ones become ``None``,
+    recorded in ``skipped``. In strict mode the error (naming file, dialogue, turn) goes on."""
+    try:
+        return list(measure(batch))
+    except CorruptImageError:
+        if image_errors != "skip":
+            raise
+    out: list[Any] = []
+    for k, dialogue in enumerate(batch):
+        try:
+            out.append(measure([dialogue])[0])
+        except CorruptImageError as err:
+            turn = f" {err.turn_text}" if err.turn is not None else ""
+            skipped.append({"index": start + k, "dialogue_id": dialogue.id, "source": dialogue.source,
+                            "reason": err.code, "detail": f"{err.path}{turn}: {err.__cause__ or err}"})
+            out.append(None)
+    return out
 
 
 _FORKED = None
@@ -155,6 +192,7 @@ def compute_lengths(
     fingerprint: str | None = None,
     chunk_size: int = 256,
     num_proc: int = 1,
+    image_errors: str = "strict",
 ) -> LengthTable:
     """Length of every dialogue after template rendering, image expansion and truncation.
 
@@ -166,9 +204,14 @@ def compute_lengths(
         fingerprint: the dataset's fingerprint; computed when ``None`` and caching.
         chunk_size: dialogues per batched tokenizer call.
         num_proc: worker processes (fork); the result does not depend on it.
+        image_errors: ``strict`` raises on an image the adapter cannot count (unreadable,
+            or refused by its image processor); ``skip`` gives that sample length 0 and
+            lists it in :attr:`LengthTable.image_skipped`.
 
     Raises:
         SampleTooLongError: ``truncation="error"`` and some sample is too long.
+        CorruptImageError: ``image_errors="strict"`` and an image cannot be counted (file,
+            dialogue and turn named).
     """
     settings = {
         "max_length": max_length,
@@ -177,6 +220,8 @@ def compute_lengths(
         "system_prompt": system_prompt,
         "n": len(dialogues),
     }
+    if image_errors == "skip":  # a strict pass never stores a table with skips (it raises)
+        settings["image_errors"] = image_errors
     key = ""
     path = None
     if cache_dir is not None:
@@ -185,14 +230,16 @@ def compute_lengths(
         if os.path.exists(path):
             with np.load(path) as data:
                 stats = json.loads(str(data["stats"]))
+                skipped = json.loads(str(data["image_skipped"])) if "image_skipped" in data else []
                 return LengthTable(
-                    data["lengths"], data["full_lengths"], data["num_images"], key, stats, from_cache=True
+                    data["lengths"], data["full_lengths"], data["num_images"], key, stats, from_cache=True,
+                    image_skipped=skipped,
                 )
 
     n = len(dialogues)
     job = functools.partial(
         _lengths_of_range, adapter, dialogues, max_length=max_length, truncation=truncation,
-        train_on=train_on, system_prompt=system_prompt,
+        train_on=train_on, system_prompt=system_prompt, image_errors=image_errors,
     )
     ranges = [(start, min(n, start + chunk_size)) for start in range(0, n, chunk_size)]
     if num_proc > 1 and len(ranges) > 1:
@@ -213,11 +260,13 @@ def compute_lengths(
     stats = TruncationStats()
     for part in parts:
         stats += part[3]
-    table = LengthTable(lengths, full, images, key, stats.as_dict())
+    table = LengthTable(lengths, full, images, key, stats.as_dict(),
+                        image_skipped=[item for part in parts for item in part[4]])
     if path is not None:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp.npz")
         os.close(fd)
-        np.savez(tmp, lengths=lengths, full_lengths=full, num_images=images, stats=json.dumps(table.stats))
+        extra = {"image_skipped": json.dumps(table.image_skipped)} if table.image_skipped else {}
+        np.savez(tmp, lengths=lengths, full_lengths=full, num_images=images, stats=json.dumps(table.stats), **extra)
         os.replace(tmp, path)
     return table

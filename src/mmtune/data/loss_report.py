@@ -5,8 +5,9 @@ Data is lost at three places, and each is counted here so a run never shrinks si
 1. reading: records skipped by validation (``skip`` mode), per problem code;
 2. fitting the window: samples whose first exchange alone does not fit (they train on
    nothing), and turns / images cut from the end of samples that were truncated;
-3. loading: samples dropped while training because an image failed to decode (``skip``
-   mode), with the file, record and turn.
+3. loading: samples dropped because an image cannot be used (``skip`` mode), with the
+   file, record and turn: found by the length pass (an image the processor refuses, e.g.
+   an aspect ratio above Qwen-VL's 200) or while training (an image that fails to decode).
 
 :func:`lengths_per_source` measures each source on its own so the truncation counts
 are per source; :class:`DataLossReport` renders the start-up summary, is written to
@@ -51,6 +52,10 @@ class SourceLoss:
     corrupt_images: int = 0
     """Samples dropped during training because an image failed to decode (skip mode)."""
     corrupt_examples: list[str] = field(default_factory=list)
+    refused_images: int = 0
+    """Samples left out before training because an image cannot be used: the length pass
+    could not count its tokens (the image processor refuses it, or it cannot be read; skip mode)."""
+    refused_examples: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -66,13 +71,15 @@ class DataLossReport:
         for source, table in zip(mixture.sources, tables):
             report = source.report
             stats = table.stats or {}
-            zero = np.flatnonzero(table.lengths == 0)
+            refused = {int(item["index"]) for item in table.image_skipped}
+            zero = [int(i) for i in np.flatnonzero(table.lengths == 0) if int(i) not in refused]
             out.append(SourceLoss(
                 source=source.name, records_read=report.records_read, records_kept=report.records_kept,
-                skipped=dict(report.skipped), samples=int(len(table)), no_window=int(len(zero)),
-                no_window_ids=[source.dialogues[int(i)].id for i in zero[:5]],
+                skipped=dict(report.skipped), samples=int(len(table)), no_window=len(zero),
+                no_window_ids=[source.dialogues[i].id for i in zero[:5]],
                 truncated=int(stats.get("truncated", 0)), dropped_turns=int(stats.get("dropped_turns", 0)),
-                dropped_images=int(stats.get("dropped_images", 0)),
+                dropped_images=int(stats.get("dropped_images", 0)), refused_images=len(refused),
+                refused_examples=[f"{item['dialogue_id']}: {item['detail']}" for item in table.image_skipped[:20]],
             ))
         return cls(max_length, out)
 
@@ -87,7 +94,7 @@ class DataLossReport:
 
     @property
     def trainable_samples(self) -> int:
-        return sum(s.samples - s.no_window for s in self.sources)
+        return sum(s.samples - s.no_window - s.refused_images for s in self.sources)
 
     @property
     def corrupt_images(self) -> int:
@@ -103,6 +110,10 @@ class DataLossReport:
             elif s.records_kept == 0:
                 lines.append(f"  - source {s.source}: all {s.records_read} records were skipped when reading "
                              f"({reasons}); run `mmtune data check` on it for examples and fixes")
+            elif s.refused_images and s.no_window + s.refused_images == s.samples:
+                lines.append(f"  - source {s.source}: {s.refused_images} samples have an image that cannot be used "
+                             f"(e.g. {s.refused_examples[0]})" + (f" and {s.no_window} fit no window" if s.no_window
+                                                                  else ""))
             elif s.no_window == s.samples:
                 lines.append(f"  - source {s.source}: all {s.samples} samples are longer than the "
                              f"{self.max_length}-token window even with one exchange (e.g. {', '.join(s.no_window_ids)}); "
@@ -120,6 +131,9 @@ class DataLossReport:
                 parts.append(f"{s.no_window} samples fit no window (e.g. {', '.join(s.no_window_ids)})")
             if s.truncated:
                 parts.append(f"{s.truncated} samples truncated: {s.dropped_turns} turns, {s.dropped_images} images dropped")
+            if s.refused_images:
+                parts.append(f"{s.refused_images} samples left out for an image that cannot be used "
+                             f"(e.g. {s.refused_examples[0]})")
             if s.corrupt_images:
                 parts.append(f"{s.corrupt_images} samples dropped for an image that failed to decode")
             lines.append(f"  {s.source}: " + "; ".join(parts))
@@ -151,6 +165,7 @@ def lengths_per_source(adapter: Any, mixture: "Mixture", **kwargs: Any) -> tuple
     from mmtune.data.lengths import LengthTable, compute_lengths
 
     tables = [compute_lengths(adapter, source.dialogues, **kwargs) for source in mixture.sources]
+    offsets = np.cumsum([0] + [len(t) for t in tables])
     stats: dict[str, int] = {}
     for table in tables:
         for key, value in (table.stats or {}).items():
@@ -161,5 +176,7 @@ def lengths_per_source(adapter: Any, mixture: "Mixture", **kwargs: Any) -> tuple
 
     key = hashlib.sha1("|".join(t.key for t in tables).encode()).hexdigest()[:16]
     combined = LengthTable(cat("lengths"), cat("full_lengths"), cat("num_images"), key, stats,
-                           from_cache=bool(tables) and all(t.from_cache for t in tables))
+                           from_cache=bool(tables) and all(t.from_cache for t in tables),
+                           image_skipped=[{**item, "index": int(offset) + int(item["index"])}
+                                          for table, offset in zip(tables, offsets) for item in table.image_skipped])
     return combined, tables

@@ -551,11 +551,40 @@ class DialogueSequence(Sequence):
         return Dialogue.from_record(self.dataset[int(i)])
 
     def __iter__(self) -> Iterator[Dialogue]:
-        # Batched reads: one Arrow->Python conversion per 1000 rows instead of per row.
+        # Batched reads of 1000 rows as Arrow tables, converted column by column: the
+        # nested segment structs come out as two flat lists (texts, image paths) plus
+        # offsets, instead of one Python dict per segment.
+        arrow = self.dataset.with_format("arrow")
         for start in range(0, len(self), 1000):
-            batch = self.dataset[start : start + 1000]
-            for j in range(len(batch["id"])):
-                yield Dialogue.from_record({k: batch[k][j] for k in ("id", "source", "roles", "segments")})
+            yield from _dialogues_from_arrow(arrow[start : start + 1000])
+
+
+def _offsets(array) -> list[int]:
+    """A (possibly sliced) Arrow list array's offsets, relative to its own first value."""
+    offsets = array.offsets.to_numpy()
+    return (offsets - offsets[0]).tolist()
+
+
+def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
+    """The dialogues of an Arrow table of cache rows (``Dialogue.to_record`` layout)."""
+    ids = table.column("id").to_pylist()
+    sources = table.column("source").to_pylist()
+    roles = table.column("roles").to_pylist()
+    turns_of = table.column("segments").combine_chunks()  # list<list<struct<text, image>>>
+    turn_starts = _offsets(turns_of)
+    segments_of = turns_of.flatten()
+    segment_starts = _offsets(segments_of)
+    structs = segments_of.flatten()
+    texts = structs.field("text").to_pylist()
+    images = structs.field("image").to_pylist()
+    segments = [text if image is None else Image(image) for text, image in zip(texts, images)]
+    for row, dialogue_id in enumerate(ids):
+        first = turn_starts[row]
+        turns = tuple(
+            Turn(role, tuple(segments[segment_starts[first + k]:segment_starts[first + k + 1]]))
+            for k, role in enumerate(roles[row])
+        )
+        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns)
 
 
 @dataclass
@@ -717,6 +746,8 @@ def _checked_records(source_cfg: SourceConfig, ctx: _Context, checker: ImageChec
                 if dialogue.id in seen:
                     problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
                 seen.add(dialogue.id)
+            if problems and _system_first(obj):
+                problems = [replace(p, system_first=True) for p in problems]
         yield dialogue, problems
 
 
@@ -738,6 +769,14 @@ def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path
         writer.abort()
         raise
     return report
+
+
+def _system_first(obj: Any) -> bool:
+    """Whether a raw record's first message is a system message (turn numbering skips it)."""
+    turns = obj.get("conversations", obj.get("messages")) if isinstance(obj, dict) else None
+    first = turns[0] if isinstance(turns, list) and turns else None
+    role = (first.get("from", first.get("role")) if isinstance(first, dict) else None)
+    return isinstance(role, str) and ROLE_MAP.get(role, role) == "system"
 
 
 def read_source(

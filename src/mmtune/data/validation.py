@@ -5,7 +5,9 @@ description and how to fix it. In ``skip`` mode a record with any problem is lef
 and counted under its first problem's code (so the skipped counts add up exactly to
 ``records_read - records_kept``); every problem class it shows is also counted, with a
 few example ids. In ``strict`` mode the first problem raises
-:class:`DataValidationError` naming the file, record id, turn index and the fix.
+:class:`DataValidationError` naming the file, record id, turn and the fix. Turns are
+numbered as everywhere in mmtune: the 1-based question/answer exchange and its side
+(``turn 2 (answer)``), so a problem found here is the turn the viewer shows.
 """
 
 from __future__ import annotations
@@ -105,15 +107,36 @@ class Problem:
     record_index: int
     """Position of the record in the file (0-based; JSONL: line number - 1)."""
     turn_index: int | None = None
+    """Position of the message in the record's turn list (0-based), where the problem is."""
     detail: str = ""
+    system_first: bool = False
+    """The record's first message is a system message (it is no part of any exchange)."""
+
+    def turn(self) -> str:
+        """Where in the dialogue, as every report and the viewer number it: the 1-based
+        question/answer exchange and its side (``turn 2 (answer)``), or ``system message``;
+        ``""`` for a problem of the whole record."""
+        return turn_label(self.turn_index, self.system_first)
 
     def message(self, file: str) -> str:
         what, fix = PROBLEMS[self.code]
         where = f"{file}: record {self.record_id!r} (#{self.record_index})"
         if self.turn_index is not None:
-            where += f", turn {self.turn_index}"
+            where += f", {self.turn()}"
         detail = f" ({self.detail})" if self.detail else ""
         return f"{where}: [{self.code}] {what}{detail}. How to fix: {fix}."
+
+
+def turn_label(message_index: int | None, system_first: bool = False) -> str:
+    """``turn 2 (answer)`` for the 4th message of a record (``turn 2 (question)`` for the 3rd):
+    turns count question/answer exchanges from 1, as the evaluation's details files,
+    ``report.md`` and ``viewer.html`` do; a leading system message is no exchange."""
+    if message_index is None:
+        return ""
+    position = message_index - int(system_first)
+    if position < 0:
+        return "system message"
+    return f"turn {position // 2 + 1} ({'question' if position % 2 == 0 else 'answer'})"
 
 
 @dataclass
@@ -164,7 +187,7 @@ class ValidationReport:
             examples = self.examples.setdefault(code, [])
             if len(examples) < self.max_examples:
                 p = next(p for p in problems if p.code == code)
-                turn = f" turn {p.turn_index}" if p.turn_index is not None else ""
+                turn = f" {p.turn()}" if p.turn_index is not None else ""
                 detail = f": {p.detail}" if p.detail else ""
                 examples.append(f"{p.record_id}{turn}{detail}")
         if self.first_problem is None:
@@ -259,11 +282,12 @@ def check_dialogue(
     rid = dialogue.id
     problems: list[Problem] = []
 
-    def add(code: str, turn: int | None, detail: str = "") -> None:
-        problems.append(Problem(code, rid, record_index, turn, detail))
-
     turns = dialogue.turns
     body_start = 1 if turns and turns[0].role == "system" else 0
+
+    def add(code: str, turn: int | None, detail: str = "") -> None:
+        problems.append(Problem(code, rid, record_index, turn, detail, system_first=bool(body_start)))
+
     if len(turns) - body_start == 0:
         add("empty_conversation", None, f"{len(turns)} turns")
         return problems
@@ -321,6 +345,7 @@ __all__ = [
     "PROBLEMS",
     "DataValidationError",
     "Problem",
+    "turn_label",
     "ValidationReport",
     "ImageChecker",
     "check_dialogue",

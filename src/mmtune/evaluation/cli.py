@@ -4,9 +4,11 @@
     mmtune evaluate score mmdu --data benchmark.json --predictions answers.json --out eval/
     mmtune evaluate score mdi --predictions mdi_with_responses.json --out eval/
     mmtune evaluate checkpoint outputs/demo/final synthetic --data test.json --image-root images/ --out eval/
+    mmtune evaluate checkpoint runs/x/final mmdu --data benchmark.json --image-root mmdu/ --out eval/ --processes 8
     mmtune evaluate lmms-command outputs/run/final --tasks mmmu_val,ai2d --out eval/lmms
     mmtune evaluate lmms-parse eval/lmms/results.json --out eval/
     mmtune evaluate report eval/
+    mmtune evaluate experiment=table3_llava15_7b_mmdu45k_eval      # a Hydra config, as recipes/evaluate.py
 
 Each benchmark's flags are its ``eval.<name>`` settings (``mmtune evaluate score mmvet -h``
 lists them with their docs), plus the judge's; ``checkpoint`` decodes as the benchmark's
@@ -16,13 +18,15 @@ lists them with their docs), plus the judge's; ``checkpoint`` decodes as the ben
 Judge settings come from the environment (MMTUNE_JUDGE_BASE_URL, MMTUNE_JUDGE_API_KEY,
 MMTUNE_JUDGE_MODEL; OPENAI_BASE_URL / OPENAI_API_KEY when those are unset) or
 ``--judge-model``. A judge call that still fails after retries makes the command exit
-non-zero (``--max-failed-share`` to allow some). For a full Hydra config use recipes/evaluate.py.
+non-zero (``--max-failed-share`` to allow some). Arguments of the form ``key=value`` (and
+``experiment=<name>``) run the Hydra config of recipes/evaluate.py instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 import typing
@@ -31,7 +35,8 @@ from typing import Any, Optional
 
 from mmtune.evaluation.config import EvalConfig
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["build_parser", "config_from_args", "setting_flags", "checkpoint_command", "flag_names", "with_flags",
+           "run_config", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,8 @@ _COMMON = {
     "--judge-model": _Flag("judge.model"),
     "--send-images": _Flag("judge.send_images", True),
     "--concurrency": _Flag("judge.concurrency"),
+    "--judge-timeout": _Flag("judge.timeout_s"),
+    "--no-judge-check": _Flag("judge.check_first", False),
     "--max-failed-share": _Flag("judge.max_failed_share"),
     "--max-unparsed-share": _Flag("judge.max_unparsed_share"),
     "--allow-absolute-paths": _Flag("allow_absolute_image_paths", True),
@@ -67,6 +74,29 @@ _SETTING_FLAGS = {"data_path": ("--data", "--data-path")}
 _DEST = "eval:"  # argparse dest prefix of the flags that set an eval key
 
 
+_TAKEN = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
+
+
+def setting_flags(benchmark: str, name: str) -> tuple[str, ...]:
+    """The flags of setting ``eval.<benchmark>.<name>``: ``--<name>`` (``--data`` for
+    ``data_path``), or ``--<benchmark>-<name>`` where a common flag has that name."""
+    names = _SETTING_FLAGS.get(name, (f"--{name.replace('_', '-')}",))
+    return tuple(n if n not in _TAKEN else f"--{benchmark}-{n[2:]}" for n in names)
+
+
+def checkpoint_command(checkpoint: str, benchmark: str, settings: dict[str, Any], out: str,
+                       run: Optional[str] = None) -> str:
+    """The ``mmtune evaluate checkpoint`` command that evaluates ``checkpoint`` on
+    ``benchmark`` with these ``eval.<benchmark>`` settings (``None`` values left out),
+    labelled ``run`` in its results, written with this command's own flags, ready to
+    paste into a shell."""
+    parts = ["mmtune", "evaluate", "checkpoint", str(checkpoint), benchmark]
+    for name, value in settings.items():
+        if value is not None and not isinstance(value, (list, dict)):
+            parts += [setting_flags(benchmark, name)[0], str(value)]
+    return shlex.join(parts + ["--out", str(out)] + (["--run", run] if run else []))
+
+
 def _schema_field(cfg: EvalConfig, key: str) -> tuple[Any, str]:
     """(the dataclass instance holding ``key``, the field name)."""
     *path, name = key.split(".")
@@ -82,13 +112,14 @@ def _add_flag(parser: argparse.ArgumentParser, names: tuple[str, ...], flag: _Fl
               required: bool = False) -> bool:
     """Add one flag typed and documented by its schema field; False when the field is not a
     scalar (lists and dicts are set in a YAML config instead)."""
+    from mmtune.argparsing import plain_text
     from mmtune.schema_keys import field_docs
 
     owner, name = _schema_field(cfg, flag.key)
     kind = typing.get_type_hints(type(owner))[name]
     if typing.get_origin(kind) is typing.Union:
         kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-    doc = " ".join(field_docs(type(owner)).get(name, "").split()).replace("%", "%%")
+    doc = plain_text(" ".join(field_docs(type(owner)).get(name, "").split())).replace("%", "%%")
     default = getattr(owner, name)
     kwargs: dict[str, Any] = {"dest": _DEST + flag.key, "default": argparse.SUPPRESS, "required": required}
     if kind is bool:
@@ -121,12 +152,12 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
     parser.add_argument("--run", default="eval", help="run label written into the results")
     if not generate:
         parser.add_argument("--model", default="external", help="model label written into the results")
-    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code"}
+    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code",
+                                               "--processes"}
     for field in dataclasses.fields(bench.settings_class):
         if generate and field.name == "predictions":
             continue  # `checkpoint` generates the answers
-        names = _SETTING_FLAGS.get(field.name, (f"--{field.name.replace('_', '-')}",))
-        names = tuple(n if n not in taken else f"--{bench.name}-{n[2:]}" for n in names)
+        names = setting_flags(bench.name, field.name)
         _add_flag(parser, names, _Flag(f"{bench.name}.{field.name}"), cfg,
                   required=not generate and field.name == "predictions")
     for flags in (_COMMON, _GENERATION) if generate else (_COMMON,):
@@ -136,6 +167,9 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
         parser.add_argument("--family", default="llava", help="model family when the directory has no mmtune_run.json")
         parser.add_argument("--trust-remote-code", action="store_true",
                             help="allow Python code shipped with the checkpoint to run (off: such checkpoints are refused)")
+        parser.add_argument("--processes", type=int, default=1, metavar="N",
+                            help="data-parallel processes, one per GPU: the command runs itself N times through "
+                            "torchrun, each process answers its share of the dialogues, the first one scores")
     parser.set_defaults(cli_defaults=defaults)
 
 
@@ -151,6 +185,32 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return cfg
 
 
+def flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """``{eval key: flag}`` of the command ``args`` was parsed for (``judge.concurrency`` ->
+    ``--concurrency``), so messages written with config keys can name this command's flags."""
+    names: dict[str, str] = {}
+    node: Any = parser
+    for step in (getattr(args, "command", None), getattr(args, "benchmark", None)):
+        sub = next((a for a in node._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or step not in sub.choices:
+            break
+        node = sub.choices[step]
+    for action in node._actions:
+        if action.dest.startswith(_DEST) and action.option_strings:
+            names[action.dest[len(_DEST):]] = action.option_strings[0]
+    return names
+
+
+def with_flags(text: str, names: dict[str, str]) -> str:
+    """``text`` with each config key of ``names`` (``eval.judge.concurrency`` or
+    ``judge.concurrency``) replaced by its flag; other keys are left as they are."""
+    import re
+
+    for key in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.$-])(?:eval\.)?{re.escape(key)}(?![\w])", names[key], text)
+    return text
+
+
 def _print(results) -> None:
     for name, result in results.items():
         headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
@@ -161,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``mmtune evaluate`` parser, one ``score`` / ``checkpoint`` command per registered benchmark."""
     from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
 
-    parser = argparse.ArgumentParser(prog="mmtune evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from mmtune.argparsing import ArgumentParser, plain_text
+
+    parser = ArgumentParser(prog="mmtune evaluate", description=plain_text(__doc__),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     # every registered benchmark that mmtune generates answers for; lmms-eval has its own commands
     benchmarks = [bench for bench in map(get_benchmark, registered_names()) if bench.generates]
@@ -195,20 +258,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def run_config(config: Any) -> dict[str, Any]:
+    """Evaluate an :class:`~mmtune.evaluation.config.EvaluateConfig` (what ``recipes/evaluate.py``
+    and ``mmtune evaluate key=value ...`` run); prints the headline metrics and the folder."""
+    from mmtune.evaluation.config import default_output_dir
+    from mmtune.evaluation.runner import evaluate_checkpoint
+
+    output_dir = config.output_dir or default_output_dir(config.run_name, config.checkpoint, config.model,
+                                                         config.eval.generation)
+    results = evaluate_checkpoint(config.checkpoint, config.eval, output_dir=output_dir, run_name=config.run_name,
+                                  model_config=config.model, wandb=config.wandb, wandb_project=config.wandb_project)
+    if not results:  # another rank of a data-parallel run: rank 0 scores and reports
+        return results
+    for name, result in results.items():
+        headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
+        print(f"{name}: {headline}")
+    print(f"results and report in {output_dir}")
+    return results
+
+
+def _run_overrides(overrides: list[str]) -> int:
+    """``mmtune evaluate experiment=... key=value``: the evaluate recipe's config, composed and run."""
+    from mmtune.compose import OverrideError, compose_checked
+    from mmtune.evaluation.config import to_evaluate_config
+
     try:
-        args = build_parser().parse_args(argv)
+        config = to_evaluate_config(compose_checked(overrides, "evaluate", command="mmtune evaluate"))
+    except (OverrideError, ValueError) as err:
+        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_config(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and ("=" in argv[0] or argv[0].startswith(("+", "~"))):  # Hydra overrides, as for recipes/evaluate.py
+        return _run_overrides(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    names = flag_names(parser, args)
+
+    def say(text: str) -> str:  # the hints of config keys, written as this command's flags
+        return with_flags(text, names)
+
+    try:
         if args.command == "score":
             from mmtune.evaluation.runner import run_benchmarks
 
-            results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run, model_label=args.model)
+            results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run,
+                                     model_label=args.model, messages=say)
             _print(results)
         elif args.command == "checkpoint":
+            if args.processes < 1:
+                raise ValueError(f"--processes {args.processes}: must be >= 1")
+            if args.processes > 1 and "WORLD_SIZE" not in os.environ:
+                return _launch(args.processes, sys.argv[1:] if argv is None else list(argv))
             from mmtune.evaluation.runner import evaluate_checkpoint
             from mmtune.models.config import ModelConfig
 
             _print(evaluate_checkpoint(args.checkpoint, config_from_args(args), output_dir=args.out, run_name=args.run,
-                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code)))
+                                       model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code),
+                                       messages=say))
         elif args.command == "lmms-command":
             from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig, build_command
 
@@ -240,9 +355,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sections = benchmarks_for(r.benchmark for r in results)
                 print(write_report(results, args.directory, sections=sections)[0])
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        print(f"mmtune evaluate: {say(str(err))}", file=sys.stderr)
         return 2
     return 0
+
+
+def _launch(processes: int, argv: list[str]) -> int:
+    """Run ``mmtune evaluate <argv>`` in ``processes`` processes through torchrun (on this
+    machine, a free rendezvous port); its exit status is theirs (non-zero when a rank failed)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           "-m", "mmtune.cli", "evaluate", *argv]
+    print(f"mmtune evaluate: launching {processes} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.run(cmd).returncode
 
 
 if __name__ == "__main__":

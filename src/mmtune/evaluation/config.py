@@ -17,12 +17,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.config import BACKENDS, ApiGenerationConfig, GenerationConfig
 from mmtune.evaluation.judge.config import JudgeConfig
 from mmtune.models.config import ModelConfig
 
 __all__ = [
     "GenerationConfig",
+    "ApiGenerationConfig",
     "JudgeConfig",
     "EvalConfig",
     "EvaluateConfig",
@@ -119,15 +120,20 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelConfig) -> str:
+def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelConfig,
+                       generation: Optional[GenerationConfig] = None) -> str:
     """``outputs/eval/<run_name>/<model>``: the checkpoint's (else ``model.path``'s) last
-    two path parts and a hash of its absolute path, or ``random-<family>``."""
+    two path parts and a hash of its absolute path, or ``random-<family>``; with
+    ``generation.backend: api``, ``api-<served model>-<hash>``."""
     import hashlib
     import os
     import re
 
     target = checkpoint or model.path
-    if not target:
+    if generation is not None and generation.backend == "api" and generation.api.model:
+        name = generation.api.model
+        slug = "api-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    elif not target:
         slug = f"random-{model.family}"
     else:
         absolute = os.path.abspath(target) if os.path.exists(target) else target
@@ -174,6 +180,30 @@ def validate_eval_config(cfg: EvalConfig) -> None:
                             "do_sample is true")
         if not 0.0 < gen.top_p <= 1.0:
             problems.append(f"eval.generation.top_p={gen.top_p}: must be within (0, 1] when do_sample is true")
+    if gen.backend not in BACKENDS:
+        problems.append(f"eval.generation.backend={gen.backend!r}: use {' or '.join(BACKENDS)}")
+    api = gen.api
+    if gen.backend == "api" and not api.model:
+        problems.append("eval.generation.api.model is required with eval.generation.backend=api: the served model's "
+                        "name as the endpoint knows it (e.g. gpt-4o-2024-05-13, or the model given to `vllm serve`)")
+    if api.concurrency < 1:
+        problems.append(f"eval.generation.api.concurrency={api.concurrency}: must be >= 1")
+    if not (math.isfinite(api.timeout_s) and api.timeout_s > 0):
+        problems.append(f"eval.generation.api.timeout_s={api.timeout_s}: must be a finite number of seconds > 0")
+    if api.max_retries < 0:
+        problems.append(f"eval.generation.api.max_retries={api.max_retries}: must be >= 0 (0: no retries)")
+    for key in ("backoff_base_s", "backoff_max_s"):
+        value = getattr(api, key)
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"eval.generation.api.{key}={value}: must be a finite number of seconds >= 0")
+    if not 0.0 <= api.max_failed_share <= 1.0:
+        problems.append(f"eval.generation.api.max_failed_share={api.max_failed_share}: must be within [0, 1]")
+    if api.max_image_side is not None and api.max_image_side < 1:
+        problems.append(f"eval.generation.api.max_image_side={api.max_image_side}: must be >= 1 pixel (or null: no cap)")
+    if not (math.isfinite(api.max_image_mb) and api.max_image_mb > 0):
+        problems.append(f"eval.generation.api.max_image_mb={api.max_image_mb}: must be a finite number of MB > 0")
+    if api.oversize not in ("downscale", "refuse"):
+        problems.append(f"eval.generation.api.oversize={api.oversize!r}: use downscale or refuse")
     judge = cfg.judge
     for key in ("max_failed_share", "max_unparsed_share"):
         if not 0.0 <= getattr(judge, key) <= 1.0:  # NaN fails this too

@@ -22,6 +22,11 @@ Model arguments (``--model_args``): ``pretrained`` (a directory mmtune saved, a 
 model or a hub id), ``family``, optional ``model_config`` (a JSON file of mmtune's
 ModelConfig, written by the runner so lmms-eval loads the model exactly as mmtune did)
 and ``device``.
+
+Tested against lmms-eval 0.7.3 itself (its ``simple_evaluate`` and its command line on a
+local task). Its evaluator imports ``filelock._api``, which filelock 4 renamed
+``filelock._core``; :func:`manifest`, :func:`register` and :func:`main` alias the old name
+when only the new one exists, so lmms-eval runs with either filelock.
 """
 
 from __future__ import annotations
@@ -166,9 +171,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _filelock_compat() -> None:
+    """Let lmms-eval's evaluator (``import filelock._api``) run with filelock 4 (``filelock._core``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("filelock._api") is None and importlib.util.find_spec("filelock._core") is not None:
+        import filelock._core
+
+        if hasattr(filelock._core, "FileLockMeta"):  # the class lmms-eval patches
+            sys.modules.setdefault("filelock._api", filelock._core)
+
+
 def manifest() -> Any:
     """lmms-eval's ModelManifest for ``mmtune`` (entry-point group ``lmms_eval.models``)."""
     from lmms_eval.models.registry_v2 import ModelManifest
+
+    _filelock_compat()  # lmms-eval reads its entry points before it runs an evaluation
 
     return ModelManifest(model_id=MODEL_ID, simple_class_path=_CLASS_PATH)
 
@@ -176,6 +194,8 @@ def manifest() -> Any:
 def register() -> None:
     """Make ``--model mmtune`` resolvable in this process's lmms-eval."""
     from lmms_eval import models
+
+    _filelock_compat()
 
     registry = getattr(models, "MODEL_REGISTRY_V2", None)
     if registry is not None:

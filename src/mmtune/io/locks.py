@@ -157,10 +157,10 @@ def _holder_record(purpose: str) -> dict[str, Any]:
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "purpose": purpose}
 
 
-def read_holder(directory: str | os.PathLike) -> dict[str, Any]:
+def read_holder(directory: str | os.PathLike, name: str = LOCK_FILE) -> dict[str, Any]:
     """What the current (or last) holder of ``directory``'s lock recorded; ``{}`` if nothing."""
     try:
-        text = (Path(directory) / LOCK_FILE).read_text()
+        text = (Path(directory) / name).read_text()
     except (FileNotFoundError, UnicodeDecodeError):
         return {}
     try:
@@ -180,13 +180,13 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
-def _refusal(directory: Path, holder: dict[str, Any], hint: str) -> str:
+def _refusal(directory: Path, holder: dict[str, Any], hint: str, name: str = LOCK_FILE) -> str:
     if holder:
         who = (f"pid {holder.get('pid')} on host {holder.get('host')}, running `{holder.get('command')}` "
                f"since {holder.get('since')}" + (f" ({holder['purpose']})" if holder.get("purpose") else ""))
         if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
             who += (f"; that pid has exited, so a process it started holds the lock now (it goes when that one "
-                    f"exits; `fuser -v {directory / LOCK_FILE}` names it)")
+                    f"exits; `fuser -v {directory / name}` names it)")
     else:
         who = "a process that has just taken the lock and not yet written its details"
     fix = "wait for that process to finish (or stop it)" + (f", or {hint}" if hint else ", or use another folder")
@@ -195,7 +195,8 @@ def _refusal(directory: Path, holder: dict[str, Any], hint: str) -> str:
             "The lock is released when its holder exits, also when it is killed; there is no lock file to delete.")
 
 
-def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str = "") -> DirectoryLock:
+def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str = "",
+                   name: str = LOCK_FILE) -> DirectoryLock:
     """Take the exclusive lock on ``directory`` (created if missing) for this process.
 
     Args:
@@ -204,6 +205,8 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
             (``"training"``, ``"evaluation"``).
         hint: the second way out named in the refusal, after "wait for it": e.g. ``"set
             training.output_dir to another folder"``.
+        name: the lock file's name: another name locks one file's writer rather than the
+            folder's (the generations files of a data-parallel run's ranks share a folder).
 
     Returns:
         A :class:`DirectoryLock`, held until :meth:`~DirectoryLock.release` (or a ``with``
@@ -215,7 +218,7 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK_FILE
+    path = directory / name
     with _MUTEX:
         key = os.path.realpath(path)
         if key in _HELD:
@@ -226,8 +229,8 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            holder = read_holder(directory)
-            raise DirectoryLockedError(_refusal(directory, holder, hint), holder) from None
+            holder = read_holder(directory, name)
+            raise DirectoryLockedError(_refusal(directory, holder, hint, name), holder) from None
         except OSError as err:
             os.close(fd)
             if err.errno not in _UNSUPPORTED:

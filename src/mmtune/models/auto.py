@@ -72,6 +72,7 @@ class AutoAdapter(ModelAdapter):
     def __init__(self, config: ModelConfig):
         from transformers import AutoConfig, AutoProcessor
 
+        config.validate()
         if config.path is None:
             raise ValueError(
                 "model.family=auto needs model.path: a checkpoint directory (or hub id) with a processor and a "

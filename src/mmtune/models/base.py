@@ -10,15 +10,33 @@ becomes ``num_tokens`` copies of ``image_token_id``; the model replaces the
 embeddings at those positions with the image's features. So ``input_ids ==
 image_token_id`` is the image-token mask (Partial LoRA's ``im_mask``), and truncation
 and packing only ever move whole :class:`ImageChunk` objects.
+
+**The batch.** An adapter also declares and builds its own model inputs, so the
+collator, packing, the training loop, generation and the planner pass them through
+without naming any of them:
+
+- images become the inputs named :attr:`ModelAdapter.image_input_names` (LLaVA-1.5 and
+  InternLM-XComposer2: ``pixel_values [N, 3, H, W]``; Qwen2-VL: ``pixel_values [sum of
+  patches, D]`` and ``image_grid_thw [N, 3]``). Every one of them concatenates along
+  dim 0 in image order, so a batch's inputs are each sample's, concatenated row-major;
+  a batch without images passes none of them (``None``);
+- :meth:`ModelAdapter.load_image` is what the pixel cache stores per image (any shape:
+  images of one sample may differ), keyed on :meth:`ModelAdapter.pixel_settings`, and
+  :meth:`ModelAdapter.image_batch` turns those arrays into the model inputs;
+- position ids have :attr:`ModelAdapter.position_id_rows` rows per token (1: a running
+  position; 3: M-RoPE's temporal, height, width). :meth:`ModelAdapter.position_ids` gives
+  one sample's rows, each packed sample starting again at 0, and
+  :meth:`ModelAdapter.model_position_ids` lays a batch out as the forward takes it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
     from torch import nn
 
@@ -186,6 +204,9 @@ class ModelAdapter(ABC):
     stop_token_ids: list[int]
     #: default LoRA target module names (peft ``target_modules``)
     default_lora_targets: ClassVar[list[str]] = []
+    #: the family-specific :class:`~mmtune.models.config.ModelConfig` keys this adapter reads
+    #: (of ``FAMILY_KEYS``); any other one set in a config is refused at start-up
+    reads_model_keys: ClassVar[frozenset[str]] = frozenset()
     #: hub id -> ``config.json`` of public checkpoints the shipped configs name, so
     #: ``mmtune plan`` sizes them without network access or a download
     known_architectures: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -220,6 +241,19 @@ class ModelAdapter(ABC):
             model = transformers.AutoModelForImageTextToText.from_config(model_config)
         return model, find_module_groups(model)
 
+    @classmethod
+    def planned_image_tokens(cls, config: "ModelConfig", model_config: Any) -> int | None:
+        """Tokens per image for ``mmtune plan`` (no image read), or ``None`` when the family's
+        counts depend on each image (the plan then uses ``data.mixture.tokens_per_image``).
+
+        Default: the patches of the vision config's square input (``(image_size //
+        patch_size) ** 2``: 576 for LLaVA-1.5 at 336 px, 1225 for XComposer2 at 490 px).
+        """
+        vc = getattr(model_config, "vision_config", None)
+        if vc is not None and getattr(vc, "image_size", None) and getattr(vc, "patch_size", None):
+            return (int(vc.image_size) // int(vc.patch_size)) ** 2
+        return None
+
     @abstractmethod
     def encode_dialogue(
         self,
@@ -243,9 +277,96 @@ class ModelAdapter(ABC):
         """Tokens the image becomes. Must not decode pixels when the count is fixed;
         dynamic-resolution models read only the image header."""
 
-    @abstractmethod
     def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
-        """Decode and preprocess images into the model's ``pixel_values`` ([N, 3, H, W])."""
+        """Decode and preprocess images into the model's ``pixel_values`` ([N, 3, H, W]), for a
+        family whose only image input that is; the default :meth:`image_inputs` and
+        :meth:`load_image` build on it. A family with other image inputs overrides those."""
+        raise NotImplementedError(
+            f"the {self.family} adapter has no [N, 3, H, W] pixel_values: use adapter.image_inputs(paths)"
+        )
+
+    # -- the batch: image inputs -----------------------------------------------------------------
+    #: names of the model inputs images become; each concatenates along dim 0 in image order
+    image_input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
+
+    def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
+        """The model inputs of the image files at ``paths`` (in order): one tensor per name of
+        :attr:`image_input_names`, each with the images' rows concatenated along dim 0."""
+        return {"pixel_values": self.preprocess_images(list(paths))}
+
+    def load_image(self, path: str) -> "np.ndarray":
+        """One image decoded and preprocessed as far as it can be cached: what the pixel cache
+        stores (uint8 where the family's pipeline allows; any shape). Default: the float
+        ``pixel_values`` of that image."""
+        return self.preprocess_images([path])[0].numpy()
+
+    def image_batch(self, images: Sequence["torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+        """The model inputs of images loaded by :meth:`load_image` (as tensors, in order):
+        equal to :meth:`image_inputs` of their files. Default: the float arrays stacked."""
+        import torch
+
+        return {"pixel_values": torch.stack(list(images))}
+
+    def pixel_settings(self) -> dict[str, Any]:
+        """Everything that decides what :meth:`load_image` returns: the pixel cache's key, so
+        a setting that changes the pixels always changes the cache. ``"uint8"`` says whether the
+        cache holds pixels before normalisation. Default: the image processor's settings."""
+        processor = getattr(self, "image_processor", None)
+        settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)
+        return {"settings": settings, "uint8": False}
+
+    # -- the batch: position ids -----------------------------------------------------------------
+    #: rows of position ids per token: 1 (a running position) or M-RoPE's 3 (temporal, height, width)
+    position_id_rows: ClassVar[int] = 1
+
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
+    ) -> "torch.Tensor":
+        """Position ids ``[position_id_rows, L]`` (long) of ONE sample: ``input_ids`` [L] and the
+        :meth:`image_inputs` of its own images, in order. A packed row concatenates the
+        samples' results, each starting again at 0. Default: ``0 .. L-1``."""
+        import torch
+
+        return torch.arange(int(input_ids.shape[-1]), device=input_ids.device)[None]
+
+    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
+        """:meth:`position_ids` of a generation prompt ``input_ids`` [L] whose images are the files
+        ``image_paths`` (in order), and its offset ``delta``: the token appended at index
+        ``i >= L`` (a generated one) has position ``i + delta`` in every row. Positions that
+        depend on image sizes come from the files' headers (no pixel decode). Default: ``0 ..
+        L-1`` and ``delta = 0``."""
+        positions = self.position_ids(input_ids)
+        length = int(positions.shape[-1])
+        return positions, (int(positions.max()) + 1 - length if length else 0)
+
+    def model_position_ids(self, rows: "torch.Tensor", text: "torch.Tensor") -> "torch.Tensor":
+        """A batch's ``position_ids`` argument of the forward, from the rows of every token
+        ``[position_id_rows, B, L]`` and the plain running position ``text`` [B, L] (restarting
+        at every packed sample).
+
+        One row: ``text`` ([B, L]). Several: ``[1 + rows, B, L]`` with ``text`` first, the layout
+        transformers' M-RoPE models take: they read packed-sample boundaries from row 0 (the
+        block-diagonal mask, flash-attention's ``cu_seqlens``) and rotate with the others; with
+        only the M-RoPE rows and no attention mask, packed samples would attend to each other.
+        """
+        import torch
+
+        if self.position_id_rows == 1:
+            return text
+        return torch.cat([text[None].to(rows.dtype), rows])
+
+    # -- quantization ----------------------------------------------------------------------------
+    #: regex of the full module names outside the language model (vision tower, projector);
+    #: peft's ``exclude_modules`` for LoRA, and what a 4-bit base model keeps in full precision
+    lora_exclude_modules: ClassVar[str | None] = None
+    #: module name of the output head, also kept in full precision under QLoRA
+    output_head_name: ClassVar[str] = "lm_head"
+
+    def quantization_skip_modules(self) -> list[str]:
+        """Module-name patterns a 4-bit (QLoRA) base model keeps in full precision (bitsandbytes'
+        ``llm_int8_skip_modules``: transformers matches each from the start of a module's full
+        name or as its suffix): the vision tower and projector, and the output head."""
+        return [p for p in (self.lora_exclude_modules, self.output_head_name) if p]
 
     @abstractmethod
     def load_model(self, **kwargs: Any) -> "nn.Module":

@@ -7,8 +7,9 @@ from typing import Any, Optional
 
 from mmtune.data.image_limits import ImageLimits
 
-#: families whose image processor resizes by pixel count and reads ``min_pixels`` / ``max_pixels``
-PIXEL_BOUND_FAMILIES = ("qwen2_vl",)
+#: keys that only some families read (each adapter lists its own in ``reads_model_keys``);
+#: a family that does not read one refuses it when it is set, so a setting never does nothing
+FAMILY_KEYS = ("architecture", "image_aspect_ratio", "image_size", "label_final_eos", "min_pixels", "max_pixels")
 
 
 @dataclass
@@ -26,15 +27,17 @@ class ModelConfig:
     """Weights dtype when loading: float32, bfloat16 or float16."""
     attn_implementation: str = "sdpa"
     """eager, sdpa or flash_attention_2 (needs the flash-attn package and a GPU)."""
-    image_aspect_ratio: str = "pad"
+    image_aspect_ratio: Optional[str] = None
     """LLaVA-1.5 image preprocessing: ``pad`` to a square with the mean colour (as the
-    original training did) or ``resize``."""
+    original training did; what ``null`` means) or ``resize``. Other families refuse it."""
     image_size: Optional[int] = None
-    """Square input resolution; ``None`` takes the processor's / checkpoint's value."""
-    label_final_eos: bool = True
-    """InternLM-XComposer2: put loss on the ``\\n`` and ``</s>`` after the last answer, as the
-    official fine-tuning code does (its ``mask_human_targets``). ``false`` labels only each
-    answer and its ``[UNUSED_TOKEN_145]``, the tokens generation stops at."""
+    """Square input resolution (LLaVA-1.5, InternLM-XComposer2); ``None`` takes the
+    processor's / checkpoint's value. Families that size images otherwise refuse it."""
+    label_final_eos: Optional[bool] = None
+    """InternLM-XComposer2 only: put loss on the ``\\n`` and ``</s>`` after the last answer, as
+    the official fine-tuning code does (its ``mask_human_targets``; what ``null`` means).
+    ``false`` labels only each answer and its ``[UNUSED_TOKEN_145]``, the tokens generation
+    stops at."""
     max_position_embeddings: Optional[int] = None
     """Original context window of the language model; ``None`` reads it from the config."""
     min_pixels: Optional[int] = None
@@ -51,25 +54,50 @@ class ModelConfig:
     refused, naming file, dialogue and turn, in strict mode and in evaluation. A saved
     checkpoint never sets these: they are always the caller's."""
 
+    def set_family_keys(self) -> list[str]:
+        """The :data:`FAMILY_KEYS` this config sets (not null / empty)."""
+        return [key for key in FAMILY_KEYS if getattr(self, key) not in (None, {})]
+
+    def unread_keys(self) -> list[tuple[str, str]]:
+        """``(key, why)`` for every set key that ``family``'s adapter would not read."""
+        from mmtune.models.registry import adapter_class
+
+        reads = adapter_class(self.family).reads_model_keys
+        found = []
+        for key in self.set_family_keys():
+            if key not in reads:
+                found.append((key, f"by model.family={self.family!r} (of the family-specific keys it reads "
+                                   f"{', '.join(sorted(reads)) or 'none'})"))
+        return found
+
+    def without_unread_keys(self) -> "ModelConfig":
+        """A copy with the keys the family would not read reset: for configs saved by older
+        versions, or merged from another family's defaults."""
+        import dataclasses
+
+        defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                    for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{key: defaults[key] for key, _ in self.unread_keys()})
+
     def validate(self) -> None:
-        """Raise one ValueError listing every invalid field."""
+        """Raise one ValueError listing every invalid field, and every set field that the
+        family does not read (it would silently do nothing)."""
         problems = list(self.image_limits.problems())
+        try:
+            unread = self.unread_keys()
+        except KeyError as err:
+            problems.append(str(err).strip("'\""))
+            unread = []
+        for key, why in unread:
+            problems.append(f"model.{key}={getattr(self, key)!r} is not read {why}; remove it (or set it to null)")
         for key in ("min_pixels", "max_pixels"):
             value = getattr(self, key)
-            if value is None:
-                continue
-            if value <= 0:
+            if value is not None and value <= 0:
                 problems.append(f"model.{key}={value} must be > 0 (or null for the checkpoint processor's value)")
-            if self.family not in PIXEL_BOUND_FAMILIES:
-                problems.append(
-                    f"model.{key}={value} is set but model.family={self.family!r} does not read it (only "
-                    f"{', '.join(PIXEL_BOUND_FAMILIES)} resizes images by pixel count); remove model.{key}"
-                )
-        if self.family in PIXEL_BOUND_FAMILIES and self.image_size is not None:
-            problems.append(
-                f"model.image_size={self.image_size} is not read by model.family={self.family!r}, which sizes images "
-                "by pixel count: set model.image_size=null and use model.min_pixels / model.max_pixels"
-            )
+        if self.image_size is not None and self.image_size <= 0:
+            problems.append(f"model.image_size={self.image_size} must be > 0 (or null for the checkpoint's value)")
+        if self.image_aspect_ratio not in (None, "pad", "resize"):
+            problems.append(f"model.image_aspect_ratio={self.image_aspect_ratio!r}: use 'pad' or 'resize' (or null)")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             problems.append(f"model.min_pixels={self.min_pixels} is above model.max_pixels={self.max_pixels}")
         if problems:

@@ -20,8 +20,9 @@ never change pixels, so they are not part of the cache key.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -132,3 +133,23 @@ class SquareImageAdapter:
             size = self.image_transform.size
             return torch.zeros(0, 3, size, size)
         return self.normalize_uint8(torch.from_numpy(np.stack([self.load_uint8(path) for path in paths])))
+
+    # the model-agnostic batch (models/base.py): the cache holds the squared uint8 image
+    def load_image(self, path: str) -> "np.ndarray":
+        """What the pixel cache stores: :meth:`load_uint8`."""
+        return self.load_uint8(path)
+
+    def image_batch(self, images: Sequence["torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+        """``{"pixel_values": [N, 3, S, S]}`` of uint8 images from :meth:`load_image` (normalised
+        elementwise, so normalising a batch at once or sample by sample gives the same bits)."""
+        import torch
+
+        if not images:
+            size = self.image_transform.size
+            return {"pixel_values": torch.zeros(0, 3, size, size)}
+        return {"pixel_values": self.normalize_uint8(torch.stack(list(images)))}
+
+    def pixel_settings(self) -> dict[str, Any]:
+        """Every field of :attr:`image_transform`: all that decides the cached pixels."""
+        transform = self.image_transform
+        return {"settings": {"transform": type(transform).__qualname__, **dataclasses.asdict(transform)}, "uint8": True}

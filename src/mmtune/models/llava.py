@@ -178,6 +178,7 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     """
 
     family = "llava"
+    reads_model_keys = frozenset({"architecture", "image_aspect_ratio", "image_size"})
     # The language model's linear layers, as the original LLaVA LoRA scripts targeted
     # (find_all_linear_names skipped the vision tower and projector). These names also
     # occur in CLIP's attention, so pair them with ``lora_exclude_modules``.
@@ -215,12 +216,9 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
 
         from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-        if config.image_aspect_ratio not in ("pad", "resize"):
-            raise ValueError(
-                f"model.image_aspect_ratio={config.image_aspect_ratio!r} is not supported by the llava "
-                "adapter; use 'pad' (LLaVA-1.5 training) or 'resize'"
-            )
+        config.validate()
         self.config = config
+        pad = (config.image_aspect_ratio or "pad") == "pad"  # LLaVA-1.5 training padded to a square
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
@@ -269,15 +267,15 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
             crop_size={"height": size, "width": size},
             image_mean=mean,
             image_std=std,
-            do_pad=config.image_aspect_ratio == "pad",
+            do_pad=pad,
         )
-        if config.image_aspect_ratio == "resize":
+        if not pad:
             # square resize without crop, so the whole image stays visible
             self.image_processor.size = {"height": size, "width": size}
             self.image_processor.do_center_crop = False
         # the same pixels as that processor (a test checks it bit for bit), decoded and
         # squared once into the pixel cache; normalize_uint8 does the rest per batch
-        self.image_transform = SquareImage(size, pad=config.image_aspect_ratio == "pad",
+        self.image_transform = SquareImage(size, pad=pad,
                                            fill=tuple(int(x * 255) for x in mean))
 
         image_token = "<image>"
@@ -537,10 +535,6 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     def image_token_count(self, image: Image) -> int:
         # fixed for CLIP at one resolution: never opens the file
         return self.num_image_tokens
-
-    def preprocess_pil(self, images: list) -> "torch.Tensor":
-        """Preprocess already decoded PIL images with the image processor ([N, 3, S, S])."""
-        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
 
     def normalize_uint8(self, pixels: "torch.Tensor") -> "torch.Tensor":
         """uint8 [..., 3, S, S] -> normalised float32 pixel values (CLIP mean / std).

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mmtune.io.disk import disk_full_guard
+from mmtune.io.permissions import restore_default_modes
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -299,6 +300,7 @@ class CheckpointManager:
             accelerator.save_state(str(tmp), safe_serialization=True)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
+                restore_default_modes(tmp)  # safetensors writes 0600 whatever the umask (io/permissions.py)
                 write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         if accelerator.is_main_process:
             _swap_into_place(tmp, final, self.on_save_point)
@@ -401,4 +403,5 @@ def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], 
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     for extra_obj in save_pretrained_extras:
         extra_obj.save_pretrained(tmp)
+    restore_default_modes(tmp)  # safetensors writes 0600 whatever the umask (io/permissions.py)
     write_json_atomic(tmp / RUN_METADATA, metadata)  # last: marks the copy complete

@@ -34,6 +34,7 @@ from mmtune.data.config import DataConfig
 from mmtune.evaluation.config import EvalConfig
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
+from mmtune.training.packed_attention import resolve_attention
 
 __all__ = [
     "ConfigError",
@@ -46,6 +47,7 @@ __all__ = [
     "ContextConfig",
     "register_configs",
     "validate",
+    "apply_data_files",
     "to_sft_config",
 ]
 
@@ -159,6 +161,12 @@ class TrainingConfig:
     loss_chunk_size: int = 1024
     """Loss rows per chunk of the ``chunked`` loss: larger is faster, smaller holds fewer
     logits (``rows x vocab`` fp32 per chunk; 1024 x 92,544 = 380 MB)."""
+    packed_attention: str = "auto"
+    """Attention over packed rows (``collator.batching=packing``). ``auto``: with
+    ``model.attn_implementation`` sdpa or eager, each packed sample attends alone (its own
+    kernel call: no ``L x L`` block mask, the cost of the samples); flash_attention_2 keeps
+    its varlen kernel. ``per_sample``: the same, failing at start-up where it cannot work.
+    ``off``: transformers' block-diagonal mask (every row pays ``L²`` scores)."""
     ddp_find_unused_parameters: Optional[bool] = None
     """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
     the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
@@ -265,8 +273,54 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="sft_schema", node=SFTConfig)
 
 
+def apply_data_files(cfg: Any) -> list[str]:
+    """Make ``data.files`` the run's sources, in the composed config itself (so what the run
+    logs and saves in ``mmtune_run.json`` is what it trains on): one source per file, its
+    format detected as ``mmtune data check FILE`` does (:func:`mmtune.data.check.sources_from_files`),
+    with ``data.image_root``; the data group's own sources are replaced.
+
+    Returns:
+        One line per source saying what it is and why (``[]`` without ``data.files``).
+
+    Raises:
+        ConfigError: every file that is missing or of no known format, listed.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    from mmtune.data.check import sources_from_files
+    from mmtune.data.config import ConfigError as DataConfigError
+
+    files = OmegaConf.select(cfg, "data.files", default=None)
+    if not files:
+        return []
+    files = [str(f) for f in files]
+    try:
+        sources, reasons = sources_from_files(files, OmegaConf.select(cfg, "data.image_root", default=None))
+    except DataConfigError as err:
+        raise ConfigError(str(err)) from None
+    ratios = list(OmegaConf.select(cfg, "data.ratios", default=None) or [])
+    if ratios and len(ratios) != len(files):
+        raise ConfigError(f"data.ratios has {len(ratios)} value(s) for {len(files)} data.files: give one share per "
+                          "file, in the same order")
+    replaced = [s.get("name") for s in (OmegaConf.select(cfg, "data.mixture.sources", default=None) or [])]
+    with open_dict(cfg):
+        cfg.data.mixture.sources = list(sources)
+        if ratios:  # by name, as data.mixture.weights mixes any sources
+            cfg.data.mixture.weights = {s.name: float(r) for s, r in zip(sources, ratios)}
+        if replaced:  # the group's strategy label described its own sources
+            cfg.data.mixture.strategy = "custom"
+    lines = [f"data.files: {s.path} -> source {s.name!r}, format {s.format} ({why})"
+             + (f", ratio {ratios[i]:g}" if ratios else "") for i, (s, why) in enumerate(zip(sources, reasons))]
+    if replaced and replaced != [s.name for s in sources]:
+        lines.append(f"data.files replaces the data group's sources ({', '.join(map(str, replaced))})")
+    return lines
+
+
 def to_sft_config(cfg: Any) -> SFTConfig:
-    """Turn a composed DictConfig into an :class:`SFTConfig` object and :func:`validate` it."""
+    """Turn a composed DictConfig into an :class:`SFTConfig` object and :func:`validate` it.
+
+    ``data.files``, when set, first becomes the config's sources (:func:`apply_data_files`,
+    which updates ``cfg`` itself)."""
     from omegaconf import OmegaConf
 
     from mmtune.schema_keys import unknown_keys
@@ -275,6 +329,7 @@ def to_sft_config(cfg: Any) -> SFTConfig:
     if unknown:  # ``+key=value`` slips past OmegaConf's struct check; a typo must not be ignored
         raise ConfigError("unknown config key(s), not in the schema (mmtune.training.config.SFTConfig):\n  - "
                           + "\n  - ".join(unknown))
+    apply_data_files(cfg)
     merged = OmegaConf.merge(OmegaConf.structured(SFTConfig), cfg)
     config: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(config)
@@ -303,6 +358,11 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+    try:
+        resolve_attention(t.packed_attention, batching=cfg.collator.batching,
+                          attn_implementation=cfg.model.attn_implementation)
+    except ValueError as err:
+        problems.append(str(err))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")

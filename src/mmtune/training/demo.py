@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from mmtune.compose import compose_checked
 from mmtune.compose import compose_config as compose_sft_config  # composes configs/sft.yaml by default
 
 __all__ = ["compose_sft_config", "demo_overrides", "describe_task", "describe_model", "run_demo", "main"]
@@ -43,7 +44,7 @@ def run_demo(overrides: list[str], *, fresh: bool = True) -> dict:
     from mmtune.training.loop import SFTRecipe
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    raw = compose_sft_config(demo_overrides(overrides))
+    raw = compose_checked(demo_overrides(overrides), "sft", command="mmtune demo")
     cfg = to_sft_config(raw)
     out = Path(cfg.training.output_dir)
     if fresh and (out / "checkpoints").exists():
@@ -72,7 +73,7 @@ def _by_question_kind(eval_dir: Path, test_json: Path) -> dict[str, tuple[int, i
     questions = {}
     for record in json.loads(test_json.read_text(encoding="utf-8")):
         users = [m["value"] for m in record["conversations"] if m["from"] in ("user", "human")]
-        questions.update({(record["id"], t): q for t, q in enumerate(users)})
+        questions.update({(record["id"], t): q for t, q in enumerate(users, 1)})  # details number turns from 1
     out: dict[str, list[int]] = {}
     for line in details.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
@@ -132,10 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    from mmtune.compose import OverrideError
     from mmtune.data.synthetic import chance_exact_match
+    from mmtune.training.config import ConfigError
+    from mmtune.training.cpu import set_cpu_threads
 
-    result = run_demo(argv)
-    raw = compose_sft_config(demo_overrides(argv))
+    try:
+        raw = compose_checked(demo_overrides(argv), "sft", command="mmtune demo")
+    except OverrideError as err:
+        print(f"mmtune demo: {err}", file=sys.stderr)
+        return 2
+    threads = set_cpu_threads()
+    print(f"mmtune demo: {threads}", flush=True)
+    try:
+        result = run_demo(argv)
+    except ConfigError as err:
+        print(f"mmtune demo: {err}", file=sys.stderr)
+        return 2
     data_dir = Path(raw.synthetic.out_dir)
     before = result["before"].get("synthetic", {}).get("exact_match", float("nan"))
     after = result["after"].get("synthetic", {}).get("exact_match", float("nan"))
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if kinds:
         print("  after training, by question: " + ", ".join(
             f"{k.replace('_', ' ')} {100 * c / n:.1f}% ({c}/{n})" for k, (c, n) in sorted(kinds.items())))
-    print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval)")
+    print(f"  {result['steps']} optimizer steps, {result['seconds'] / 60:.1f} min wall time (incl. data and eval), "
+          f"{threads}")
     print(f"  checkpoint: {result['final_dir']}")
     print(f"  answers, images and scores: {Path(raw.training.output_dir) / 'eval' / 'after' / 'viewer.html'}")
     if not after >= TARGET:

@@ -2,7 +2,9 @@
 
 A thin bridge to the evaluator (:func:`mmtune.evaluation.runner.evaluate_model`) on the
 in-memory model, so the demo scores the model it just trained without reloading it.
-Result files (``<output_dir>/eval/<before|after>/``) use the evaluator's schema.
+Result files (``<output_dir>/eval/<before|after>/``) use the evaluator's schema. Under
+DDP or ZeRO-1/2 every rank calls it: each generates its share of the dialogues, the main
+process scores and gets the results (the others get ``{}``).
 
 Those folders belong to the run: when one holds generations of other weights or data
 (a re-run of the demo in the same folder, a resumed run whose model changed), they are
@@ -26,26 +28,31 @@ __all__ = ["evaluate_in_training"]
 def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTConfig", *, tag: str, run: str,
                          output_dir: str, checkpoint: Optional[str] = None,
                          wandb_run: Any = None) -> dict[str, dict[str, float]]:
-    """Run ``cfg.eval``'s benchmarks on ``model``; returns ``{benchmark: metrics}``."""
+    """Run ``cfg.eval``'s benchmarks on ``model``; returns ``{benchmark: metrics}`` (``{}`` on
+    the ranks other than the main process of a data-parallel run)."""
     import logging
 
+    from mmtune.evaluation.generation.data_parallel import current_layout, lock_run_folder
     from mmtune.evaluation.generation.generator import StaleGenerationsError
     from mmtune.evaluation.runner import evaluate_model
-    from mmtune.io.locks import lock_directory
 
+    layout = current_layout()
     # Held across the retries, so nobody else writes between moving stale answers aside and
     # generating again. The run's own folder lock is another folder's (re-entrant if the same).
-    with lock_directory(output_dir, purpose=f"evaluation during training ({tag})",
-                        hint="this folder belongs to a training run; evaluate into another folder"):
+    with lock_run_folder(output_dir, layout, purpose=f"evaluation during training ({tag})",
+                         hint="this folder belongs to a training run; evaluate into another folder"):
         for _ in range(len(cfg.eval.benchmarks) + 1):
             try:
                 results = evaluate_model(model, adapter, cfg.eval, output_dir=output_dir, run_name=run,
                                          model_label=checkpoint or f"{run}@{tag}", checkpoint=checkpoint,
-                                         wandb_run=wandb_run)
+                                         wandb_run=wandb_run, layout=layout)
                 break
-            except StaleGenerationsError as err:
-                moved = _move_aside(err.path)
-                logging.getLogger(__name__).warning("%s; this run's folder: moved the old answers to %s", err, moved)
+            except StaleGenerationsError as err:  # every rank of a data-parallel run gets it: the main one moves it
+                if layout.is_main:
+                    moved = _move_aside(err.path)
+                    logging.getLogger(__name__).warning("%s; this run's folder: moved the old answers to %s", err,
+                                                        moved)
+                layout.barrier()
         else:  # pragma: no cover - every benchmark's file was moved once
             raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
     return {name: dict(result.metrics) for name, result in results.items()}

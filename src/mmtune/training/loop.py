@@ -53,9 +53,6 @@ from mmtune.training.loss import TrainingLoss
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
 
-_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values")
-
-
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
     random.seed(seed)
@@ -76,11 +73,12 @@ def generate_synthetic_data(syn: Any) -> None:
 def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: int) -> None:
     """Refuse in-training evaluation where it cannot work: ZeRO-3 on several processes.
 
-    Evaluation during training generates on the main process while the other ranks wait.
-    Under ZeRO-3 each rank holds only a shard of every weight, and gathering a layer for
-    one rank's forward is a collective the waiting ranks never join, so the job would
-    hang (or generate from empty shards). ZeRO-0/1/2 and DDP keep full weights on every
-    rank and are fine, as is ZeRO-3 on a single process.
+    Evaluation during training generates on every rank, each its own share of the
+    dialogues (:mod:`mmtune.evaluation.generation.data_parallel`). Under ZeRO-3 each rank
+    holds only a shard of every weight, and every forward pass gathers each layer from all
+    ranks at once: ranks answering different dialogues make different numbers of forward
+    passes, so those gathers would not line up and the job would hang. ZeRO-0/1/2 and DDP
+    keep full weights on every rank and are fine, as is ZeRO-3 on a single process.
 
     Raises:
         ValueError: naming the keys to change, at start-up rather than after training.
@@ -89,8 +87,9 @@ def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: in
     if zero_stage == 3 and num_processes > 1 and asked:
         raise ValueError(
             f"training.{' and training.'.join(asked)}=true cannot run under DeepSpeed ZeRO-3 on {num_processes} "
-            "processes: in-training evaluation generates on the main process alone, which cannot gather ZeRO-3's "
-            "sharded weights. Set " + " ".join(f"training.{k}=false" for k in asked)
+            "processes: in-training evaluation generates on every rank, each its own dialogues, and ZeRO-3's "
+            "per-layer gathers need every rank in the same forward pass. Set "
+            + " ".join(f"training.{k}=false" for k in asked)
             + " and evaluate the saved final/ checkpoint with recipes/evaluate.py (mmtune evaluate), or train with "
             "ZeRO-2 (launch/accelerate/*zero2*.yaml)"
         )
@@ -182,7 +181,8 @@ class SFTRecipe:
         self.adapter = build_adapter(cfg.model)
         load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
         if cfg.peft.method == "qlora":
-            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16))
+            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
+                                                  skip_modules=self.adapter.quantization_skip_modules()))
         model = self.adapter.load_model(**load_kwargs)
         text_config = self.adapter.text_config(model.config)
         self.context_extension = apply_context_extension(
@@ -206,6 +206,7 @@ class SFTRecipe:
                                gradient_checkpointing=t.gradient_checkpointing)
         groups = self.adapter.module_groups(model)
         apply_freezing(model, groups, t, lora=lora)
+        self._choose_attention(model, text_config)
         # ZeRO-3 partitions parameters at construction; ds_numel is the full size.
         self.num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.num_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
@@ -237,6 +238,7 @@ class SFTRecipe:
         self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
                                  device=acc.device)
         acc.print(f"loss: {self.loss.description}")
+        acc.print(f"attention: {self.attention.description}")
         if t.compile:
             self.model = torch.compile(self.model)
 
@@ -274,6 +276,24 @@ class SFTRecipe:
             + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
                if self.context_extension else "")
         )
+
+    def _choose_attention(self, model: torch.nn.Module, text_config: Any) -> None:
+        """Resolve ``training.packed_attention`` against the loaded model (see
+        :mod:`mmtune.training.packed_attention`); ``auto`` falls back, saying why, where the
+        language model cannot switch, ``per_sample`` fails."""
+        from mmtune.training.packed_attention import fallback, language_model, model_support_problem, resolve_attention
+
+        mode = self.cfg.training.packed_attention
+        self.attention = resolve_attention(mode, batching=self.cfg.collator.batching,
+                                           attn_implementation=text_config._attn_implementation)
+        self._language_model = language_model(model, text_config)
+        if self.attention.per_sample:
+            problem = model_support_problem(model, text_config)
+            if problem and mode == "per_sample":
+                raise ValueError(f"training.packed_attention=per_sample cannot work with this model: {problem}; "
+                                 "set training.packed_attention=auto (transformers' block mask) or off")
+            if problem:
+                self.attention = fallback(self.attention, problem)
 
     def _count_steps(self) -> int:
         """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
@@ -409,14 +429,28 @@ class SFTRecipe:
 
     def train(self) -> None:
         """Run optimizer steps until ``total_steps``, checkpointing every ``save_every_steps``."""
-        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
-        if t.eval_before and self.step == 0:
+        if self.cfg.training.eval_before and self.step == 0:
             self.eval_results["before"] = self.evaluate(tag="before")
-        accum = t.gradient_accumulation_steps
         self.grad_norm = None
+        self.model.train()
+        with self._training_attention():
+            self._train_steps()
+        self._report_skipped()
+
+    def _training_attention(self) -> contextlib.AbstractContextManager:
+        """The training steps' attention (per sample over packed rows when chosen); evaluation
+        and generation outside them keep ``model.attn_implementation``."""
+        from mmtune.training.packed_attention import use_attention
+
+        if not self.attention.per_sample:
+            return contextlib.nullcontext()
+        return use_attention(self._language_model, self.attention.training_implementation)
+
+    def _train_steps(self) -> None:
+        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
+        accum = t.gradient_accumulation_steps
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.model.train()
         while self.step < self.total_steps:
             started = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
@@ -428,13 +462,7 @@ class SFTRecipe:
             seq_tokens = images = 0
             for batch, meta in micro:
                 with acc.accumulate(self.model):
-                    inputs = {k: batch[k].to(acc.device) if batch.get(k) is not None else None for k in _MODEL_INPUTS}
-                    with acc.autocast():
-                        summed = self.loss(self.model, inputs, batch["labels"])
-                        if inputs["pixel_values"] is None:
-                            # Text-only batch: still run the vision tower (ZeRO-3 must see the
-                            # same modules called on every rank); its value is exactly 0.
-                            summed = summed + self.adapter.vision_dummy_loss(self.model)
+                    summed = self.batch_loss(batch)
                     acc.backward(summed * scale)
                     if acc.sync_gradients and not self.is_deepspeed:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
@@ -480,7 +508,23 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
-        self._report_skipped()
+
+    def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The summed next-token loss of one micro-batch (fp32 scalar), under autocast.
+
+        The batch's model inputs (the adapter's image inputs and position layout among them)
+        pass to the forward by name (:func:`~mmtune.data.collator.forward_inputs`)."""
+        from mmtune.data.collator import forward_inputs
+
+        acc = self.accelerator
+        inputs = {k: v.to(acc.device) if v is not None else None for k, v in forward_inputs(batch).items()}
+        with acc.autocast():
+            summed = self.loss(self.model, inputs, batch["labels"])
+            if all(inputs.get(name) is None for name in self.adapter.image_input_names):
+                # Text-only batch: still run the vision tower (ZeRO-3 must see the
+                # same modules called on every rank); its value is exactly 0.
+                summed = summed + self.adapter.vision_dummy_loss(self.model)
+        return summed
 
     def _report_skipped(self) -> None:
         """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
@@ -553,16 +597,16 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:
-        """Run the ``eval`` benchmarks on the current model (main process) and log them."""
+        """Run the ``eval`` benchmarks on the current model and log them: every rank generates
+        its share of the dialogues, the main process scores (see ``check_evaluation_layout``)."""
         from mmtune.training.evaluation import evaluate_in_training
 
         acc = self.accelerator
-        results: dict[str, Any] = {}
+        model = acc.unwrap_model(self.model)
+        results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
+                                       output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
+                                       wandb_run=self.logger.wandb_run if acc.is_main_process else None)
         if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
-                                           output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
-                                           wandb_run=self.logger.wandb_run)
             flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
                     for name, value in metrics.items()}
             self.logger.summary(flat)

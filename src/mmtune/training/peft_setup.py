@@ -10,7 +10,7 @@ group and handed to peft as an explicit list.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from torch import nn
 
@@ -44,24 +44,31 @@ def lora_target_names(model: nn.Module, groups: ModuleGroups, targets: list[str]
     return names
 
 
-def qlora_load_kwargs(peft_cfg: "PeftConfig", compute_dtype: Any) -> dict[str, Any]:
+def qlora_load_kwargs(peft_cfg: "PeftConfig", compute_dtype: Any, *,
+                      skip_modules: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """``load_model`` keyword arguments for a 4-bit (NF4) base model.
+
+    ``skip_modules`` (the adapter's ``quantization_skip_modules()``: its vision tower,
+    projector and output head) stay in full precision, as in QLoRA for VLMs.
 
     Raises:
         ImportError: bitsandbytes is not installed (QLoRA needs it and a CUDA GPU).
+        ValueError: ``skip_modules`` not given.
     """
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError(
             "peft.method=qlora needs bitsandbytes (and a CUDA GPU): `pip install bitsandbytes`, "
             "or use peft.method=lora"
         )
+    if skip_modules is None:
+        raise ValueError("qlora_load_kwargs needs skip_modules=adapter.quantization_skip_modules() (the modules "
+                         "that stay in full precision)")
     from transformers import BitsAndBytesConfig
 
     return {"quantization_config": BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
-        # The vision tower and projector stay in full precision, as in QLoRA for VLMs.
-        llm_int8_skip_modules=["vision_tower", "multi_modal_projector", "lm_head"],
+        llm_int8_skip_modules=list(skip_modules),
     )}
 
 

@@ -112,5 +112,46 @@ def test_a_killed_build_resumes_without_repeating_cached_calls(teacher, corpus, 
     rc = subprocess.run([sys.executable, "-m", "mmtune.cli", *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=300)
     assert rc.returncode == 0, rc.stderr[-2000:]
-    assert teacher.served - served == needed - cached  # only calls never answered are made
+    # only calls never answered are made, and the teacher's one-token check before the build
+    assert teacher.served - served == needed - cached + 1
     assert len(json.loads((out / "mmdu.json").read_text())) == len(plan.sets)
+
+
+def test_a_build_without_a_reachable_teacher_stops_before_embedding_anything(monkeypatch, corpus, tmp_path, capsys):
+    import socket
+
+    def no_embedding(*args, **kwargs):
+        raise AssertionError("the corpus was embedded before the teacher was checked")
+
+    monkeypatch.setattr("mmtune.data.build.pipeline.build_embedder", no_embedding)
+    monkeypatch.delenv("MMTUNE_TEACHER_MODEL", raising=False)
+    args = ["data", "build", "demo", f"corpus.path={corpus}", f"output.dir={tmp_path / 'o'}", "--no-progress"]
+    assert mmtune(args) == 1
+    err = capsys.readouterr().err
+    assert "no teacher configured: set teacher.model in the build config or $MMTUNE_TEACHER_MODEL" in err
+    assert "$MMTUNE_TEACHER_BASE_URL" in err and "A local teacher" in err and "Nothing was embedded" in err
+    with socket.socket() as probe:  # a local server that is not running
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MMTUNE_TEACHER_MODEL", "local-vlm")
+    monkeypatch.setenv("MMTUNE_TEACHER_BASE_URL", f"http://127.0.0.1:{port}/v1")
+    assert mmtune(args) == 1
+    err = capsys.readouterr().err
+    assert "failed a one-token test request" in err and "connection refused" in err and "$MMTUNE_TEACHER_BASE_URL" in err
+    assert not (tmp_path / "o" / "plan").exists()
+
+
+def test_the_console_lists_skipped_entries_and_no_http_request_lines(monkeypatch, teacher, corpus, tmp_path, capsys,
+                                                                     caplog):
+    import logging
+
+    lines = corpus.read_text().splitlines()
+    bad = corpus.with_name("with_bad.jsonl")
+    bad.write_text("\n".join(lines + ['{"id": "no-images", "captions": ["x"]}', "not json"]) + "\n")
+    caplog.set_level(logging.INFO)
+    assert _build(monkeypatch, teacher, bad, tmp_path / "built", "--no-progress") == 0
+    out = capsys.readouterr().out
+    assert "teacher: model 'fake-teacher' at http://127.0.0.1" in out
+    assert "skipped 2; images kept" in out and "skipped malformed_entry" in out and "skipped invalid_json" in out
+    assert "e.g. line" in out  # where each skipped entry is
+    assert teacher.requests and not [r for r in caplog.records if r.name in ("httpx", "httpcore", "openai")]

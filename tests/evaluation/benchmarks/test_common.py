@@ -20,7 +20,7 @@ def _bench(tmp_path, image):
 
 @pytest.mark.parametrize("image", ["../../etc/passwd", "/mmdu_pics/../../outside.png"])
 def test_mmdu_paths_escaping_the_root_are_rejected(tmp_path, image):
-    with pytest.raises(ValueError, match=r"record 'd1' \(#0\), turn 0: \[path_outside_root\]"):
+    with pytest.raises(ValueError, match=r"record 'd1' \(#0\), turn 1 \(question\): \[path_outside_root\]"):
         load_mmdu_dialogues(_bench(tmp_path, image), image_root=str(tmp_path / "bench"))
 
 
@@ -71,16 +71,16 @@ MMDU_BAD = {
     "duplicate id": ([_ok("d1"), _ok("d1")], r"record 'd1' \(#1\): \[duplicate_id\]"),
     # the second user turn would become the first one's reference
     "two user turns in a row": ([{"id": "d2", "conversations": [_u("a"), _u("b"), _a("c")]}],
-                                r"record 'd2' \(#1\), turn 1: \[role_order\].*two user turns in a row"),
+                                r"record 'd2' \(#1\), turn 1 \(answer\): \[role_order\].*two user turns in a row"),
     "a message that is a plain string": ([{"id": "d3", "conversations": ["hello", _a("x")]}],
-                                         r"record 'd3' \(#1\), turn 0: \[malformed_record\]"),
+                                         r"record 'd3' \(#1\), turn 1 \(question\): \[malformed_record\]"),
     "a record that is no object": (["just text"], r"record '#1' \(#1\): \[malformed_record\]"),
     "a lone surrogate": ('[{"id": "d4", "conversations": [{"from": "user", "value": "bad \\ud800"}, '
                          '{"from": "assistant", "value": "x"}]}]',
-                         r"record 'd4' \(#0\), turn 0: \[lone_surrogate\].*conversations\[0\]\.value holds \\ud800"),
-    "a NUL byte in an image path": ([_ok("d5", "a\u0000.png")], r"record 'd5' \(#1\), turn 0: \[invalid_image_path\]"),
+                         r"record 'd4' \(#0\), turn 1 \(question\): \[lone_surrogate\].*conversations\[0\]\.value holds \\ud800"),
+    "a NUL byte in an image path": ([_ok("d5", "a\u0000.png")], r"record 'd5' \(#1\), turn 1 \(question\): \[invalid_image_path\]"),
     "an image in an answer": ([{"id": "d6", "image": ["a.png"], "conversations": [_u("Q"), _a("<ImageHere>")]}],
-                              r"record 'd6' \(#1\), turn 1: \[placeholder_in_assistant\]"),
+                              r"record 'd6' \(#1\), turn 1 \(answer\): \[placeholder_in_assistant\]"),
 }
 
 
@@ -124,8 +124,8 @@ def test_images_are_checked_at_load_when_they_will_be_decoded(tmp_path):
     assert len(load_mmdu_dialogues(path)) == 2  # scoring a predictions file opens no image
     with pytest.raises(ValueError) as err:
         load_mmdu_dialogues(path, check_images="verify")
-    assert re.search(r"record 'd1' \(#0\), turn 0: \[image_too_large\].*aspect ratio of 30000:1", str(err.value))
-    assert re.search(r"record 'd2' \(#1\), turn 0: \[missing_image\]", str(err.value))
+    assert re.search(r"record 'd1' \(#0\), turn 1 \(question\): \[image_too_large\].*aspect ratio of 30000:1", str(err.value))
+    assert re.search(r"record 'd2' \(#1\), turn 1 \(question\): \[missing_image\]", str(err.value))
 
 
 def test_a_predictions_file_may_hold_an_empty_answer(tmp_path):
@@ -134,7 +134,7 @@ def test_a_predictions_file_may_hold_an_empty_answer(tmp_path):
     path = tmp_path / "answers.json"
     path.write_text(json.dumps([{"id": "d1", "image": [], "conversations": [_u("Q?"), _a("")]}]))
     assert load_turn_predictions(path)[("d1", 0)].answer == ""
-    with pytest.raises(ValueError, match=r"turn 1: \[empty_turn\]"):
+    with pytest.raises(ValueError, match=r"turn 1 \(answer\): \[empty_turn\]"):
         load_mmdu_dialogues(path)  # as a benchmark, an empty reference is a broken item
 
 

@@ -18,7 +18,7 @@ def test_command_for_llava_checkpoint():
 
 def test_unknown_family_needs_model_type():
     with pytest.raises(ValueError, match="eval.lmms_eval.model_type"):
-        build_command("/c", LmmsEvalConfig(), family="qwen2_vl", output_path="/o")
+        build_command("/c", LmmsEvalConfig(), family="auto", output_path="/o")
     cmd = build_command("/c", LmmsEvalConfig(model_type="xcomposer2d5"), family="internlm_xcomposer2", output_path="/o")
     assert cmd[cmd.index("--model") + 1] == "xcomposer2d5"
 
@@ -87,3 +87,10 @@ def test_missing_lmms_eval_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"mmtune\[lmms-eval\].*results_path"):
         run_lmms_eval("/c", LmmsEvalConfig(), family="llava", output_path=str(tmp_path), run="r", model="m")
+
+
+def test_launcher_command_for_xcomposer2():
+    cmd = build_command("/runs/xc2/final", LmmsEvalConfig(tasks=["mmstar"]), family="internlm_xcomposer2",
+                        output_path="/o", python="python", model_config_file="/o/mmtune_model.json")
+    assert cmd[:5] == ["python", "-m", "mmtune.evaluation.lmms_model", "--model", "mmtune"]
+    assert cmd[cmd.index("--model_args") + 1] == "pretrained=/runs/xc2/final,family=internlm_xcomposer2,model_config=/o/mmtune_model.json"

@@ -167,6 +167,9 @@ def test_score_mmdu_end_to_end_with_local_judge(tmp_path):
     assert result.metrics["IRU"] == pytest.approx(15.0) and result.metrics["valid/IRU"] == pytest.approx(60.0)
     assert result.counts["missing"] == 1 and result.counts["unparsed"] == 1 and result.counts["na"] == 1
     assert [t.status for t in turns] == ["ok", "unparsed", "ok", "missing"]
+    # rows and the per-turn table number turns from 1 (predictions are keyed by position)
+    assert [(t.dialogue_id, t.turn) for t in turns] == [("d1", 1), ("d1", 2), ("d2", 1), ("d2", 2)]
+    assert sorted(result.meta["per_turn_index"]) == ["1", "2"]
 
 
 def test_user_prompt_file_is_used_and_checked(tmp_path):

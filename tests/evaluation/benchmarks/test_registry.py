@@ -12,7 +12,7 @@ from mmtune.evaluation.benchmarks.registry import benchmarks_for, get_benchmark,
 
 def test_every_benchmark_module_of_the_package_is_registered_without_a_list():
     modules = {p.stem for p in Path(package.__path__[0]).glob("*.py")} - {"__init__", "base", "common", "registry"}
-    assert modules == {"synthetic", "mmdu", "mmvet", "mdi", "lmms_eval"}
+    assert modules == {"synthetic", "heldout", "mmdu", "mmvet", "mdi", "lmms_eval"}
     assert modules <= set(registered_names())
     for name in modules:
         bench = get_benchmark(name)

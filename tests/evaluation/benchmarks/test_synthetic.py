@@ -31,5 +31,8 @@ def test_exact_match_and_per_turn(tmp_path):
     preds = {("s0", 0): TurnPrediction("red", {}), ("s0", 1): TurnPrediction("a circle", {}), ("s1", 0): TurnPrediction("YES!", {})}
     result, records = score_synthetic(dialogues, preds, run="r", model="m")
     assert result.metrics["exact_match"] == pytest.approx(50.0)
-    assert result.metrics["turn/0"] == pytest.approx(100.0) and result.metrics["turn/1"] == pytest.approx(0.0)
+    # turns are numbered from 1 in metrics and detail rows, as data check, report.md and the viewer do
+    assert result.metrics["turn/1"] == pytest.approx(100.0) and result.metrics["turn/2"] == pytest.approx(0.0)
+    assert "turn/0" not in result.metrics
+    assert [(r["dialogue_id"], r["turn"]) for r in records] == [("s0", 1), ("s0", 2), ("s1", 1), ("s1", 2)]
     assert result.counts == {"turns": 4, "dialogues": 2, "correct": 2, "missing": 1}

@@ -135,15 +135,19 @@ def test_an_empty_generations_file_is_checked_too(tiny, dialogue, tmp_path):
 
 
 HOLDER = r"""
-import sys, time
-from mmtune.io.locks import lock_directory
-with lock_directory(sys.argv[1], purpose="generation"):
-    print("locked", flush=True)
-    sys.stdin.readline()  # hold the folder until the test says so
+import sys
+from mmtune.evaluation.generation.records import GenerationsFile
+held = GenerationsFile(sys.argv[1], {"model": "another", "about": {"run": "other-run"}}, [])
+print("locked", flush=True)
+sys.stdin.readline()  # hold the file until the test says so
+held.close()
 """
 
 
-def test_a_second_process_cannot_generate_into_the_same_folder(tiny, dialogue, tmp_path):
+def test_a_second_process_cannot_write_the_same_generations_file(tiny, dialogue, tmp_path):
+    """Two processes answering into one generations file would interleave their lines: the
+    second is refused, naming the first; once the first is gone, its settings (written before
+    any answer) still keep another run's answers out of the file."""
     import subprocess
     import sys
 
@@ -151,13 +155,17 @@ def test_a_second_process_cannot_generate_into_the_same_folder(tiny, dialogue, t
 
     adapter, model, _ = tiny
     out = tmp_path / "generations" / "bench.jsonl"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out.parent)], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(DirectoryLockedError, match=rf"in use by another process: pid {holder.pid}.*\(generation\)"):
+        with pytest.raises(DirectoryLockedError, match=rf"in use by another process: pid {holder.pid}.*"
+                                                        r"\(generation of bench\.jsonl\)"):
             DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))
-        assert not out.exists()  # refused before writing anything
+        assert out.read_text() == ""  # nothing was written by the refused one
     finally:
         holder.communicate("\n", timeout=60)
-    assert len(DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))) == 1
+    with pytest.raises(StaleGenerationsError, match=r"was started \(no answer yet\).*other-run"):
+        DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=out, run_key=_key("first"))
+    other = tmp_path / "generations" / "other.jsonl"  # another file of the same folder is free
+    assert len(DialogueGenerator(adapter, model, CFG).generate([dialogue], out_path=other, run_key=_key("first"))) == 1

@@ -70,3 +70,23 @@ def test_plan_estimates_generation_per_benchmark():
     assert 100 < 1 / (14.1e9 / (3.35e12 * DECODE_EFFICIENCY)) < 150
     text = "\n".join(render_generation_estimates(out))
     assert "mmdu" in text and "B=8" in text and "GPU-h" in text
+
+
+def test_data_parallel_estimate_is_the_largest_share():
+    from mmtune.evaluation.generation.throughput import estimate_data_parallel
+
+    kw = dict(tokens_per_image=576, answer_tokens=2048, batch_size=8, params=7 * 10**9, weight_bytes=14e9,
+              kv_bytes_per_token=5e5, window=8192, hbm_tbps=2.0, peak_tflops=312.0)
+    one = estimate_generation("mmdu", dialogues=110, answers=1645, images=421, **kw)
+    used, share = estimate_data_parallel("mmdu", gpus=1, dialogues=110, answers=1645, images=421, **kw)
+    assert used == 1 and share == one
+    previous = one.hours
+    for gpus in (2, 4, 8, 16, 110, 200):
+        used, share = estimate_data_parallel("mmdu", gpus=gpus, dialogues=110, answers=1645, images=421, **kw)
+        per_rank = math.ceil(110 / used)
+        assert used == min(gpus, 110) and share.answers == math.ceil(1645 * per_rank / 110)
+        assert share == estimate_generation("mmdu", dialogues=per_rank, answers=share.answers,
+                                            images=math.ceil(421 * per_rank / 110), **kw)
+        assert share.hours <= previous  # more GPUs never take longer
+        assert share.hours * used >= one.hours * 0.99  # and never do less work in total
+        previous = share.hours

@@ -430,8 +430,121 @@ def test_mostly_unparsed_replies_fail_the_command_with_the_reason(tmp_path, monk
         assert code != 0
         assert "mmdu: 4 of 4 judge replies gave no usable score (allowed: 5%)" in err
         assert "4 x no complete set of the seven scores found (Creativity is not a score in 1..10 or N/A)" in err
-        assert "max_unparsed_share" in err
+        assert "raise --max-unparsed-share to accept some" in err  # the flag, as the CLI names it
         result = json.loads((tmp_path / "out" / "mmdu.json").read_text())  # written before the exit
         assert result["counts"]["unparsed"] == 4 and result["metrics"]["Overall"] == 0.0
         # a run that accepts them says so explicitly
         assert main(args + [str(tmp_path / "out2"), "--max-unparsed-share", "1.0"]) == 0
+
+
+def test_a_dns_failure_is_called_that_not_connection_refused():
+    from mmtune.evaluation.judge.client import likely_cause
+
+    for text in ("connection error: gaierror: [Errno -2] Name or service not known",
+                 "connection error: gaierror: [Errno -3] Temporary failure in name resolution",
+                 "connection error: gaierror: [Errno 8] nodename nor servname provided, or not known"):
+        cause = likely_cause(None, text, url_source="$MMTUNE_JUDGE_BASE_URL")
+        assert cause.startswith("the host name in the base URL does not resolve (DNS failure)")
+        assert "$MMTUNE_JUDGE_BASE_URL" in cause and "refused" not in cause
+    assert "connection refused" in likely_cause(None, "connection error: ConnectionRefusedError: [Errno 111] Connection refused")
+    assert "could not connect" in likely_cause(None, "connection error: OSError: [Errno 113] No route to host")
+    client = JudgeClient(JudgeConfig(model="m", max_retries=0), env={"MMTUNE_JUDGE_BASE_URL": "http://no-such-host.invalid/v1"})
+    assert not client.judge(JudgeRequest("q")).ok
+    assert "DNS failure" in client.stats.first_error["cause"]
+
+
+@pytest.mark.parametrize("status, fails, cause", [
+    (200, False, None), (429, False, None), (500, False, None),  # the endpoint answered: go on
+    (401, True, "the API key is wrong"), (404, True, "model name or the base URL"), (400, True, "rejected the request"),
+])
+def test_the_check_sends_one_uncached_token_and_fails_only_on_what_retries_cannot_fix(tmp_path, status, fails, cause):
+    from mmtune.evaluation.judge.client import JudgeError
+
+    with FakeJudgeServer(lambda body: Scripted("OK", status=status)) as server:
+        client = make_client(server, tmp_path)
+        if fails:
+            with pytest.raises(JudgeError) as info:
+                client.check()
+            assert cause in str(info.value) and f"HTTP {status}" in str(info.value) and KEY not in str(info.value)
+        else:
+            client.check()
+        (body,) = server.requests  # one request, whatever the answer: no retries
+    assert body["max_tokens"] == 1 and client.stats.requests == client.stats.calls == 0 and len(client.cache) == 0
+
+
+def test_the_check_of_a_judge_that_never_answers_gives_up_after_its_own_timeout(tmp_path):
+    from mmtune.evaluation.judge.client import CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JudgeError
+
+    with FakeJudgeServer(lambda body: Scripted("OK", delay_s=3.0)) as server:
+        client = make_client(server, tmp_path, timeout_s=120.0)
+        with pytest.raises(JudgeError, match=r"timeout after 0.5s.*did not answer in time"):
+            client.check(timeout_s=0.5)
+    # a dropped connection waits CONNECT_TIMEOUT_S per attempt, not judge.timeout_s
+    assert client._endpoint.client.timeout.connect == CONNECT_TIMEOUT_S < CHECK_TIMEOUT_S < client._endpoint.client.timeout.read == 120.0
+
+
+def test_the_check_of_an_unreachable_judge_fails_in_seconds(tmp_path):
+    import socket
+
+    from mmtune.evaluation.judge.client import JudgeError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for url, cause in ((f"http://127.0.0.1:{port}/v1", "connection refused"), ("http://no-such-host.invalid/v1", "DNS failure")):
+        client = JudgeClient(JudgeConfig(model="m"), env={"MMTUNE_JUDGE_BASE_URL": url})  # 6 retries, 120 s timeouts
+        started = time.perf_counter()
+        with pytest.raises(JudgeError, match=cause):
+            client.check()
+        assert time.perf_counter() - started < 30  # one attempt, not the retry loop's minutes
+
+
+def test_a_dead_judge_stops_the_evaluation_before_generation_and_the_cli_names_its_flags(tmp_path, monkeypatch):
+    """An evaluation that would generate and then judge checks the judge first."""
+    from mmtune.evaluation.cli import build_parser, flag_names, with_flags
+    from mmtune.evaluation.config import EvalConfig
+    from mmtune.evaluation.judge.client import JudgeError
+    from mmtune.evaluation.runner import run_benchmarks
+
+    cfg = EvalConfig(benchmarks=["mmdu"], progress=False, judge=JudgeConfig(model="gpt-4o"))
+    cfg.mmdu.data_path = str(_mmdu_files(tmp_path))
+    with FakeJudgeServer(lambda body: Scripted(status=404, content="model not found")) as server:
+        monkeypatch.setenv("MMTUNE_JUDGE_BASE_URL", server.base_url)
+        with pytest.raises(JudgeError) as info:
+            run_benchmarks(cfg, output_dir=str(tmp_path / "out"), run_name="r", model_label="m",
+                           make_generator=lambda: pytest.fail("generation started before the judge was checked"))
+        assert len(server.requests) == 1
+    message = str(info.value)
+    assert "failed a one-token test request before anything was generated: HTTP 404" in message
+    assert "check judge.model and $MMTUNE_JUDGE_BASE_URL" in message
+    # the same message from `mmtune evaluate checkpoint ... mmdu` names the command's flags
+    parser = build_parser()
+    args = parser.parse_args(["checkpoint", "ckpt", "mmdu", "--out", "o"])
+    assert "check --judge-model and $MMTUNE_JUDGE_BASE_URL" in with_flags(message, flag_names(parser, args))
+    # switched off, the run goes straight to generation
+    cfg.judge.check_first = False
+    with FakeJudgeServer(lambda body: Scripted(status=404)) as server:
+        monkeypatch.setenv("MMTUNE_JUDGE_BASE_URL", server.base_url)
+        with pytest.raises(RuntimeError, match="no model"):
+            run_benchmarks(cfg, output_dir=str(tmp_path / "out2"), run_name="r", model_label="m",
+                           make_generator=lambda: (_ for _ in ()).throw(RuntimeError("no model")))
+        assert server.requests == []
+
+
+def test_judge_failures_are_summarised_once_and_hints_name_the_cli_flags(tmp_path, monkeypatch, capsys):
+    from mmtune.evaluation.cli import main
+
+    bench = _mmdu_files(tmp_path)
+    common = ["score", "mmdu", "--data", str(bench), "--predictions", str(bench), "--judge-model", "gpt-4o", "--quiet"]
+    with FakeJudgeServer(lambda body: Scripted(status=404, content="no such model")) as server:
+        monkeypatch.setenv("MMTUNE_JUDGE_BASE_URL", server.base_url)
+        code = main([*common, "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("likely cause:") == 1 and err.count("first error:") == 1
+        assert "check --judge-model and $MMTUNE_JUDGE_BASE_URL" in err
+        assert "Raise --max-failed-share to accept some failures" in err
+        assert "judge.model" not in err and "eval.judge.max_failed_share" not in err
+        # failures within the allowed share: the summary once, from the runner, with the same flag names
+        code = main([*common, "--out", str(tmp_path / "out2"), "--max-failed-share", "1"])
+        err = capsys.readouterr().err
+    assert code == 0 and err.count("likely cause:") == 1 and "check --judge-model" in err

@@ -25,3 +25,22 @@ def test_a_result_without_a_section_writer_gets_its_metrics_table(tmp_path):
     task = BenchmarkResult("r", "m", "ai2d", {"score": 71.5, "exact_match": 0.715}, {"n": 10})
     text = write_report([task], tmp_path)[0].read_text()
     assert "## ai2d" in text and "| score | 71.5 |" in text and "| exact_match | 0.7 |" in text and "Counts: n=10" in text
+
+
+def test_report_html_is_the_markdown_report_as_one_page_with_its_plots_inside(tmp_path):
+    from mmtune.evaluation.reporting.report import markdown_to_html
+    from mmtune.evaluation.reporting.plots import plot_line
+
+    plot_line(tmp_path / "p.png", "t", [1, 2], [1.0, 2.0], "y")
+    text = "\n".join([
+        "# Evaluation of <run>", "", "Run `r`, model **m** and _n_; see [viewer.html](viewer.html).", "",
+        "## mmdu", "", "| metric | value |", "|---|---|", "| Overall | 1.5 |", "| a <b> | 2 |", "",
+        "- first", "- second", "", "![p](p.png)", "![gone](gone.png)"])
+    page = markdown_to_html(text, tmp_path, title="T")
+    assert "<h1>Evaluation of &lt;run&gt;</h1>" in page and "<h2>mmdu</h2>" in page
+    assert "<code>r</code>" in page and "<b>m</b>" in page and "<i>n</i>" in page
+    assert '<a href="viewer.html">viewer.html</a>' in page
+    assert "<tr><th>metric</th><th>value</th></tr><tr><td>Overall</td><td>1.5</td></tr>" in page
+    assert "<td>a &lt;b&gt;</td>" in page and "<ul><li>first</li><li>second</li></ul>" in page
+    assert 'src="data:image/png;base64,' in page and '<a href="gone.png">gone</a>' in page  # a missing plot: a link
+    assert "|---|" not in page

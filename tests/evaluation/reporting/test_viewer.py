@@ -81,8 +81,12 @@ def test_synthetic_viewer_lists_dialogues_with_turns_images_and_scores(data, tmp
     assert max(thumb.size) <= THUMBNAIL_PX < 200
     # summary metrics, the report's plot and a link both ways between report and viewer
     assert bench["summary"]["metrics"]["exact_match"] == pytest.approx(100.0 * (len(rows) - len(records)) / len(rows))
-    assert "synthetic_by_turn.png" in data_block["plots"] and data_block["report"] == "report.md"
+    # the page links the report as HTML (not raw Markdown), and the report links back
+    assert "synthetic_by_turn.png" in data_block["plots"] and data_block["report"] == "report.html"
     assert "[viewer.html](viewer.html)" in (out / "report.md").read_text()
+    report_html = (out / "report.html").read_text()
+    assert '<a href="viewer.html">viewer.html</a>' in report_html and "data:image/png;base64," in report_html
+    assert not re.search(r"(src|href)=[\"']?(https?:)?//", report_html)
     # no network: nothing in the page is fetched from elsewhere
     assert not re.search(r"(src|href)=[\"']?(https?:)?//", page.read_text())
 
@@ -107,9 +111,10 @@ def test_mmdu_viewer_shows_judge_scores_reply_and_dimension_facets(data, tmp_pat
     (out / "details").mkdir(parents=True)
     records = json.loads(open(data.test_json).read())
     dims = {"C": 2.0, "R": 3.0, "VP": 4.0, "LC": 5.0, "AA": 6.0, "IRU": 7.0, "Overall": 3.0}
-    rows = [{"dialogue_id": records[0]["id"], "turn": 0, "status": "ok", "scores": dims, "na": [], "detail": "json",
+    # detail rows number turns from 1, as the viewer shows them
+    rows = [{"dialogue_id": records[0]["id"], "turn": 1, "status": "ok", "scores": dims, "na": [], "detail": "json",
              "reply": "The answer names the wrong colour.\n{...}"},
-            {"dialogue_id": records[0]["id"], "turn": 1, "status": "failed", "scores": {}, "na": [], "detail": "HTTP 500"}]
+            {"dialogue_id": records[0]["id"], "turn": 2, "status": "failed", "scores": {}, "na": [], "detail": "HTTP 500"}]
     (out / "details" / "mmdu.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     entries = {e["id"]: e for e in payload(write_viewer(collect_entries(cfg, out), out))["benchmarks"][0]["entries"]}
     first = entries[records[0]["id"]]
@@ -313,3 +318,54 @@ def test_the_viewer_honours_allow_absolute_image_paths_like_the_loaders(tmp_path
     data_block = payload(out / "viewer.html")
     assert data_block["images"][str(outside)].startswith("data:image/jpeg;base64,")
     assert data_block["benchmarks"][0]["entries"][0]["turns"][0]["images"] == [str(outside)]
+
+
+def _before_and_after(data, tmp_path):
+    """A run folder with eval/before (every answer wrong) and eval/after (first answers wrong)."""
+    test_json = Path(data.test_json)
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text("".join(json.dumps({"dialogue_id": r["id"], "turn": t, "answer": "no idea"}) + "\n"
+                             for r in json.loads(test_json.read_text())
+                             for t in range(sum(c["from"] == "user" for c in r["conversations"]))))
+    after = tmp_path / "after.jsonl"
+    _wrong_on_first_turns(test_json, after)
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False)
+    cfg.synthetic.data_path, cfg.synthetic.image_root = str(test_json), data.image_dir
+    run = tmp_path / "run"
+    for tag, predictions in (("before", wrong), ("after", after)):
+        cfg.synthetic.predictions = str(predictions)
+        run_benchmarks(cfg, output_dir=str(run / "eval" / tag), run_name="run", model_label=tag)
+    return run
+
+
+def test_the_viewer_shows_the_runs_answers_before_training_beside_these(data, tmp_path):
+    run = _before_and_after(data, tmp_path)
+    block = payload(run / "eval" / "after" / "viewer.html")
+    (bench,) = block["benchmarks"]
+    assert block["baseline_label"] == "before training" and block["baseline_viewer"] == "../before/viewer.html"
+    assert bench["baseline_summary"]["metrics"]["exact_match"] == 0.0
+    for entry in bench["entries"]:
+        before = bench["baseline"][entry["id"]]
+        assert before["score"] == 0.0 and len(before["turns"]) == len(entry["turns"])
+        assert all(t["answer"] == "no idea" and t["status"] == "wrong" for t in before["turns"])
+    # the evaluation before training has nothing to compare with
+    assert payload(run / "eval" / "before" / "viewer.html")["benchmarks"][0]["baseline"] == {}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not found: `apt-get install chromium` or set MMTUNE_CHROMIUM")
+def test_before_and_after_side_by_side_in_headless_chromium(data, tmp_path):
+    run = _before_and_after(data, tmp_path)
+    records = json.loads(Path(data.test_json).read_text())
+    chosen = records[1]
+    url = (run / "eval" / "after" / "viewer.html").resolve().as_uri() + f"#b=synthetic&d={chosen['id']}"
+    dumped = _chromium("--virtual-time-budget=3000", "--dump-dom", url, profile=tmp_path / "profile")
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    dom = _Elements()
+    dom.feed(dumped.stdout)
+    assert len(dom.with_class("before-score")) == len(records)  # a "before" column in the list ...
+    assert {a["class"].split()[-1] for a in dom.with_class("delta")} <= {"delta-pos", "delta"}  # ... and the change
+    n_turns = sum(c["from"] == "user" for c in chosen["conversations"])
+    assert len(dom.with_class("compare")) == n_turns  # each turn: both answers side by side
+    assert len(dom.with_class("before")) == n_turns and len(dom.with_class("after")) == n_turns
+    assert dumped.stdout.count("no idea") >= n_turns and "answer before training (wrong)" in dumped.stdout
+    assert '<a href="../before/viewer.html">answers before training</a>' in dumped.stdout

@@ -244,10 +244,78 @@ def test_logits_term_follows_the_loss_implementation():
     terms = {impl: estimate_cost(params, loss_impl=impl, loss_chunk_size=1024, **common)
              for impl in ("materialized", "chunked", "fused")}
     assert terms["materialized"].memory_gib["logits"] == pytest.approx(14 * s * V / gib)
-    assert terms["chunked"].memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d + 4 * V * d) / gib)
+    assert terms["chunked"].memory_gib["logits"] == pytest.approx((6 * 1024 * V + 2 * s * d + 2 * V * d + 4 * V * d) / gib)
     # Liger's chunk: 8192 rows / ceil(92544 / 4096) = 23 -> 357 -> next power of two 512
     assert terms["fused"].memory_gib["logits"] == pytest.approx((2 * 512 * V + 2 * s * d + 4 * V * d) / gib)
     assert terms["chunked"].memory_gib["logits"] < 0.35 * terms["materialized"].memory_gib["logits"]
     assert "training.loss_impl=chunked" in terms["chunked"].formula
     frozen_head = estimate_cost(params, loss_impl="chunked", loss_chunk_size=1024, head_trains=False, **common)
-    assert frozen_head.memory_gib["logits"] == pytest.approx((10 * 1024 * V + 2 * V * d) / gib)
+    assert frozen_head.memory_gib["logits"] == pytest.approx((6 * 1024 * V + 2 * s * d) / gib)
+
+
+def test_evaluation_plan_on_several_gpus_and_with_a_served_model(env):
+    experiment = next(e for e in EXPERIMENTS if _recipe(e) == "evaluate" and "mmdu" in e)
+    one = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=1)
+    many = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=8)
+    mmdu = {p.gpus: next(e for e in p.generation if e["benchmark"] == "mmdu") for p in (one, many)}
+    items = next(b for b in many.benchmarks if b["name"] == "mmdu")["items"]
+    assert mmdu[1]["gpus"] == 1 and mmdu[1]["hours_wall"] == pytest.approx(mmdu[1]["hours"])
+    assert mmdu[8]["gpus"] == min(8, items) and mmdu[8]["hours_wall"] < mmdu[1]["hours"]
+    assert mmdu[8]["hours"] == mmdu[1]["hours"]  # the one-GPU figure stays beside it
+    assert f"on {min(8, items)} GPUs: <=" in many.render() and "on 1 GPUs" not in one.render()
+    served = plan_evaluation([f"experiment={experiment}", "eval.generation.backend=api",
+                              "eval.generation.api.model=gpt-4o-2024-05-13"], gpu="a100-80g", num_gpus=8)
+    assert served.served_model == "gpt-4o-2024-05-13" and served.generation == [] and served.params is None
+    assert "served model 'gpt-4o-2024-05-13'" in served.render() and "judge calls" in served.render()
+
+
+def test_a_run_is_planned_for_its_experiments_own_launcher(env):
+    """`mmtune plan experiment=X` plans the README's ZeRO-3 command of X, and says so."""
+    own = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None)
+    given = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=8,
+                     accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
+    assert own.zero["stage"] == 3 and own.zero["num_gpus"] == 8  # num_processes of the launcher
+    assert "the launcher of the experiment's own command" in own.zero["origin"]
+    assert own.cost["memory_gib"] == given.cost["memory_gib"]
+    # an experiment whose command names no launcher: plain DDP, said to be assumed
+    bare = plan_run(["experiment=tiny_table5_baseline"], num_gpus=None, skip_data=True)
+    assert bare.zero["stage"] == 0 and "DDP assumed" in bare.zero["origin"] and bare.zero["num_gpus"] == 8
+
+
+def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository root
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=8,
+                 accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
+    assert p.zero["stage"] == 3
+    mine = tmp_path / "my_zero2.yaml"  # a launcher of your own, next to you
+    mine.write_text((REPO / "launch/accelerate/single_node_8gpu_zero2.yaml").read_text())
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None, accelerate_config="my_zero2.yaml")
+    assert p.zero["stage"] == 2
+    with pytest.raises(PlanError, match=r"accelerate config 'nope.yaml' not found \(tried .*nope.yaml or "):
+        plan_run(["experiment=table3_llava15_7b_mmdu45k"], accelerate_config="nope.yaml")
+
+
+def test_overrides_may_come_after_the_flags_and_the_help_is_plain_text(env, capsys):
+    assert main(["--gpu", "h100", "experiment=table3_llava15_7b_mmdu45k", "--gpus", "4", "training.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPU(s), ZeRO stage 3" in out and "training.epochs=2" in out and "H100" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "Cost model" in text and "Memory per GPU" in text
+    assert "``" not in text and "**" not in text and ":func:" not in text
+
+
+def test_a_small_source_repeated_to_reach_its_ratio_is_warned_about(tmp_path, monkeypatch):
+    from mmtune.data.synthetic import generate_synthetic
+
+    monkeypatch.setenv("MMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    syn = generate_synthetic(tmp_path / "syn", n_train=40, n_test=0, n_llava=5, image_size=16)
+    files = [f"data.files=[{syn.train_json},{syn.llava_json}]", f"data.image_root={syn.image_dir}"]
+    fair = plan_run(["model=llava_tiny", *files], num_gpus=1)
+    assert not [n for n in fair.data["notes"] if "WARNING" in n]
+    skewed = plan_run(["model=llava_tiny", *files, "data.ratios=[1,1]", "data.mixture.epoch_size=100"], num_gpus=1)
+    (warning,) = [n for n in skewed.data["notes"] if "WARNING" in n]
+    assert "source 'llava' has 5 record(s) but its ratio draws 50 samples per epoch" in warning
+    assert "repeated 10.0 times an epoch" in warning and "data.ratios" in warning
+    assert "WARNING: source 'llava'" in skewed.render()

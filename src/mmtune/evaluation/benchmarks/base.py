@@ -67,10 +67,20 @@ class RunContext:
     def __init__(self, cfg: Any, out: Path, make_generator: Optional[Callable[[], Any]], *, run: str, model: str,
                  checkpoint: Optional[str] = None, family: Optional[str] = None, model_config: Any = None,
                  lmms_pretrained: Optional[str] = None, lmms_is_adapter: bool = False,
-                 command_runner: Optional[Callable[..., Any]] = None):
+                 command_runner: Optional[Callable[..., Any]] = None, layout: Any = None):
         import subprocess
 
+        from mmtune.evaluation.generation.data_parallel import Layout
+
         self.cfg, self.out, self._make_generator = cfg, out, make_generator
+        self.layout = layout or Layout()
+        """This process's place in a data-parallel evaluation (one process by default)."""
+        self.generated: dict[str, list[Any]] = {}
+        """Turn records per benchmark, once generated (all ranks' in a data-parallel run)."""
+        self.rank_work: dict[str, list[dict[str, Any]]] = {}
+        """Per benchmark, what each rank of a data-parallel run did."""
+        self.generation_usage: dict[str, dict[str, Any]] = {}
+        """Per benchmark, what a served model's calls cost (``api`` backend)."""
         self.run, self.model, self.checkpoint, self.family = run, model, checkpoint, family
         self.model_config = model_config
         """The ModelConfig the model is loaded with (lmms-eval's mmtune model loads it the same way)."""
@@ -116,8 +126,28 @@ class RunContext:
         return self._generator is not None
 
     def generate(self, name: str, dialogues: Sequence[Any]):
-        return self.generator.generate(dialogues, out_path=self.out / "generations" / f"{name}.jsonl",
-                                       progress=self.cfg.progress, run_key=self.run_key(name))
+        """The turn records of ``dialogues`` for benchmark ``name``, generated once per run (by
+        every rank of a data-parallel run, each its share) into ``generations/<name>.jsonl``."""
+        from mmtune.evaluation.generation.data_parallel import generate_shared
+
+        if name not in self.generated:
+            records, ranks = generate_shared(self.generator, dialogues, self.out / "generations" / f"{name}.jsonl",
+                                             layout=self.layout, progress=self.cfg.progress, run_key=self.run_key(name))
+            self.generated[name] = records
+            if ranks is not None:
+                self.rank_work[name] = ranks
+            usage = self.generator.usage()
+            if usage is not None:
+                self.generation_usage[name] = usage
+        return self.generated[name]
+
+    def check_generation(self, name: str) -> None:
+        """Raise :class:`~mmtune.evaluation.generation.records.GenerationFailures` when more
+        than ``eval.generation.api.max_failed_share`` of benchmark ``name``'s turns failed."""
+        from mmtune.evaluation.generation.records import check_failed_turns
+
+        if self.generated.get(name):
+            check_failed_turns(self.generated[name], self.cfg.generation.api.max_failed_share, benchmark=name)
 
     def run_key(self, name: str) -> dict[str, Any]:
         """What a benchmark's answers depend on besides decoding: the model and the data file
@@ -151,6 +181,9 @@ class RunContext:
     def close(self) -> None:
         if self._judge is not None:
             self._judge.close()
+        close = getattr(self._generator, "close", None)  # a served model's HTTP client
+        if close is not None:
+            close()
 
 
 class Benchmark:
@@ -220,6 +253,15 @@ class Benchmark:
         generates = self.generates and not getattr(sub, "predictions", None)
         sends = self.uses_judge and bool(ctx.cfg.judge.send_images)
         return "verify" if generates or sends else "none"
+
+    def pending_dialogues(self, ctx: RunContext) -> list[Any]:
+        """The dialogues :meth:`evaluate` hands the generator (``[]`` when it scores a
+        predictions file or runs its own model): what a data-parallel run splits across
+        its ranks before rank 0 scores."""
+        sub = self.settings(ctx.cfg)
+        if not self.generates or getattr(sub, "predictions", None):
+            return []
+        return list(self.dialogues(self.load(sub, ctx), sub))
 
     def dialogues(self, items: list[Any], sub: Any) -> list[Any]:
         """The items as dialogues for the generator."""
@@ -294,13 +336,21 @@ class DialogueBenchmark(Benchmark):
     """Items are MMDU-schema dialogues; predictions are answers keyed by (dialogue, exchange)."""
 
     def load(self, sub: Any, ctx: RunContext) -> list[Any]:
-        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
-
         if not sub.data_path:
             raise ValueError(f"eval.{self.name}.data_path is required: it holds the questions and reference answers")
-        return load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
-                                   allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths,
+        return self.read_dialogues(sub, allow_absolute_image_paths=ctx.cfg.allow_absolute_image_paths,
                                    check_images=self.image_checks(sub, ctx), image_limits=ctx.image_limits)
+
+    def read_dialogues(self, sub: Any, *, allow_absolute_image_paths: bool = False, check_images: str = "none",
+                       image_limits: Any = None) -> list[Any]:
+        """The dialogues of ``sub.data_path`` (MMDU schema), its first ``sub.limit``; what
+        :meth:`load` and :meth:`viewer_entries` read. A benchmark on other files overrides it.
+        ``check_images``: see :meth:`image_checks`; ``image_limits``: ``model.image_limits``."""
+        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+
+        return load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
+                                   allow_absolute_image_paths=allow_absolute_image_paths, check_images=check_images,
+                                   image_limits=image_limits)
 
     def check(self, cfg: Any) -> list[str]:
         if not self.settings(cfg).data_path:
@@ -321,14 +371,18 @@ class DialogueBenchmark(Benchmark):
         return {(r.dialogue_id, r.turn): TurnPrediction(r.answer, {"finish_reason": r.finish_reason, "context": r.context})
                 for r in records if r.answer is not None}
 
+    def source_config(self, sub: Any) -> Any:
+        """``sub.data_path`` as a data-layer source (MMDU schema), for :meth:`count_items`."""
+        from mmtune.data.config import SourceConfig
+
+        return SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
+
     def count_items(self, sub: Any, cache_dir: Optional[str], problems: list[str]) -> BenchmarkWork:
         """Dialogues read through the data layer (MMDU schema, images checked to exist), one
         answer per question/answer exchange, one judge call each when :attr:`uses_judge`."""
-        from mmtune.data.config import SourceConfig
         from mmtune.data.readers import load_source
 
-        source = SourceConfig(name=f"eval_{self.name}", format="mmdu", path=sub.data_path, image_root=sub.image_root)
-        loaded = load_source(source, mode="skip", cache_dir=cache_dir, check_images="exists")
+        loaded = load_source(self.source_config(sub), mode="skip", cache_dir=cache_dir, check_images="exists")
         if loaded.report.records_skipped:
             problems.append(f"eval.{self.name}: {loaded.report.records_skipped} dialogue(s) cannot be evaluated\n"
                             + loaded.report.render())
@@ -337,13 +391,12 @@ class DialogueBenchmark(Benchmark):
                              loaded.report.images)
 
     def viewer_entries(self, sub: Any, out: Path, *, allow_absolute_image_paths: bool = False) -> Optional[list[Any]]:
-        """One entry per dialogue, one turn per question/answer exchange; each turn's scores
+        """One entry per dialogue, one turn per question/answer exchange (``details`` rows
+        number them from 1, the generator's records by position from 0); each turn's scores
         and status come from :meth:`viewer_turn`, the entry's score from :meth:`viewer_score`."""
-        from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
         from mmtune.evaluation.reporting.viewer import ViewerEntry, read_jsonl
 
-        dialogues = load_mmdu_dialogues(sub.data_path, image_root=sub.image_root, source=self.name, limit=sub.limit,
-                                        allow_absolute_image_paths=allow_absolute_image_paths)
+        dialogues = self.read_dialogues(sub, allow_absolute_image_paths=allow_absolute_image_paths)
         details = {(r["dialogue_id"], int(r["turn"])): r for r in read_jsonl(out / "details" / f"{self.name}.jsonl")}
         generated = {(r["dialogue_id"], int(r["turn"])): r.get("answer")
                      for r in read_jsonl(out / "generations" / f"{self.name}.jsonl")}
@@ -352,7 +405,7 @@ class DialogueBenchmark(Benchmark):
             turns, rows = [], []
             shown = 0
             for t, (u, a) in enumerate(dialogue.exchanges()):
-                row = details.get((dialogue.id, t), {})
+                row = details.get((dialogue.id, t + 1), {})  # detail rows number turns from 1
                 question = []
                 for segment in dialogue.turns[u].segments:
                     if isinstance(segment, str):

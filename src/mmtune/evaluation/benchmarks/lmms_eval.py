@@ -47,7 +47,7 @@ class LmmsEvalConfig:
 
 #: model family -> lmms-eval ``--model`` for an exported HF checkpoint; ``mmtune`` is
 #: mmtune's own generator registered in lmms-eval (any family mmtune can load)
-MODEL_TYPES = {"llava": "llava_hf", "internlm_xcomposer2": "mmtune"}
+MODEL_TYPES = {"llava": "llava_hf", "internlm_xcomposer2": "mmtune", "qwen2_vl": "mmtune"}
 MMTUNE_MODEL = "mmtune"
 
 #: task -> (metric key in lmms-eval's results, factor to percent); best-known defaults
@@ -183,8 +183,9 @@ def run_lmms_eval(checkpoint: str, cfg: LmmsEvalConfig, *, family: str, output_p
 
 
 _NOT_INSTALLED = (
-    "lmms-eval is not installed: `pip install 'mmtune[lmms-eval]'`, or run the command printed by "
-    "`mmtune evaluate lmms-command` elsewhere and set eval.lmms_eval.results_path to its results JSON"
+    "lmms-eval is not installed: `pip install 'mmtune[lmms-eval]'` (with a CUDA torch; next to a CPU-only torch: "
+    "`pip install --no-deps lmms-eval==0.7.3 && pip install 'mmtune[lmms-eval-runtime]'`), or run the command "
+    "printed by `mmtune evaluate lmms-command` elsewhere and set eval.lmms_eval.results_path to its results JSON"
 )
 
 

@@ -165,7 +165,7 @@ def build_prompt(item: MDIItem, template: Optional[str] = None) -> str:
 
 
 def extract_option_official(response: Optional[str]) -> Optional[str]:
-    """The official rule (FACTS.md): text after the last ``Answer``, ``<>:.`` removed,
+    """The official rule (the MDI-Benchmark evaluation script): text after the last ``Answer``, ``<>:.`` removed,
     its first character when it is a letter A-H. Kept to report the official score
     beside ours; it reads "A chart shows ..." as option A."""
     if not response:

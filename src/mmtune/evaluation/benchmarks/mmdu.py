@@ -1,6 +1,6 @@
 """MMDU: one judge call per turn, seven 1-10 scores parsed strictly, micro-averaged x10.
 
-Protocol (MMDU paper; see FACTS.md): the judge sees the question, the reference answer
+Protocol (MMDU paper, arXiv:2406.11833, and its evaluation code, github.com/Liuziyu77/MMDU): the judge sees the question, the reference answer
 and the model's answer (plus the dialogue's images when ``judge.send_images``), explains,
 then gives integer scores for Creativity, Richness, Visual Perception, Logical
 Coherence, Answer Accuracy, Image Relationship Understanding and Overall Score.
@@ -207,6 +207,7 @@ def parse_scores(reply: str) -> ParsedScores:
 class TurnScore:
     dialogue_id: str
     turn: int
+    """The question/answer exchange, from 1 (as ``mmtune data check``, ``report.md`` and the viewer number turns)."""
     status: str
     """ok | unparsed | failed (judge call failed) | missing (no model answer)."""
     scores: dict[str, Optional[float]] = field(default_factory=dict)
@@ -311,7 +312,8 @@ def score_mmdu(
     keys, requests, missing = build_requests(dialogues, predictions, template)
     replies = judge.judge_many(requests, progress=progress, desc="MMDU judge")
     turns: list[TurnScore] = []
-    for (dialogue_id, t), reply in zip(keys, replies):
+    for (dialogue_id, index), reply in zip(keys, replies):
+        t = index + 1  # rows number turns from 1; predictions are keyed by the exchange's position
         if not reply.ok:
             turns.append(TurnScore(dialogue_id, t, "failed", detail=reply.error or "", judge_error=reply.error_record()))
             continue
@@ -323,7 +325,7 @@ def score_mmdu(
             turns.append(TurnScore(dialogue_id, t, "ok", parsed.scores, parsed.na, parsed.method, reply=reply.content or ""))
         else:
             turns.append(TurnScore(dialogue_id, t, "unparsed", detail=parsed.error, reply=reply.content or ""))
-    turns += [TurnScore(d, t, "missing") for d, t in missing]
+    turns += [TurnScore(d, index + 1, "missing") for d, index in missing]
     turns.sort(key=lambda s: (s.dialogue_id, s.turn))
     metrics, counts, meta = aggregate(turns)
     reasons = Counter(_reason(t.detail) for t in turns if t.status == "unparsed")
@@ -384,7 +386,7 @@ class MMDUBenchmark(DialogueBenchmark):
         per_turn = result.meta.get("per_turn_index", {})
         if per_turn:
             xs = sorted(int(k) for k in per_turn)
-            plots.append(plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn index",
+            plots.append(plot_line(out / f"mmdu{tag}_by_turn.png", "MMDU Overall by turn",
                                     xs, [per_turn[str(x)]["Overall"] for x in xs], "Overall (x10)", ylim=(0, 100)))
             lines += ["", markdown_table(["turn", "n", "Overall"], [[x, per_turn[str(x)]["n"], per_turn[str(x)]["Overall"]] for x in xs])]
         prompt = result.meta.get("prompt") or {}

@@ -1,6 +1,6 @@
 """MM-Vet: few-shot correctness scores in {0.0, ..., 1.0}, N judge runs, capability tables.
 
-Protocol (MM-Vet paper; see FACTS.md): the judge completes the last row of a few-shot
+Protocol (MM-Vet paper, arXiv:2308.02490, and its evaluator, github.com/yuweihao/MM-Vet): the judge completes the last row of a few-shot
 table (question | ground truth | prediction | correctness). A reply whose first token is
 not a number in [0, 1] is retried with the temperature raised by 0.5, at most
 ``max_tries`` tries, then scored 0. Total = mean x 100; per capability = mean over the

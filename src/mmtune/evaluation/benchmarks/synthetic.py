@@ -6,7 +6,8 @@ evaluate without any server. What counts as correct is the data layer's rule,
 :func:`mmtune.data.synthetic.is_correct` (equal after lower-casing, collapsing
 whitespace and stripping surrounding punctuation), so the generator and the benchmark
 cannot disagree. Metric ``exact_match`` in percent, plus one value per
-turn index (``turn/<i>``) to show whether later turns degrade.
+turn (``turn/<i>``, the question/answer exchange from 1, as every report numbers turns)
+to show whether later turns degrade.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def score_synthetic(
     run: str,
     model: str,
     context_length: Optional[int] = None,
+    benchmark: str = "synthetic",
 ) -> tuple[BenchmarkResult, list[dict[str, Any]]]:
-    """Exact match of every (dialogue, exchange); a missing answer counts as wrong."""
+    """Exact match of every (dialogue, exchange); a missing answer counts as wrong.
+
+    ``predictions`` are keyed by the exchange's position (0 = first question); the detail
+    rows and ``turn/<i>`` number turns from 1. ``benchmark`` names the result."""
     records = []
     for dialogue in dialogues:
         for t, (_, a) in enumerate(dialogue.exchanges()):
@@ -53,7 +58,7 @@ def score_synthetic(
             reference = dialogue.turns[a].text
             answer = prediction.answer if prediction is not None else None
             records.append(
-                {"dialogue_id": dialogue.id, "turn": t, "reference": reference, "answer": answer,
+                {"dialogue_id": dialogue.id, "turn": t + 1, "reference": reference, "answer": answer,
                  "correct": answer is not None and is_correct(answer, reference)}
             )
     metrics = {"exact_match": 100.0 * sum(r["correct"] for r in records) / len(records) if records else float("nan")}
@@ -69,7 +74,7 @@ def score_synthetic(
         "missing": sum(r["answer"] is None for r in records),
     }
     meta = {"per_turn_index_n": {str(t): len(v) for t, v in sorted(by_turn.items())}}
-    return BenchmarkResult(run, model, "synthetic", metrics, counts, meta, context_length), records
+    return BenchmarkResult(run, model, benchmark, metrics, counts, meta, context_length), records
 
 
 @register
@@ -78,9 +83,12 @@ class SyntheticBenchmark(DialogueBenchmark):
 
     name = "synthetic"
     settings_class = SyntheticConfig
+    title = "Synthetic"
+    """How the report's plot names the benchmark."""
 
     def score(self, items, predictions, ctx, sub):
-        return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length)
+        return score_synthetic(items, predictions, run=ctx.run, model=ctx.model, context_length=ctx.context_length,
+                               benchmark=self.name)
 
     viewer_scale = "% correct"
 
@@ -103,6 +111,6 @@ class SyntheticBenchmark(DialogueBenchmark):
         lines = [markdown_table(["metric", "value"], [["exact_match", m["exact_match"]]] + [[f"turn {t}", m[f"turn/{t}"]] for t in turns])]
         plots = []
         if turns:
-            plots.append(plot_line(out / "synthetic_by_turn.png", "Synthetic exact match by turn index", turns,
+            plots.append(plot_line(out / f"{self.name}_by_turn.png", f"{self.title} exact match by turn", turns,
                                     [m[f"turn/{t}"] for t in turns], "exact match (%)", ylim=(0, 100)))
         return lines, plots

@@ -27,72 +27,43 @@ drops the oldest exchanges (their images are carried into the first kept user tu
 a kept turn names them, e.g. "Image1"), ``stop`` answers no more turns of the dialogue.
 Each turn's record says what happened.
 
-Every turn's record is appended to a JSONL file and flushed as soon as it exists; a
-restart skips finished turns and rebuilds the history of a half-done dialogue from the
-recorded answers. A restart only resumes answers of the same run: ``<file>.settings.json``
-keys the file on the decoding settings, the weights (a fingerprint of the loaded model
-plus the checkpoint's name) and the data file (path, size, mtime), and every resumed
-record's question must equal the dialogue's; anything else raises
-:class:`StaleGenerationsError` naming the run that wrote the file.
+Every turn's record is appended to a JSONL file and flushed as soon as it exists
+(:class:`~mmtune.evaluation.generation.records.GenerationsFile`); a restart skips
+finished turns and rebuilds the history of a half-done dialogue from the recorded
+answers. A restart only resumes answers of the same run: ``<file>.settings.json`` keys
+the file on the decoding settings, the weights (a fingerprint of the loaded model plus
+the checkpoint's name) and the data file (path, size, mtime), and every resumed record's
+question must equal the dialogue's; anything else raises :class:`StaleGenerationsError`
+naming the run that wrote the file. A finished run leaves the file in dialogue and turn
+order.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import re
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.records import (
+    GenerationsFile,
+    StaleGenerationsError,
+    TurnRecord,
+    question_text,
+    read_generations,
+)
 from mmtune.evaluation.generation.throughput import resolve_batch_size
 from mmtune.models.base import ImageChunk, ModelAdapter
 
 __all__ = ["TurnRecord", "DialogueGenerator", "StaleGenerationsError", "flatten", "question_text", "read_generations"]
 
 log = logging.getLogger(__name__)
-
-
-class StaleGenerationsError(ValueError):
-    """A generation file holds answers of another model, data file, prompt or decoding."""
-
-    def __init__(self, path: Path, message: str):
-        self.path = path
-        super().__init__(message)
-
-
-@dataclass
-class TurnRecord:
-    """One answered (or skipped) turn, as written to the generation JSONL."""
-
-    dialogue_id: str
-    turn: int
-    """Exchange index within the dialogue (0 = first question)."""
-    question: str
-    answer: Optional[str]
-    """``None`` when the turn was skipped because the dialogue no longer fits."""
-    reference: Optional[str]
-    prompt_tokens: int
-    """Length of the full prompt of this turn (history + question + generation prompt)."""
-    forward_tokens: int
-    """Tokens run through the model for this turn (fed prompt tokens + decoding steps)."""
-    new_tokens: int
-    finish_reason: str
-    """``stop`` (a stop token), ``length`` (max_new_tokens or window end) or ``context`` (skipped)."""
-    context: Optional[dict[str, Any]] = None
-    """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
-
-
-def question_text(turn: Turn) -> str:
-    """A user turn as text, images shown as ``<image>`` where they stood: the ``question`` of
-    a :class:`TurnRecord` (checked on resume) and of a judge prompt."""
-    return "".join(s if isinstance(s, str) else "<image>" for s in turn.segments).strip()
 
 
 def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], list[tuple[int, int]]]:
@@ -109,20 +80,6 @@ def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], 
         else:
             ids.extend(chunk.ids)
     return ids, images, spans
-
-
-def read_generations(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a generation JSONL; a torn last line (crash mid-write) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 @dataclass
@@ -146,6 +103,10 @@ class _Slot:
     feed: Optional[list[int]] = None
     """Prompt tokens still to prefill (``None`` once prefilled: the row is decoding)."""
     image_paths: list[str] = field(default_factory=list)
+    feed_rows: Any = None
+    """Position rows [R, len(feed)] of the tokens to prefill, for a multi-row (M-RoPE) adapter."""
+    delta: int = 0
+    """The prompt's position offset: a generated token at index ``i`` has position ``i + delta``."""
     generated: list[int] = field(default_factory=list)
     fed: int = 0
     max_new: int = 0
@@ -222,11 +183,71 @@ class DialogueGenerator:
             self.pad_id = adapter.stop_token_ids[0]
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self.batch_size = resolve_batch_size(config, sum(p.numel() for p in model.parameters()))
+        self.batch_note = self._rows_depend_on_each_other()
+        """Why ``batch_size`` was lowered to 1 (``None`` when it was not); in every result's meta."""
+        if self.batch_note and self.batch_size > 1:
+            log.warning("%s", self.batch_note)
+            self.batch_size = 1
+        elif self.batch_note:
+            self.batch_note = None
         # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
         # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
         # had already ended; forward_calls: model calls; compactions: batched-cache compactions
         self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
                       "idle_tokens": 0, "compactions": 0}
+
+    def _rows_depend_on_each_other(self) -> Optional[str]:
+        """Why rows of one batch would change each other's answers, or ``None``.
+
+        transformers' dynamic RoPE (``dynamic`` NTK scaling, ``longrope``) rescales the
+        rotary frequencies from the largest position in the whole batch once it passes the
+        model's original window, so past that window one row's rotary angles would depend
+        on the other rows. Within the window (``context_length`` at most the original one)
+        the scaling never starts and rows stay independent."""
+        text_cfg = self.adapter.text_config(self.model.config)
+        params = getattr(text_cfg, "rope_parameters", None) or {}
+        rope_type = str(params.get("rope_type", "default")) if isinstance(params, dict) else "default"
+        if "dynamic" not in rope_type and rope_type != "longrope":
+            return None
+        original = int(params.get("original_max_position_embeddings") or getattr(text_cfg, "max_position_embeddings", 0)
+                       or 0)
+        if self.context_length is not None and original and self.context_length <= original:
+            return None
+        return (f"eval.generation.batch_size={self.config.batch_size} runs as 1: the model scales RoPE dynamically "
+                f"(rope_type {rope_type}) and generation may go past its original {original or '?'}-token window "
+                f"(context_length {self.context_length}), where transformers rescales from the longest row of a batch, "
+                "so batched rows would change each other's answers")
+
+    def _image_inputs(self, paths: Sequence[str]) -> dict[str, Any]:
+        """The adapter's image inputs of ``paths`` on the model's device (floating ones in its dtype)."""
+        inputs = self.adapter.image_inputs(list(paths))
+        return {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in inputs.items()}
+
+    def _prompt_rows(self, ids: list[int], images: Sequence[Any]) -> tuple[Any, int]:
+        """Position rows [R, L] of a whole prompt and its offset, for a multi-row (M-RoPE) adapter;
+        ``(None, 0)`` for one row (its positions are each row's own token count)."""
+        if self.adapter.position_id_rows == 1:
+            return None, 0
+        import torch
+
+        paths = [img.path if isinstance(img, Image) else img for img in images]
+        rows, delta = self.adapter.prompt_positions(torch.tensor(ids, dtype=torch.long), paths)
+        return rows.to(self.device), delta
+
+    def _position_ids(self, text: Any, rows: list[tuple[Any, int, int]]) -> Any:
+        """The forward's ``position_ids`` of one step from ``text`` [B, W] (each row's own token
+        positions) and, per row, ``(prefill rows [R, n] or None, first column, delta)``: prefill
+        columns take the prompt's rows, every other column ``text + delta`` in all rows (a
+        generated token, or padding). One-row adapters: ``text`` as it is."""
+        if self.adapter.position_id_rows == 1:
+            return text
+        out = text[None].repeat(self.adapter.position_id_rows, 1, 1)
+        for b, (prefill, start, delta) in enumerate(rows):
+            out[:, b] += delta
+            if prefill is not None and prefill.shape[1]:
+                out[:, b, start : start + prefill.shape[1]] = prefill
+        return self.adapter.model_position_ids(out, text)
 
     # ------------------------------------------------------------------ prompts
     def _history(self, state: _State, t: int, drop: int) -> tuple[Dialogue, int]:
@@ -306,11 +327,15 @@ class DialogueGenerator:
                 processors.append(TopPLogitsWarper(self.config.top_p))
         return processors
 
-    def _forward(self, ids, pixel_values, mask, positions, cache, keep: Any = 1):
+    def _forward(self, ids, images, mask, positions, cache, keep: Any = 1):
+        """One model call; ``images``: the step's image inputs (a dict, or ``pixel_values`` alone), or ``None``."""
         kwargs = {self._cache_kw: cache, "use_cache": True}
+        inputs = {name: None for name in self.adapter.image_input_names}
+        if images is not None:
+            inputs.update(images if isinstance(images, dict) else {"pixel_values": images})
         self.stats["forward_calls"] += 1
         out = self.model(
-            input_ids=ids, pixel_values=pixel_values, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **kwargs
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **inputs, **kwargs
         )
         return out.logits[:, -1, :].float()
 
@@ -322,10 +347,13 @@ class DialogueGenerator:
         past: int,
         max_new: list[int],
         contexts: list[list[int]],
+        context_images: Optional[list[list[Any]]] = None,
     ) -> list[tuple[list[int], str, int]]:
         """Prefill ``rows`` (left-padded; ``past`` cached tokens before them) and decode greedily
-        or by sampling. Returns per row: generated ids (stop token excluded), finish reason and
-        the tokens this row ran through the model."""
+        or by sampling. ``contexts`` are the rows' whole prompts (``rows`` their last tokens) and
+        ``context_images`` those prompts' images, for multi-row positions. Returns per row:
+        generated ids (stop token excluded), finish reason and the tokens this row ran through
+        the model."""
         import torch
 
         B, L = len(rows), max(len(r) for r in rows)
@@ -335,16 +363,19 @@ class DialogueGenerator:
         for b, p in enumerate(pads):
             mask[b, past : past + p] = 0
         positions = (torch.arange(L, device=self.device).unsqueeze(0) - torch.tensor(pads, device=self.device).unsqueeze(1)).clamp(min=0) + past
-        pixel_values = None
-        if image_paths:
-            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
+        prompt_rows = [self._prompt_rows(c, imgs) for c, imgs in zip(contexts, context_images or [[] for _ in rows])]
+        # each row's prefill columns take the rows of its last len(rows[b]) prompt tokens
+        row_positions = [(None if r is None else r[:, len(c) - len(row):], pad, delta)
+                         for (r, delta), c, row, pad in zip(prompt_rows, contexts, rows, pads)]
+        deltas = [(None, 0, delta) for _, delta in prompt_rows]
+        images = self._image_inputs(image_paths) if image_paths else None
         processors = self._logits_processors()
         stops = set(self.adapter.stop_token_ids)
         generated: list[list[int]] = [[] for _ in range(B)]
         finish = [""] * B
         fed = [len(r) for r in rows]
         history = torch.tensor([[self.pad_id] * p + c for p, c in zip([max(len(c) for c in contexts) - len(c) for c in contexts], contexts)], device=self.device)
-        logits = self._forward(ids, pixel_values, mask, positions, cache)
+        logits = self._forward(ids, images, mask, self._position_ids(positions, row_positions), cache)
         self.stats["padding_tokens"] += sum(pads)
         last_pos = positions[:, -1]
         step = 0
@@ -378,7 +409,7 @@ class DialogueGenerator:
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             history = torch.cat([history, feed.unsqueeze(1)], dim=1)
-            logits = self._forward(feed.unsqueeze(1), None, mask, last_pos.unsqueeze(1), cache)
+            logits = self._forward(feed.unsqueeze(1), None, mask, self._position_ids(last_pos.unsqueeze(1), deltas), cache)
         return [(generated[b], finish[b], fed[b]) for b in range(B)]
 
     def _new_cache(self):
@@ -407,7 +438,8 @@ class DialogueGenerator:
                 if extra > 0:
                     state.cache.crop(-extra)
             new_images = [img.path for img, (start, _) in zip(images, spans) if start >= common]
-            [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))], [ids])
+            [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))],
+                                                [ids], [images])
         # the cache now holds the prompt and every generated token except the last one sampled
         state.cached_ids = ids + gen[: max(0, fed - (len(ids) - common))]
         return gen, finish, fed
@@ -436,6 +468,8 @@ class DialogueGenerator:
         slot.prompt = prompt
         slot.feed = ids[common:]
         slot.image_paths = [img.path for img, (start, _) in zip(images, spans) if start >= common]
+        rows, slot.delta = self._prompt_rows(ids, images)
+        slot.feed_rows = None if rows is None else rows[:, common:]
         slot.generated, slot.fed, slot.max_new = [], len(slot.feed), self._max_new(len(ids))
         slot.processors = self._logits_processors()
         slot.history = None
@@ -508,22 +542,24 @@ class DialogueGenerator:
         rows their last token, waiting rows (lockstep) a pad; then each row's next token."""
         import torch
 
-        tokens, image_paths = [], []
+        tokens, image_paths, rows = [], [], []
         for slot in slots:
             if slot.prompt is None:
                 tokens.append([])  # waiting (lockstep)
+                rows.append((None, 0, slot.delta))
             elif slot.feed is not None:
                 tokens.append(slot.feed)
                 image_paths += slot.image_paths
+                rows.append((slot.feed_rows, 0, slot.delta))
             else:
                 tokens.append([slot.generated[-1]])
+                rows.append((None, 0, slot.delta))
         width = max(len(t) for t in tokens)
         ids = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in tokens], dtype=torch.long, device=self.device)
         positions, last = kv.extend(tokens, width)
-        pixel_values = None
-        if image_paths:  # row-major order of their tokens: the order the model splices them in
-            pixel_values = self.adapter.preprocess_images(image_paths).to(self.device, self.dtype)
-        logits = self._forward(ids, pixel_values, kv.mask, positions, kv.cache, keep=last)
+        # images in the row-major order of their tokens: the order the model splices them in
+        images = self._image_inputs(image_paths) if image_paths else None
+        logits = self._forward(ids, images, kv.mask, self._position_ids(positions, rows), kv.cache, keep=last)
         self.stats["padding_tokens"] += len(tokens) * width - sum(len(t) for t in tokens)
         self.stats["idle_tokens"] += sum(1 for t in tokens if not t)
         active = [b for b in range(len(slots)) if tokens[b]]
@@ -575,53 +611,41 @@ class DialogueGenerator:
         out_path: Optional[str | os.PathLike] = None,
         progress: bool = False,
         run_key: Optional[dict[str, Any]] = None,
+        resume_from: Sequence[str | os.PathLike] = (),
     ) -> list[TurnRecord]:
         """Answer every user turn of ``dialogues``; append each record to ``out_path`` at once.
 
-        Turns already in ``out_path`` are not generated again (resume); their answers are
-        used as the history of the dialogue's remaining turns. ``run_key`` names what
-        else the answers depend on (``{"checkpoint": ..., "data": ...}``) and
-        ``{"about": {...}}`` describes the run for messages; both go to the settings file.
+        Turns already in ``out_path`` (or in a ``resume_from`` file) are not generated
+        again (resume); their answers are used as the history of the dialogue's remaining
+        turns. ``run_key`` names what else the answers depend on (``{"checkpoint": ...,
+        "data": ...}``) and ``{"about": {...}}`` describes the run for messages; both go to
+        the settings file. Once every turn is answered, ``out_path`` is rewritten in
+        dialogue and turn order (:meth:`GenerationsFile.finish`).
 
-        The folder of ``out_path`` is locked for the call (:func:`mmtune.io.locks.lock_directory`):
-        a second process answering into it is refused instead of appending to the same file.
+        The file is locked while it is written (:class:`GenerationsFile`): a second process
+        answering into it is refused instead of appending to the same file.
 
         Raises:
             StaleGenerationsError: ``out_path`` holds answers of another run, or was started by one.
-            DirectoryLockedError: another process is generating into the same folder.
+            DirectoryLockedError: another process is writing the same generations file.
 
         Returns:
             All records of ``dialogues`` (old and new), in dialogue and turn order.
         """
-        if out_path is None:
-            return self._generate(dialogues, None, progress, run_key)
-        from mmtune.io.locks import lock_directory
-
-        out_path = Path(out_path)
-        with lock_directory(out_path.parent, purpose="generation",
-                            hint="give this evaluation another output folder (each checkpoint gets its own by default)"):
-            return self._generate(dialogues, out_path, progress, run_key)
-
-    def _generate(self, dialogues: Sequence[Dialogue], out_path: Optional[Path], progress: bool,
-                  run_key: Optional[dict[str, Any]]) -> list[TurnRecord]:
         import torch
         from tqdm.auto import tqdm
 
         done: dict[tuple[str, int], dict[str, Any]] = {}
-        handle = None
+        file = None
         if out_path is not None:
-            self._check_settings(out_path, run_key)
-            _drop_torn_line(out_path)
-            done = {(r["dialogue_id"], int(r["turn"])): r for r in read_generations(out_path)}
-            _check_questions(out_path, done, dialogues)
-            handle = out_path.open("a", encoding="utf-8")
+            file = GenerationsFile(out_path, self._settings(run_key), dialogues, resume_from=resume_from)
+            done = file.done
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
 
         def emit(record: TurnRecord) -> None:
             records[(record.dialogue_id, record.turn)] = record
-            if handle is not None:
-                handle.write(json.dumps(asdict(record), ensure_ascii=False) + "\n")
-                handle.flush()  # a crash loses at most the turn in flight
+            if file is not None:
+                file.append(record)
 
         states = []
         for dialogue in dialogues:
@@ -676,17 +700,36 @@ class DialogueGenerator:
                                 0,
                                 [self._max_new(len(p[0])) for _, p in ready],
                                 [p[0] for _, p in ready],
+                                [p[1] for _, p in ready],
                             )
                         for (s, p), (gen, finish, fed) in zip(ready, outs):
                             s.answers[t] = self._answer_text(gen)
                             emit(self._records_for(s, t, p, gen, finish, fed))
                             bar.update(1)
+        except BaseException:
+            if file is not None:
+                file.close()  # the lock goes with it; a finished run's file is closed by finish()
+            raise
         finally:
             bar.close()
-            if handle is not None:
-                handle.close()
         order = [(s.dialogue.id, t) for s in states for t in range(len(s.answers))]
+        if file is not None:
+            file.finish(order)
         return [records[k] for k in order if k in records]
+
+    def expected_tokens(self, dialogue: Dialogue) -> int:
+        """What answering ``dialogue`` costs on the KV path, known before answering it (to
+        balance data-parallel ranks): its encoded length, every question and image once,
+        the reference answers standing in for the model's, each at most ``max_new_tokens``."""
+        encoded = self.adapter.encode_dialogue(dialogue, system_prompt=self.config.system_prompt)
+        total = sum(len(c) for c in [*encoded.prefix, *encoded.suffix])
+        for turn in encoded.turns:
+            total += min(turn.length, self.config.max_new_tokens) if turn.role == "assistant" else turn.length
+        return total
+
+    def usage(self) -> Optional[dict[str, Any]]:
+        """What the last :meth:`generate` paid an endpoint: nothing for a local model."""
+        return None
 
     def _settings(self, run_key: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         from mmtune.evaluation.generation.fingerprint import weights_fingerprint
@@ -697,53 +740,3 @@ class DialogueGenerator:
         settings["weights"] = weights_fingerprint(self.model)
         settings.update(run_key or {})
         return settings
-
-    def _check_settings(self, out_path: Path, run_key: Optional[dict[str, Any]] = None) -> None:
-        # Resuming another model's, data file's or decoding's answers would mix two
-        # evaluations in one file and report them under the new name.
-        # An empty file is checked too: the run that started it may be writing its first answer.
-        from mmtune.io.secrets import redact
-
-        meta = out_path.with_suffix(".settings.json")
-        settings = json.loads(json.dumps(redact(self._settings(run_key)), default=str))  # as stored
-        if meta.exists() and out_path.exists():
-            old = json.loads(meta.read_text())
-            diff = {k: (old.get(k), v) for k, v in settings.items() if k != "about" and old.get(k) != v}
-            if diff:
-                about = old.get("about") or {}
-                who = ", ".join(f"{k} {v!r}" for k, v in about.items()) or "no run recorded"
-                held = "holds answers generated" if out_path.stat().st_size else "was started (no answer yet)"
-                raise StaleGenerationsError(
-                    out_path,
-                    f"{out_path} {held} with other settings by another run ({who}); they "
-                    f"differ in {sorted(diff)}: "
-                    f"{diff} (old, new). Not mixing them: use another output folder (each checkpoint gets its own "
-                    f"by default) or delete {out_path.name} and {meta.name} to start over",
-                )
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps(settings, indent=2, default=str))
-
-
-def _check_questions(out_path: Path, done: dict[tuple[str, int], dict[str, Any]], dialogues: Sequence[Dialogue]) -> None:
-    """Resumed records must answer the questions being asked now (same data, same prompts)."""
-    for dialogue in dialogues:
-        for t, (u, _) in enumerate(dialogue.exchanges()):
-            old = done.get((dialogue.id, t))
-            if old is not None and old.get("question") != question_text(dialogue.turns[u]):
-                raise StaleGenerationsError(
-                    out_path,
-                    f"{out_path}: the stored answer of dialogue {dialogue.id!r}, turn {t} was generated for another "
-                    f"question ({old.get('question')!r:.80} vs now {question_text(dialogue.turns[u])!r:.80}): the data "
-                    "file or prompt changed. Use another output folder or delete the file to start over",
-                )
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Cut a half-written last line so appended records start on a line of their own."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with path.open("r+b") as handle:
-            handle.truncate(cut)

@@ -72,7 +72,9 @@ def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig
     values = {k: v for k, v in saved.items() if k in fields and k not in _CALLERS_OWN}
     if metadata.get("family"):
         values["family"] = metadata["family"]
-    return dataclasses.replace(fallback, **values)
+    # keys the saved family does not read (a run saved by an older mmtune recorded every
+    # default; the caller's config may come from another family) are dropped, not refused
+    return dataclasses.replace(fallback, **values).without_unread_keys()
 
 
 def _remote_code_requests(directory: Path, metadata: Optional[dict[str, Any]]) -> list[str]:

@@ -14,6 +14,11 @@ taken at ``answer_tokens`` (``max_new_tokens`` by default: an upper bound, which
 also what a random or babbling model costs). Both efficiency factors are stated
 assumptions, not measurements; ``bench/gpu_generation.py`` measures decode tokens/s
 to check them against.
+
+On ``gpus`` GPUs (a data-parallel evaluation, :mod:`mmtune.evaluation.generation.data_parallel`)
+each rank answers a share of whole dialogues balanced by tokens, so the wall time is that
+of the largest share: ``ceil(dialogues / gpus)`` dialogues with their answers and images
+(:func:`estimate_data_parallel`). Ranks beyond the number of dialogues have nothing to do.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ __all__ = [
     "GenerationEstimate",
     "resolve_batch_size",
     "estimate_generation",
+    "estimate_data_parallel",
 ]
 
 DECODE_EFFICIENCY = 0.6
@@ -144,3 +150,15 @@ def estimate_generation(
         prefill_tokens=int(prefill), decode_tokens=answers * answer_tokens, rounds=rounds, forward_calls=calls,
         decode_tokens_per_s=rate, hours=h, hours_batch1=hours(1)[0],
     )
+
+
+def estimate_data_parallel(benchmark: str, *, gpus: int, dialogues: int, answers: int, images: int,
+                           **kwargs: Any) -> tuple[int, GenerationEstimate]:
+    """(GPUs that get work, the estimate of one rank's share) when ``gpus`` processes split
+    the dialogues: the share's ``hours`` are the evaluation's wall time on those GPUs.
+    ``kwargs`` are :func:`estimate_generation`'s other arguments."""
+    used = max(1, min(gpus, dialogues))
+    per_rank = math.ceil(max(dialogues, 1) / used)
+    share = per_rank / max(dialogues, 1)
+    return used, estimate_generation(benchmark, dialogues=per_rank, answers=math.ceil(answers * share),
+                                     images=math.ceil(images * share), **kwargs)

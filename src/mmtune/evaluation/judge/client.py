@@ -9,9 +9,11 @@ Every reply is stored in an SQLite cache as soon as it arrives, keyed by a hash 
 resume after a crash therefore pays only for calls that never completed; multi-run
 protocols (MM-Vet's 5 runs) put the run index in the key so each run is a real call.
 
-Retries are our own loop (the SDK's are switched off) so the policy is explicit and
-testable: 429, 5xx, timeouts, connection errors and malformed replies are retried with
-exponential backoff and full jitter; other 4xx errors fail the item at once.
+Calls go through :class:`~mmtune.evaluation.chat_api.ChatEndpoint` (shared with the
+``api`` generation backend): retries are our own loop (the SDK's are switched off) so the
+policy is explicit and testable: 429, 5xx, timeouts, connection errors and malformed
+replies are retried with exponential backoff and full jitter; other 4xx errors fail the
+item at once. The key is redacted from every message and tokens and cost are counted there.
 
 Failures are loud: each failed call keeps its HTTP status and (redacted) message, the
 stats keep the first error and a count per likely cause, and :func:`check_failures`
@@ -23,26 +25,24 @@ waits for its reply.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
-import mimetypes
 import os
 import random
-import re
 import socket
 import sqlite3
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
+from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint,
+                                       EndpointCheckFailed, image_data_url, likely_cause, resolve_endpoint)
 from mmtune.evaluation.judge.config import JudgeConfig
-from mmtune.evaluation.judge.deadline import deadline
 
 __all__ = [
     "JudgeRequest",
@@ -55,6 +55,8 @@ __all__ = [
     "likely_cause",
     "check_failures",
     "check_unparsed",
+    "CHECK_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
     "resolve_endpoint",
 ]
 
@@ -71,54 +73,6 @@ class JudgeError(RuntimeError):
 
 class JudgeFailures(RuntimeError):
     """Too many judge calls failed: the scores would mix real zeros with failures."""
-
-
-def likely_cause(status: Optional[int], message: str, *, key_source: str = "the API key variable",
-                 url_source: str = "the base URL variable") -> str:
-    """A one-line diagnosis of a failed judge call, for the summary a user reads first."""
-    text = message.lower()
-    if status in (401, 403):
-        return f"the API key is wrong, expired or lacks access: check {key_source}"
-    if status == 404:
-        return f"the judge model name or the base URL is wrong (the endpoint does not know it): check judge.model and {url_source}"
-    if status == 429:
-        return "rate limit or quota exhausted: lower judge.concurrency or check the account's quota"
-    if status is not None and status >= 500:
-        return "the judge server failed (HTTP 5xx): retry later or check the server's log"
-    if "refused" in text or "connection error" in text or "connect" in text:
-        return f"no server answered at the base URL (connection refused): start the judge server or fix {url_source}"
-    if "timeout" in text:
-        return "the judge server did not answer in time: raise judge.timeout_s or check the server's load"
-    if "malformed" in text:
-        return "the endpoint answered with something that is not a chat completion: check the base URL points at an OpenAI-compatible /v1"
-    if status == 400:
-        return "the endpoint rejected the request (HTTP 400): check the judge model supports these messages (images?) and max_tokens"
-    return "see the error message"
-
-
-def resolve_endpoint(config: JudgeConfig, env: Any) -> tuple[str, Optional[str], str, str]:
-    """(api key, base URL, key source, url source): mmtune's variables first, then the
-    openai SDK's ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``. Sources are variable names only.
-
-    Surrounding whitespace is stripped from both (a pasted key often ends in ``\\r``).
-
-    Raises:
-        SecretError: the key holds whitespace inside it (the message names the variable only).
-    """
-    from mmtune.io.secrets import clean_secret
-
-    key, key_source, key_var = env.get(config.api_key_env), f"${config.api_key_env}", config.api_key_env
-    if not (key or "").strip() and (env.get("OPENAI_API_KEY") or "").strip():
-        key, key_source, key_var = env.get("OPENAI_API_KEY"), "$OPENAI_API_KEY", "OPENAI_API_KEY"
-    key = clean_secret(key, key_var) if key else ""
-    if not key:
-        key, key_source = "EMPTY", f"none (${config.api_key_env} and $OPENAI_API_KEY unset; local servers accept any key)"
-    url, url_source = (env.get(config.base_url_env) or "").strip(), f"${config.base_url_env}"
-    if not url and (env.get("OPENAI_BASE_URL") or "").strip():
-        url, url_source = env.get("OPENAI_BASE_URL").strip(), "$OPENAI_BASE_URL"
-    if not url:
-        url, url_source = None, f"the openai default (${config.base_url_env} and $OPENAI_BASE_URL unset)"
-    return key, url, key_source, url_source
 
 
 @dataclass(frozen=True)
@@ -161,81 +115,16 @@ class JudgeResponse:
 
 
 @dataclass
-class JudgeStats:
-    """Counters of one client's lifetime (thread-safe through the client's lock)."""
+class JudgeStats(CallStats):
+    """Counters of one judge client's lifetime (see :class:`~mmtune.evaluation.chat_api.CallStats`)."""
 
-    calls: int = 0
-    """HTTP requests sent (including retried ones)."""
-    completed: int = 0
-    """Requests that returned a usable reply (what you pay for)."""
-    retries: int = 0
-    failed: int = 0
-    """Items given up on after all retries, or rejected with a non-retryable error."""
-    cache_hits: int = 0
+    label: ClassVar[str] = "judge"
     unreadable: int = 0
     """Replies whose content was not text (an object, a number, null): unparsed, never cached."""
-    requests: int = 0
-    """Items asked for (served from cache, completed or failed)."""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
-    first_error: Optional[dict[str, Any]] = None
-    """The first failure: status, message (redacted) and likely cause."""
-    causes: dict[str, int] = field(default_factory=dict)
-    """Failed calls counted by likely cause."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["causes"] = dict(self.causes)
-        return out
-
-    @property
-    def failed_share(self) -> float:
-        return self.failed / self.requests if self.requests else 0.0
-
-    def summary(self) -> str:
-        """One paragraph for the console: counts, first error and its likely cause."""
-        line = (f"judge: {self.requests} requests, {self.completed} completed, {self.cache_hits} from cache, "
-                f"{self.failed} failed ({100 * self.failed_share:.1f}%), {self.retries} retries")
-        if self.first_error:
-            err = self.first_error
-            status = f"HTTP {err['status']}: " if err.get("status") else ""
-            line += f"\n  first error: {status}{err['message']}\n  likely cause: {err['cause']}"
-        return line
 
 
 def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _image_upload(path: str, limits: Any = None) -> tuple[str, bytes]:
-    """``(mime type, bytes)`` of an image file to attach to a judge call.
-
-    The file must decode as an image header (PIL) whatever its name says: only image
-    files ever leave the machine, never a file an image path happens to point at. Its
-    header's size must be within ``limits`` (``model.image_limits``): a judge server
-    decodes what it is sent.
-
-    Raises:
-        ValueError: not an image file, or one above the limits (:class:`ImageTooLargeError`).
-    """
-    from PIL import Image as PILImage
-
-    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
-
-    try:
-        (limits or ImageLimits()).check_file(path)
-        with PILImage.open(path) as image:
-            kind = image.format
-    except ImageTooLargeError as err:
-        raise ImageTooLargeError(err.path, err.size, f"{err.reason}; judge.send_images sends no such image") from None
-    except Exception as err:  # PIL raises many types for files that are not images
-        raise ValueError(
-            f"judge.send_images: {path} is not an image file ({type(err).__name__}: {err}); only image files are "
-            "sent to the judge. Fix the image path in the benchmark data or turn send_images off"
-        ) from None
-    mime = PILImage.MIME.get(kind or "", mimetypes.guess_type(path)[0] or "image/png")
-    return mime, Path(path).read_bytes()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -320,12 +209,6 @@ class JudgeCache:
             self._conn.close()
 
 
-class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: Optional[float] = None):
-        super().__init__(reason)
-        self.retry_after = retry_after
-
-
 class JudgeClient:
     """Thread-pooled judge caller.
 
@@ -351,11 +234,6 @@ class JudgeClient:
         rng: Optional[random.Random] = None,
         image_limits: Any = None,
     ):
-        import openai
-
-        from mmtune.evaluation.judge.deadline import install_deadline
-        from mmtune.io.secrets import Redactor, environment_secrets
-
         env = os.environ if env is None else env
         self.config = config
         self.model = config.model or env.get(config.model_env)
@@ -363,35 +241,39 @@ class JudgeClient:
             raise JudgeError(
                 f"no judge model: set judge.model in the eval config or the environment variable {config.model_env}"
             )
-        api_key, base_url, self.key_source, self.url_source = resolve_endpoint(config, env)
-        self.base_url = base_url
-        # The key in every spelling a message may carry it in (repr, JSON, URL-encoded, cut
-        # short), and every other secret of the environment, e.g. echoed by a proxy's error page.
-        self._redactor = Redactor([api_key] if api_key != "EMPTY" else [], min_chars=1)
-        self._redactor.add(environment_secrets(env, [config.api_key_env]))
-        # timeout_s bounds the whole call (connect to last byte), not each read: see judge/deadline.py
-        http_client = openai.DefaultHttpxClient()
-        install_deadline(http_client)
-        # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, timeout=config.timeout_s, max_retries=0,
-                                     http_client=http_client)
+        self.stats = JudgeStats()
+        self._endpoint = ChatEndpoint(config, env=env, role=JUDGE, stats=self.stats, rng=rng)
+        self.base_url, self.key_source, self.url_source = (self._endpoint.base_url, self._endpoint.key_source,
+                                                           self._endpoint.url_source)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
-        self.stats = JudgeStats()
-        self._lock = threading.Lock()
+        self._lock = self._endpoint.lock
         self._sleep = sleep
-        self._rng = rng or random.Random()
         self._digests: dict[str, str] = {}
         self._image_limits = image_limits
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
         # longest a live caller can hold a claim: every attempt times out and every backoff is maximal
         self._stale_after = (config.max_retries + 1) * config.timeout_s + config.max_retries * config.backoff_max_s + 60
 
-    def describe(self) -> str:
-        """The start-up line: model, endpoint and where each came from; never the key."""
-        url = self.base_url or "https://api.openai.com/v1"
-        return (f"judge: model {self.model!r} at {url} (URL from {self.url_source}; key from {self.key_source}); "
-                f"failures allowed: {100 * self.config.max_failed_share:g}% of calls")
+    def describe(self, role: str = "judge") -> str:
+        """The start-up line: model, endpoint and where each came from; never the key.
+        ``role`` names what the client is (the data builder's ``teacher``)."""
+        line = f"{role}: model {self.model!r} at {self._endpoint.where()}"
+        return line + (f"; failures allowed: {100 * self.config.max_failed_share:g}% of calls" if role == "judge" else "")
+
+    def check(self, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        """Send one request of one token, so a wrong key, model name or URL stops the run
+        now rather than after hours of generation. Not cached and not counted in
+        :attr:`stats`. A rate limit or a server error passes (the endpoint and key
+        answered; the run's retries handle those).
+
+        Raises:
+            JudgeError: naming what failed and its likely cause.
+        """
+        try:
+            self._endpoint.check(self.model, timeout_s)
+        except EndpointCheckFailed as err:
+            raise JudgeError(str(err), status=err.status) from None
 
     # ----------------------------------------------------------------- keys and messages
     def _image_digest(self, path: str) -> str:
@@ -420,86 +302,22 @@ class JudgeClient:
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
             for path in request.images:
-                mime, raw = _image_upload(path, self._image_limits)
-                data = base64.b64encode(raw).decode("ascii")
-                content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}})
+                _check_image_size(path, self._image_limits)  # a judge server decodes what it is sent
+                url, _ = image_data_url(path, max_side=None, max_bytes=None, oversize="downscale",
+                                        setting="judge.send_images", receiver="the judge",
+                                        remedy="Fix the image path in the benchmark data or turn send_images off")
+                content.append({"type": "image_url", "image_url": {"url": url}})
             messages.append({"role": "user", "content": content})
         else:
             messages.append({"role": "user", "content": request.prompt})
         return messages
 
-    def _redact(self, text: str) -> str:
-        return self._redactor.text(text)
-
-    # ----------------------------------------------------------------- one call
-    def _price(self, model: str) -> tuple[float, float]:
-        best = ""
-        for name in self.config.prices:
-            if model.startswith(name) and len(name) > len(best):
-                best = name
-        if not best:
-            return 0.0, 0.0
-        price = self.config.prices[best]
-        return float(price.get("input", 0.0)), float(price.get("output", 0.0))
-
-    def _attempt(self, request: JudgeRequest) -> tuple[str, int, int]:
-        import openai
-
-        with self._lock:
-            self.stats.calls += 1
-        messages = self._messages(request)
-        try:
-            with deadline(self.config.timeout_s):
-                completion = self._client.chat.completions.create(
-                    model=request.model or self.model,
-                    messages=messages,
-                    temperature=request.temperature,
-                    max_tokens=request.max_tokens or self.config.max_tokens,
-                )
-        except openai.RateLimitError as err:
-            raise _Retryable("HTTP 429 rate limited", _retry_after(err)) from None
-        except openai.InternalServerError as err:
-            raise _Retryable(f"HTTP {err.status_code} server error") from None
-        except openai.APITimeoutError:
-            raise _Retryable(f"timeout: no complete reply within {self.config.timeout_s}s") from None
-        except openai.APIConnectionError as err:
-            raise _Retryable(f"connection error: {_root_cause(err)}") from None
-        except (openai.APIResponseValidationError, json.JSONDecodeError) as err:
-            # Proxies and overloaded servers sometimes answer 200 with an HTML or truncated body.
-            raise _Retryable(f"malformed reply: {type(err).__name__}") from None
-        except openai.APIStatusError as err:
-            raise JudgeError(
-                f"judge endpoint rejected the request with HTTP {err.status_code}: "
-                f"{self._redact(str(err.message))[:300]} (model {request.model or self.model!r})",
-                status=err.status_code,
-            ) from None
-        # A 200 with a body that is not a chat completion (proxies, broken servers) is retried.
-        choices = getattr(completion, "choices", None)
-        message = getattr(choices[0], "message", None) if isinstance(choices, list) and choices else None
-        if message is None:
-            raise _Retryable("malformed reply: no choices[0].message")
-        usage = getattr(completion, "usage", None)
-        return (
-            getattr(message, "content", None),
-            _count(getattr(usage, "prompt_tokens", 0)),
-            _count(getattr(usage, "completion_tokens", 0)),
-        )
-
-    def _fail(self, message: str, status: Optional[int]) -> JudgeResponse:
-        message = self._redact(message)
-        cause = likely_cause(status, message, key_source=self.key_source, url_source=self.url_source)
-        with self._lock:
-            self.stats.failed += 1
-            self.stats.causes[cause] = self.stats.causes.get(cause, 0) + 1
-            if self.stats.first_error is None:
-                self.stats.first_error = {"status": status, "message": message, "cause": cause}
-        return JudgeResponse(None, error=message, status=status)
-
     def _hit(self, hit: tuple[str, int, int]) -> JudgeResponse:
         with self._lock:
             self.stats.cache_hits += 1
         # redacted again: a cache written before the key was known to the redactor may hold it
-        return JudgeResponse(self._redact(hit[0]), cached=True, prompt_tokens=hit[1], completion_tokens=hit[2])
+        return JudgeResponse(self._endpoint.redact(hit[0]), cached=True, prompt_tokens=hit[1],
+                             completion_tokens=hit[2])
 
     def judge(self, request: JudgeRequest) -> JudgeResponse:
         """Answer ``request`` from the cache or the endpoint; never raises for transient errors."""
@@ -534,49 +352,26 @@ class JudgeClient:
             hopeless = limit > 0 and self.stats.completed == 0 and self.stats.failed >= limit
             first = dict(self.stats.first_error or {})
         if hopeless:
-            return self._fail(f"not sent: the first {limit} judge calls all failed (first: {first.get('message')})",
-                              first.get("status"))
-        last, status = "no attempt made", None
-        for attempt in range(self.config.max_retries + 1):
-            try:
-                content, p_tok, c_tok = self._attempt(request)
-            except _Retryable as err:
-                last = str(err)
-                if attempt == self.config.max_retries:
-                    break
-                cap = min(self.config.backoff_max_s, self.config.backoff_base_s * (2**attempt))
-                wait = self._rng.uniform(0, cap)
-                if err.retry_after is not None:
-                    wait = max(wait, min(err.retry_after, self.config.backoff_max_s))
-                with self._lock:
-                    self.stats.retries += 1
-                log.debug("judge call failed (%s); retry %d in %.2fs", last, attempt + 1, wait)
-                self._sleep(wait)
-                continue
-            except JudgeError as err:
-                return self._fail(str(err), err.status)
-            p_in, p_out = self._price(request.model or self.model)
-            unreadable = _unreadable(content)
+            reply = self._endpoint.fail(f"not sent: the first {limit} judge calls all failed (first: "
+                                        f"{first.get('message')})", first.get("status"))
+            return JudgeResponse(None, error=reply.error, status=reply.status)
+        model = request.model or self.model
+        reply = self._endpoint.complete(model, self._messages(request), temperature=request.temperature,
+                                        max_tokens=request.max_tokens or self.config.max_tokens, sleep=self._sleep)
+        if not reply.ok:
+            return JudgeResponse(None, error=reply.error, status=reply.status)
+        if reply.unreadable is not None:  # paid for, but nothing to store or parse
             with self._lock:
-                self.stats.completed += 1
-                self.stats.unreadable += unreadable is not None
-                self.stats.prompt_tokens += p_tok
-                self.stats.completion_tokens += c_tok
-                self.stats.cost_usd += (p_tok * p_in + c_tok * p_out) / 1e6
-            if unreadable is not None:  # paid for, but nothing to store or parse
-                log.warning("judge reply without text: %s", unreadable)
-                return JudgeResponse("", prompt_tokens=p_tok, completion_tokens=c_tok, unreadable=unreadable)
-            # A judge may echo the key (a prompt-injected answer, a proxy's error page): it is
-            # hidden before the reply is stored anywhere, the cache included.
-            content = self._redact(_storable(content))
-            if self.cache is not None:
-                self.cache.put(key, request.model or self.model, content, p_tok, c_tok)
-            return JudgeResponse(content, prompt_tokens=p_tok, completion_tokens=c_tok)
-        match = re.search(r"HTTP (\d{3})", last)
-        status = int(match.group(1)) if match else None
-        message = f"judge call failed after {self.config.max_retries + 1} attempts; last error: {last}"
-        log.warning(self._redact(message))
-        return self._fail(message, status)
+                self.stats.unreadable += 1
+            log.warning("judge reply without text: %s", reply.unreadable)
+            return JudgeResponse("", prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens,
+                                 unreadable=reply.unreadable)
+        # A judge may echo the key (a prompt-injected answer, a proxy's error page): the endpoint
+        # hid it before the reply reaches the cache or any file.
+        content = _storable(reply.content)
+        if self.cache is not None:
+            self.cache.put(key, model, content, reply.prompt_tokens, reply.completion_tokens)
+        return JudgeResponse(content, prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
 
     def judge_many(
         self, requests: Sequence[JudgeRequest], *, progress: bool = False, desc: str = "judging"
@@ -597,59 +392,9 @@ class JudgeClient:
         return [r for r in results if r is not None]
 
     def close(self) -> None:
-        self._client.close()
+        self._endpoint.close()
         if self.cache is not None:
             self.cache.close()
-
-
-def _count(value: Any) -> int:
-    """A token count from a reply's ``usage``; anything that is not a count is 0."""
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError, OverflowError):
-        return 0
-
-
-def _unreadable(content: Any) -> Optional[str]:
-    """Why a reply's ``message.content`` is no text to parse, or None when it is a string."""
-    if isinstance(content, str):
-        return None
-    if content is None:
-        return "the reply's message content is null (no text: a refusal or a tool call?)"
-    shown = json.dumps(content, default=str)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return f"the reply's message content is a JSON {_JSON_TYPES.get(type(content), type(content).__name__)} ({shown}), not text"
-
-
-_JSON_TYPES = {dict: "object", list: "array", int: "number", float: "number", bool: "boolean"}
-
-
-def _storable(text: str) -> str:
-    """``text`` as UTF-8 can store it: an escape such as ``\\ud800`` (half of a surrogate pair)
-    decodes to no character, and SQLite refuses it; it is kept spelled out."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
-def _retry_after(err: Any) -> Optional[float]:
-    response = getattr(err, "response", None)
-    value = response.headers.get("retry-after") if response is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _root_cause(err: BaseException) -> str:
-    """The innermost exception's text (``[Errno 111] Connection refused``) of a connection error."""
-    seen = err
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
-    text = str(seen) or type(seen).__name__
-    return text if seen is err else f"{type(seen).__name__}: {text}"
 
 
 def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) -> None:
@@ -666,6 +411,28 @@ def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) ->
         "Results and per-item errors are written; fix the cause and re-run: completed judge replies "
         "come from the cache. Raise eval.judge.max_failed_share to accept some failures."
     )
+
+
+def _check_image_size(path: str, limits: Any) -> None:
+    """Refuse to attach an image whose header states a size above ``limits`` (``model.image_limits``)."""
+    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+
+    try:
+        (limits or ImageLimits()).check_file(path)
+    except ImageTooLargeError as err:
+        raise ImageTooLargeError(err.path, err.size, f"{err.reason}; judge.send_images sends no such image") from None
+    except Exception:  # noqa: BLE001 - not an image: image_data_url says so, naming the setting
+        return
+
+
+def _storable(text: str) -> str:
+    """``text`` as UTF-8 can store it: an escape such as ``\\ud800`` (half of a surrogate pair)
+    decodes to no character, and SQLite refuses it; it is kept spelled out."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def check_unparsed(result: Any, config: JudgeConfig) -> None:
@@ -688,5 +455,5 @@ def check_unparsed(result: Any, config: JudgeConfig) -> None:
         f"(allowed: {100 * config.max_unparsed_share:g}%); those items are scored 0, so these scores are not a "
         f"measure of the model.{' Why:' + shown if shown else ''}\n"
         "Results and per-item replies are written (details/): check the judge model and prompt suit the benchmark's "
-        "score format, or raise eval.judge.max_unparsed_share (--max-unparsed-share) to accept some."
+        "score format, or raise eval.judge.max_unparsed_share to accept some."
     )

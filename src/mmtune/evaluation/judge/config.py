@@ -55,6 +55,10 @@ class JudgeConfig:
     send_images: bool = False
     """Attach the item's images to judge calls (MMDU's official judge does; VLMEvalKit's
     port does not). Off = text-only judging, which needs no image files."""
+    check_first: bool = True
+    """Before generating answers for a judged benchmark, send the judge one request of one
+    token: a wrong key, model name or URL then fails in seconds, not after the generation.
+    The check is not cached (a few tokens on every run)."""
     cache_path: Optional[str] = None
     """SQLite cache of judge replies; ``None`` = ``<output_dir>/judge_cache.sqlite``."""
     prices: dict[str, Any] = field(

@@ -1,6 +1,8 @@
 """The MMDU paper's Tables 2, 3 and 5 as data, and how each cell maps onto mmtune results.
 
-Numbers are copied from the paper (see ``FACTS.md``, "Results to reproduce"). Each
+Numbers are copied from the paper (Liu et al., "MMDU: A Multi-Turn Multi-Image Dialog
+Understanding Benchmark and Instruction-Tuning Dataset for LVLMs", arXiv:2406.11833,
+Tables 2, 3 and 5). Each
 table is a :class:`TableSpec`: rows name the runs (experiment names under
 ``configs/experiment/``) whose result JSONs fill them, columns name the benchmark and
 metric that produce each value. :mod:`mmtune.evaluation.reporting.tables` renders a spec

@@ -1,14 +1,18 @@
-"""``mmtune report``: the paper's tables with our measured numbers beside them.
+"""``mmtune report``: your runs, and the paper's tables with our measured numbers beside them.
 
 Collects mmtune result JSONs (one per run and benchmark, schema in
 :mod:`mmtune.evaluation.results`; lmms-eval results arrive in the same schema through
-the evaluator's converter), fills the tables defined in
-:mod:`mmtune.evaluation.reporting.paper_numbers` and writes ``report.md``, ``report.html``,
-``report.json`` and one PNG per table. A cell with no result is shown as missing
-("—"), never filled from another run or estimated.
+the evaluator's converter) and the training runs they belong to. For each run it shows
+the loss and learning-rate curves, every metric before and after training and links to
+the viewers (:mod:`mmtune.evaluation.reporting.runs`); then it fills the tables defined
+in :mod:`mmtune.evaluation.reporting.paper_numbers`. It writes ``report.md``,
+``report.html`` (one static page, every plot inside it), ``report.json`` and the PNGs.
+A cell with no result is shown as missing ("—"), never filled from another run or
+estimated; without ``--tables`` or ``--sweep``, only tables with a result are shown.
 
 Example::
 
+    mmtune report --results outputs/mine --out outputs/mine/report
     mmtune report --results outputs/ --sweep launch/sweeps/table5_eval.yaml --out reports/table5
     mmtune report --results outputs/ --tables table2,table3 --row table3.llava15_7b=my_llava_run
 """
@@ -44,6 +48,8 @@ __all__ = [
 ]
 
 MISSING = "—"
+DEFAULT_TABLES = ("table2", "table3", "table5")
+"""The tables shown without ``--tables`` / ``--sweep``, when a result fills one."""
 _REQUIRED_KEYS = ("run", "benchmark", "metrics")
 
 
@@ -257,10 +263,13 @@ def _fmt(value: Optional[float], signed: bool = False) -> str:
     return f"{value:+.1f}" if signed else f"{value:.1f}"
 
 
-def render_markdown(tables: Sequence[FilledTable], results: ResultSet, images: dict[str, str]) -> str:
-    """Markdown: one table per spec, each cell ``paper / ours (Δ)``."""
-    lines = ["# MMDU reproduction report", "", "Each cell: paper / ours (Δ = ours − paper). "
-             f"{MISSING} = no result (or no published number).", ""]
+def render_markdown(tables: Sequence[FilledTable], results: ResultSet, images: dict[str, str],
+                    runs: Sequence[str] = ()) -> str:
+    """Markdown: the runs section (``runs``, lines), then one table per spec, each cell
+    ``paper / ours (Δ)``."""
+    lines = [f"# {_title(tables)}", ""] + list(runs)
+    if tables:
+        lines += ["Each cell: paper / ours (Δ = ours − paper). " f"{MISSING} = no result (or no published number).", ""]
     for t in tables:
         lines += [f"## {t.spec.title}", ""]
         lines.append("| " + " | ".join(["Model"] + [c.label for c in t.spec.columns]) + " |")
@@ -310,6 +319,7 @@ th, td { border: 1px solid #bbb; padding: 4px 8px; text-align: center; }
 th:first-child, td:first-child { text-align: left; }
 .paper { color: #555; } .ours { font-weight: bold; } .missing { color: #b00; }
 .pos { color: #070; } .neg { color: #b00; } .note { color: #555; font-style: italic; }
+table.scores td { text-align: right; } table.scores td:first-child { text-align: left; }
 """
 
 
@@ -327,12 +337,20 @@ def _viewer_link(result_path: Any) -> str:
     return f" (<a href='{html.escape(viewer.resolve().as_uri())}'>answers</a>)" if viewer.is_file() else ""
 
 
-def render_html(tables: Sequence[FilledTable], results: ResultSet, images: dict[str, str]) -> str:
-    """A standalone HTML page with the same tables (paper, ours, Δ stacked per cell)."""
+def _title(tables: Sequence[FilledTable]) -> str:
+    return "MMDU reproduction report" if tables else "Report of your runs"
+
+
+def render_html(tables: Sequence[FilledTable], results: ResultSet, images: dict[str, str],
+                runs: Sequence[str] = ()) -> str:
+    """A standalone HTML page: the runs section (``runs``, HTML), then the same tables
+    (paper, ours, Δ stacked per cell)."""
     e = html.escape
-    out = ["<!DOCTYPE html>", "<html><head><meta charset='utf-8'><title>MMDU reproduction report</title>",
-           f"<style>{_CSS}</style></head><body>", "<h1>MMDU reproduction report</h1>",
-           f"<p>Each cell: paper / <b>ours</b> / Δ (ours − paper). {MISSING} = no result.</p>"]
+    title = _title(tables)
+    out = ["<!DOCTYPE html>", f"<html><head><meta charset='utf-8'><title>{e(title)}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>", *runs]
+    if tables:
+        out.append(f"<p>Each cell: paper / <b>ours</b> / Δ (ours − paper). {MISSING} = no result.</p>")
     for t in tables:
         out.append(f"<h2>{e(t.spec.title)}</h2><table><tr><th>Model</th>")
         out += [f"<th>{e(c.label)}</th>" for c in t.spec.columns]
@@ -485,11 +503,17 @@ def write_report(
     table_keys: Sequence[str],
     out_dir: str | os.PathLike,
     row_runs: Optional[dict[str, dict[str, tuple[str, ...]]]] = None,
+    runs: Sequence[Any] = (),
 ) -> dict[str, Path]:
-    """Fill, plot and write the tables. Returns ``{"markdown", "html", "json", <table>: png}``."""
+    """Fill, plot and write the tables, after the section of ``runs``
+    (:func:`~mmtune.evaluation.reporting.runs.find_runs`). Returns ``{"markdown", "html",
+    "json", <table>: png}``."""
+    from mmtune.evaluation.reporting.runs import plot_runs, runs_html, runs_markdown
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     row_runs = row_runs or {}
+    plot_runs(runs, out)
     tables = [fill_table(TABLES[k], results, row_runs.get(k)) for k in table_keys]
     images: dict[str, str] = {}
     paths: dict[str, Path] = {}
@@ -498,9 +522,9 @@ def write_report(
         images[t.spec.key] = png.name
         paths[t.spec.key] = png
     paths["markdown"] = out / "report.md"
-    paths["markdown"].write_text(render_markdown(tables, results, images), encoding="utf-8")
+    paths["markdown"].write_text(render_markdown(tables, results, images, runs_markdown(runs, out)), encoding="utf-8")
     paths["html"] = out / "report.html"
-    paths["html"].write_text(render_html(tables, results, images), encoding="utf-8")
+    paths["html"].write_text(render_html(tables, results, images, runs_html(runs, out)), encoding="utf-8")
     paths["json"] = out / "report.json"
     paths["json"].write_text(json.dumps(_as_json(tables), indent=2), encoding="utf-8")
     return paths
@@ -566,13 +590,14 @@ def _tables_for_runs(runs: Sequence[str]) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mmtune report",
-        description="Render the MMDU paper's Tables 2, 3 and 5 with our results beside the published numbers.",
+        description="Report your runs (training curves, scores before and after, links to the viewers) and fill "
+        "the MMDU paper's Tables 2, 3 and 5 with our results beside the published numbers.",
     )
     parser.add_argument("--results", nargs="+", default=["outputs"],
                         help="result JSON files or folders searched recursively (default: outputs)")
     parser.add_argument("--sweep", help="a sweep file under launch/sweeps/: only its runs are used, and its tables shown")
     parser.add_argument("--tables", help=f"comma-separated subset of {', '.join(TABLES)} "
-                        "(default: the sweep's tables, else table2,table3,table5)")
+                        "(default: the sweep's tables, else those of table2,table3,table5 a result fills)")
     parser.add_argument("--row", action="append", default=[], metavar="TABLE.ROW=RUN[,RUN]",
                         help="fill a row from differently named runs (repeatable)")
     parser.add_argument("--lmms-results", action="append", default=[], metavar="RUN=FILE",
@@ -602,7 +627,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"mmtune report: no table has a row for the runs of {args.sweep}: {runs}", file=sys.stderr)
             return 2
     else:
-        keys = ["table2", "table3", "table5"]
+        keys = None  # the paper's tables that some result fills (below)
 
     results = collect_results(args.results)
     for item in args.lmms_results:
@@ -613,10 +638,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         add_lmms_results(results, run, path)
     if runs is not None:
         results.records = [r for r in results.records if r.run in set(runs) | _override_runs(overrides)]
-    paths = write_report(results, keys, args.out, overrides)
+    if keys is None:
+        keys = [k for k in DEFAULT_TABLES
+                if any(c.ours is not None for _, cells in fill_table(TABLES[k], results, overrides.get(k)).rows
+                       for c in cells)]
+        if not keys:
+            print(f"mmtune report: no result fills a table of the MMDU paper; showing your runs only "
+                  f"(--tables {','.join(DEFAULT_TABLES)} shows the tables anyway)")
+    from mmtune.evaluation.reporting.runs import find_runs
+
+    found = find_runs(args.results, results.records)
+    paths = write_report(results, keys, args.out, overrides, runs=found)
     print(paths["markdown"].read_text(encoding="utf-8"))
-    print(f"\nwrote {paths['markdown']}, {paths['html']}, {paths['json']} and "
-          + ", ".join(str(paths[k]) for k in keys))
+    plots = [str(paths[k]) for k in keys] + [str(r.curves) for r in found if r.curves is not None]
+    print(f"\nwrote {paths['markdown']}, {paths['html']} (open it in a browser), {paths['json']}"
+          + (f" and {', '.join(plots)}" if plots else ""))
     if args.wandb:
         tables_json = json.loads(paths["json"].read_text(encoding="utf-8"))
         _log_wandb(tables_json, paths, args.wandb_project, args.wandb_entity, name=f"report-{Path(args.out).name}")

@@ -18,7 +18,8 @@ selection (``viewer.html#b=synthetic&d=syn-test-000003``), so a view can be link
 Images are embedded as JPEG thumbnails of at most :data:`THUMBNAIL_PX` pixels a side, up
 to :data:`EMBED_BUDGET_BYTES` in total; past that budget (or with ``embed_images=False``)
 the page refers to the image files by a path relative to the output folder, which works
-as long as the images stay where they were. ``report.md`` gets a link to the page.
+as long as the images stay where they were. ``report.md`` (and ``report.html``) get a link
+to the page; the page links ``report.html``.
 
 The page is written after the scores, so nothing about one image may fail it: an image
 above ``model.image_limits`` (checked from its header, never decoded), a decompression
@@ -169,6 +170,16 @@ def _summary(out: Path, name: str) -> dict[str, Any]:
     return {"metrics": metrics, "counts": data.get("counts") or {}}
 
 
+def _baseline_entries(section: Optional[ViewerSection]) -> dict[str, Any]:
+    """``{entry id: {score, turns: [{answer, scores, status}]}}`` of the other evaluation."""
+    if section is None:
+        return {}
+    return {e.id: {"score": e.score, "facets": {k: v for k, v in e.facets.items() if k.startswith("dim:")},
+                   "turns": [{"answer": t.get("answer"), "scores": t.get("scores") or {}, "status": t.get("status", "")}
+                             for t in e.turns]}
+            for e in section.entries}
+
+
 def write_viewer(
     sections: dict[str, ViewerSection],
     output_dir: str | os.PathLike,
@@ -177,6 +188,9 @@ def write_viewer(
     embed_images: bool = True,
     embed_budget_bytes: int = EMBED_BUDGET_BYTES,
     image_limits: Any = None,
+    baseline: Optional[dict[str, ViewerSection]] = None,
+    baseline_label: str = "before training",
+    baseline_dir: Optional[str | os.PathLike] = None,
 ) -> Optional[Path]:
     """Write ``output_dir/viewer.html`` with one tab per benchmark of ``sections``.
 
@@ -189,6 +203,11 @@ def write_viewer(
             ``embed_budget_bytes`` is spent; otherwise link the image files relatively.
         image_limits: largest images a thumbnail is made of (``model.image_limits``;
             default: the defaults); a larger one is a placeholder with the reason.
+        baseline: the same benchmarks evaluated on the model this one started from (the
+            run's ``eval/before``): each entry then shows both answers side by side, the
+            list both scores and the change.
+        baseline_label: what the baseline is, as the page names it.
+        baseline_dir: its folder (for its summary and a link to its own viewer).
 
     Returns:
         The page's path, or ``None`` when ``sections`` is empty.
@@ -204,22 +223,29 @@ def write_viewer(
             for turn in entry.turns:
                 turn["images"] = [images.add(p) for p in turn["images"]]
         facet_keys = sorted({k for e in rows for k in e.facets if not k.startswith("dim:") and k != "images"})
+        before = _baseline_entries((baseline or {}).get(name))
         benchmarks.append({
             "name": name,
             "scale": section.scale,
             "summary": _summary(out, name),
+            "baseline": before,
+            "baseline_summary": _summary(Path(baseline_dir), name) if before and baseline_dir else {},
             "facets": facet_keys,
             "dimensions": sorted({k[4:] for e in rows for k in e.facets if k.startswith("dim:")}),
             "entries": [{"id": e.id, "score": e.score, "facets": e.facets, "turns": e.turns} for e in rows],
         })
     plots = sorted(p.name for p in out.glob("*.png"))
+    other = Path(baseline_dir) / "viewer.html" if baseline_dir else None
     payload = {
         "title": title,
+        "baseline_label": baseline_label,
+        "baseline_viewer": (Path(os.path.relpath(other.resolve(), out.resolve())).as_posix()
+                            if other is not None and other.is_file() else None),
         "benchmarks": benchmarks,
         "images": images.sources,
         "image_problems": images.problems,
         "plots": plots,
-        "report": "report.md" if (out / "report.md").is_file() else None,
+        "report": next((name for name in ("report.html", "report.md") if (out / name).is_file()), None),
         "note": (f"{images.embedded} image(s) embedded as thumbnails of at most {THUMBNAIL_PX} px a side; "
                  f"{images.linked} linked by relative path; {images.missing} not found"
                  + (f"; {len(images.problems)} not shown (see each one's reason)." if images.problems else ".")),
@@ -245,6 +271,9 @@ def _link_from_report(report: Path) -> None:
     at = 2 if lines and lines[0].startswith("# ") else 0
     lines[at:at] = [_REPORT_LINK, ""]
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    from mmtune.evaluation.reporting.report import write_html
+
+    write_html(report)  # report.html carries the link too
 
 
 def _render(payload: dict[str, Any]) -> str:
@@ -305,6 +334,10 @@ details.rationale pre { white-space: pre-wrap; font-size: 12px; background: #faf
 #plots img { max-height: 220px; border: 1px solid var(--line); background: #fff; }
 footer { color: var(--muted); font-size: 12px; padding: 0 16px 16px; }
 .empty { color: var(--muted); padding: 12px; }
+.compare { display: grid; grid-template-columns: 1fr 1fr; gap: 8px; }
+.compare .side { min-width: 0; }
+.before .answer { border-left-color: #9aa3b2; background: #f4f5f7; }
+.delta-pos { color: var(--ok); font-weight: 600; } .delta-neg { color: var(--bad); font-weight: 600; }
 </style></head>
 <body>
 <header><h1 id="title"></h1><span id="report-link"></span></header>
@@ -343,6 +376,18 @@ function scoreOf(e) {
   if (state.dimension) return e.facets["dim:" + state.dimension];
   return e.score;
 }
+// the same entry evaluated on the model this run started from (eval/before), if any
+const baselineOf = (e) => (bench().baseline || {})[e.id];
+const hasBaseline = () => Object.keys(bench().baseline || {}).length > 0;
+function beforeScoreOf(e) {
+  const b = baselineOf(e);
+  if (!b) return null;
+  return state.dimension ? (b.facets || {})["dim:" + state.dimension] : b.score;
+}
+function deltaOf(e) {
+  const a = scoreOf(e), b = beforeScoreOf(e);
+  return (a === null || a === undefined || b === null || b === undefined) ? null : a - b;
+}
 function scoreClass(v) {
   if (v === null || v === undefined) return "";
   return v < 34 ? "score-bad" : (v < 67 ? "score-mid" : "score-ok");
@@ -364,7 +409,8 @@ function visibleEntries() {
     return e.turns.some((t) => [t.question, t.answer, t.reference].some((s) => s && String(s).toLowerCase().includes(text)));
   });
   const key = state.sortKey, sign = state.sortDesc ? -1 : 1;
-  const value = (e) => key === "score" ? scoreOf(e) : key === "id" ? e.id : key === "turns" ? e.turns.length : e.facets[key];
+  const value = (e) => key === "score" ? scoreOf(e) : key === "before" ? beforeScoreOf(e) : key === "delta" ? deltaOf(e)
+    : key === "id" ? e.id : key === "turns" ? e.turns.length : e.facets[key];
   rows = rows.slice().sort((a, b) => {
     const x = value(a), y = value(b);
     if (x === y) return a.id < b.id ? -1 : 1;
@@ -383,6 +429,11 @@ function renderSummary() {
   const s = bench().summary || {}, parts = [];
   for (const [k, v] of Object.entries(s.metrics || {})) parts.push(el("span", {}, k + " ", el("b", {}, fmt(v))), "  ");
   for (const [k, v] of Object.entries(s.counts || {})) parts.push(`${k}=${v}  `);
+  const b = bench().baseline_summary || {};
+  if (Object.keys(b.metrics || {}).length) {
+    parts.push(el("span", { class: "baseline-summary" }, `  |  ${DATA.baseline_label}: `,
+      ...Object.entries(b.metrics).map(([k, v]) => el("span", {}, k + " ", el("b", {}, fmt(v)), "  "))));
+  }
   $("summary").replaceChildren(...parts);
 }
 function renderControls() {
@@ -396,7 +447,9 @@ function renderControls() {
   dim.value = state.dimension; dim.style.display = bench().dimensions.length ? "" : "none";
 }
 function renderList() {
-  const cols = [["id", "id"], ["score", state.dimension ? state.dimension : "score"], ["turns", "turns"], ...bench().facets.map((f) => [f, f])];
+  const compare = hasBaseline() ? [["before", "before"], ["delta", "change"]] : [];
+  const cols = [["id", "id"], ["score", state.dimension ? state.dimension : "score"], ...compare, ["turns", "turns"],
+    ...bench().facets.map((f) => [f, f])];
   $("list-head").replaceChildren(el("tr", {}, ...cols.map(([key, label]) => el("th", {
     class: key === state.sortKey ? ("sorted" + (state.sortDesc ? " desc" : "")) : "", "data-key": key,
     onclick: () => { state.sortDesc = state.sortKey === key ? !state.sortDesc : false; state.sortKey = key; renderList(); } }, label))));
@@ -405,10 +458,19 @@ function renderList() {
     const v = scoreOf(e);
     return el("tr", { class: "item" + (e.id === state.selected ? " selected" : ""), "data-id": e.id,
       onclick: () => { state.selected = e.id; renderList(); renderDetail(); updateHash(); } },
-      el("td", {}, e.id), el("td", { class: "num " + scoreClass(v) }, fmt(v)), el("td", { class: "num" }, e.turns.length),
+      el("td", {}, e.id), el("td", { class: "num " + scoreClass(v) }, fmt(v)),
+      ...(hasBaseline() ? [el("td", { class: "num before-score " + scoreClass(beforeScoreOf(e)) }, fmt(beforeScoreOf(e))),
+                           el("td", { class: "num delta " + deltaClass(deltaOf(e)) }, signed(deltaOf(e)))] : []),
+      el("td", { class: "num" }, e.turns.length),
       ...bench().facets.map((f) => el("td", {}, Array.isArray(e.facets[f]) ? e.facets[f].join(", ") : fmt(e.facets[f]))));
   }));
   if (!rows.length) $("list").append(el("tr", {}, el("td", { colspan: cols.length, class: "empty" }, "no entry matches")));
+}
+const signed = (v) => (v === null || v === undefined) ? "n/a" : (v > 0 ? "+" : "") + fmt(v);
+const deltaClass = (v) => (v === null || v === undefined || v === 0) ? "" : (v > 0 ? "delta-pos" : "delta-neg");
+function answerBlock(label, answer) {
+  return [el("div", { class: "label" }, label),
+          el("p", { class: "text answer" }, answer === null || answer === undefined ? "(no answer)" : answer)];
 }
 function image(key, index) {
   const src = DATA.images[key];
@@ -423,23 +485,36 @@ function renderDetail() {
   if (!e) { box.replaceChildren(el("div", { class: "empty" }, "Select a dialogue or item on the left.")); box.removeAttribute("data-id"); return; }
   box.setAttribute("data-id", e.id);
   let shown = 0;
+  const chips = (scores) => Object.entries(scores || {}).map(([k, v]) => el("span", { class: "chip" }, `${k}: ${fmt(v)}`));
+  const base = baselineOf(e);
   const turns = e.turns.map((t, i) => {
     const thumbs = t.images.map((k) => image(k, ++shown));
-    const scores = Object.entries(t.scores || {}).map(([k, v]) => el("span", { class: "chip" }, `${k}: ${fmt(v)}`));
+    const scores = chips(t.scores);
     const status = t.status || "";
+    const was = base && base.turns[i];
+    // with the run's eval/before: both answers side by side, each with its status and scores
+    const answers = was
+      ? el("div", { class: "compare" },
+          el("div", { class: "side before status-" + (was.status || "").split(" ")[0] },
+            ...answerBlock(`answer ${DATA.baseline_label} (${was.status || "n/a"})`, was.answer),
+            was.scores && Object.keys(was.scores).length ? el("div", { class: "scores" }, ...chips(was.scores)) : null),
+          el("div", { class: "side after" }, ...answerBlock(`model answer (${status || "n/a"})`, t.answer),
+            scores.length ? el("div", { class: "scores" }, ...scores) : null))
+      : el("div", {}, ...answerBlock("model answer", t.answer), null);
     return el("div", { class: "turn status-" + status.split(" ")[0], "data-turn": i },
       el("div", { class: "turn-head" }, el("span", {}, `turn ${i + 1}`), el("span", {}, status)),
       thumbs.length ? el("div", { class: "thumbs" }, ...thumbs) : null,
       el("div", { class: "label" }, "question"), el("p", { class: "text question" }, t.question),
-      el("div", { class: "label" }, "model answer"), el("p", { class: "text answer" }, t.answer === null || t.answer === undefined ? "(no answer)" : t.answer),
+      answers,
       el("div", { class: "label" }, "reference"), el("p", { class: "text reference" }, t.reference ?? ""),
-      scores.length ? el("div", { class: "scores" }, ...scores) : null,
+      !was && scores.length ? el("div", { class: "scores" }, ...scores) : null,
       t.rationale ? el("details", { class: "rationale" }, el("summary", {}, "judge reply"), el("pre", {}, t.rationale)) : null);
   });
   const facets = Object.entries(e.facets).filter(([k]) => !k.startsWith("dim:")).map(([k, v]) => `${k}: ${Array.isArray(v) ? v.join(", ") : fmt(v)}`);
+  const beforeChip = base ? [el("span", { class: "chip " + scoreClass(base.score) }, `${DATA.baseline_label}: ${fmt(base.score)}`)] : [];
   box.replaceChildren(el("h2", {}, `${bench().name} / ${e.id}`),
     el("div", { class: "scores" }, el("span", { class: "chip " + scoreClass(e.score) }, "score: " + fmt(e.score)),
-      ...facets.map((f) => el("span", { class: "chip" }, f))), ...turns);
+      ...beforeChip, ...facets.map((f) => el("span", { class: "chip" }, f))), ...turns);
 }
 function selectBench(i) {
   state.bench = i; state.selected = null; state.facet = ""; state.dimension = ""; state.sortKey = "score"; state.sortDesc = false;
@@ -457,7 +532,8 @@ function fromHash() {
   if (params.get("d")) { state.selected = params.get("d"); renderList(); renderDetail(); }
 }
 $("title").textContent = DATA.title;
-if (DATA.report) $("report-link").append(el("a", { href: DATA.report }, "report (tables)"));
+if (DATA.report) $("report-link").append(el("a", { href: DATA.report }, "report (tables and plots)"));
+if (DATA.baseline_viewer) $("report-link").append("  ", el("a", { href: DATA.baseline_viewer }, `answers ${DATA.baseline_label}`));
 $("filter").addEventListener("input", (ev) => { state.filter = ev.target.value; renderList(); });
 $("facet").addEventListener("change", (ev) => { state.facet = ev.target.value; renderList(); });
 $("dimension").addEventListener("change", (ev) => { state.dimension = ev.target.value; renderList(); });

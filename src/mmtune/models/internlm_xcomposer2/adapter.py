@@ -124,6 +124,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     """
 
     family = "internlm_xcomposer2"
+    reads_model_keys = frozenset({"architecture", "image_size", "label_final_eos"})
     default_lora_targets = ["wqkv", "wo", "w1", "w2", "w3"]
     #: official LoRA fine-tuning preset (peft ``LoraConfig`` keys)
     lora_preset: dict[str, Any] = {"r": 64, "lora_alpha": 64, "lora_dropout": 0.05}
@@ -142,6 +143,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     }
 
     def __init__(self, config: ModelConfig):
+        config.validate()
         self.config = config
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
@@ -293,7 +295,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
             suffix = [*newline, Piece("ids", (self.start_id,)), Piece("text", "assistant\n")]
         else:
             ends_with_answer = bool(turns) and turns[-1].role == "assistant"
-            label = ends_with_answer and self.config.label_final_eos
+            label = ends_with_answer and self.config.label_final_eos is not False  # null: as official
             suffix = [*[Piece("text", "\n", label) for _ in newline],
                       Piece("ids", (int(self.tokenizer.eos_token_id),), label)]  # fmt: skip
         return prefix, rendered, suffix
@@ -315,14 +317,6 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
         mean = torch.tensor(_CLIP_MEAN, dtype=torch.float32).view(3, 1, 1)
         std = torch.tensor(_CLIP_STD, dtype=torch.float32).view(3, 1, 1)
         return (pixels.to(torch.float32) / 255.0 - mean) / std
-
-    def preprocess_pil(self, images: list) -> torch.Tensor:
-        """Official preprocessing of decoded PIL images: square bicubic resize (no crop), CLIP mean/std."""
-        import numpy as np
-
-        if not images:
-            return torch.zeros(0, 3, self.image_size, self.image_size)
-        return self.normalize_uint8(torch.from_numpy(np.stack([self.image_transform.from_pil(image, self.image_limits) for image in images])))
 
     # -- model --------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> nn.Module:

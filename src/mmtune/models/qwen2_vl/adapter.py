@@ -10,13 +10,16 @@ An image is ``<|vision_start|>`` + N x ``<|image_pad|>`` + ``<|vision_end|>``: t
 :class:`~mmtune.models.base.ImageChunk` covers the N pad tokens (N from the file header and
 the processor's ``min_pixels`` / ``max_pixels``), the start / end tokens are template tokens.
 
-Beyond the base contract, the adapter provides what a model-agnostic batch needs:
+Its model-agnostic batch (the contract of :mod:`mmtune.models.base`):
 
-- :meth:`Qwen2VLAdapter.image_inputs` ``(paths) -> {"pixel_values": [sum patches, D],
+- :attr:`~Qwen2VLAdapter.image_input_names` ``("pixel_values", "image_grid_thw")``:
+  :meth:`Qwen2VLAdapter.image_inputs` ``(paths) -> {"pixel_values": [sum patches, D],
   "image_grid_thw": [N, 3]}``; both concatenate along dim 0 in image order across a batch;
-- :meth:`Qwen2VLAdapter.position_ids` ``(input_ids [L], image_inputs) -> [3, L]`` (M-RoPE,
-  transformers' rope index of one sample);
-- :attr:`Qwen2VLAdapter.position_id_rows` = 3.
+  the pixel cache stores :meth:`~Qwen2VLAdapter.load_uint8` per image and
+  :meth:`~Qwen2VLAdapter.image_batch` finishes them;
+- :attr:`~Qwen2VLAdapter.position_id_rows` = 3: :meth:`Qwen2VLAdapter.position_ids`
+  ``(input_ids [L], image_inputs) -> [3, L]`` (M-RoPE, transformers' rope index of one sample),
+  laid out ``[4, B, L]`` for the forward (the base class's ``model_position_ids``).
 
 With ``ModelConfig.path = None`` it builds a random-weight tiny model of
 ``architecture.model_type`` (default ``qwen2_vl``) from :mod:`~mmtune.models.qwen2_vl.tiny`.
@@ -43,6 +46,7 @@ from mmtune.models.base import unwrap_model as base_unwrap_model
 from mmtune.models.config import ModelConfig
 from mmtune.models.qwen2_vl.images import QwenVLImages
 from mmtune.models.qwen2_vl.positions import RopeIndex
+from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, generation_classes, model_classes
 from mmtune.models.qwen2_vl.tiny import tiny_image_processor, tiny_model_config, tiny_tokenizer
@@ -89,13 +93,45 @@ class Qwen2VLAdapter(PieceAdapter):
     """
 
     family = "qwen2_vl"
+    reads_model_keys = frozenset({"architecture", "min_pixels", "max_pixels"})
     # The language model's linear layers (the vision tower's are named qkv / proj / fc* /
     # linear_fc*, but Qwen2.5-VL's vision MLP also has gate/up/down_proj: see the exclude).
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and merger
+    #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and merger (and what a
+    #: 4-bit base model keeps in full precision)
     lora_exclude_modules = r".*\bvisual\b.*"
     #: rows of ``position_ids`` per sample: M-RoPE's temporal, height and width
     position_id_rows = 3
+    #: the model inputs images become (both concatenate along dim 0 in image order)
+    image_input_names = ("pixel_values", "image_grid_thw")
+    #: the released checkpoints the shipped configs name, for ``mmtune plan`` offline
+    known_architectures = KNOWN_ARCHITECTURES
+
+    @classmethod
+    def meta_model(cls, config: ModelConfig, checkpoint_config: dict[str, Any] | None) -> tuple["nn.Module", ModuleGroups]:
+        """The checkpoint's class (by ``model_type``) on the meta device, grouped as
+        :meth:`module_groups` groups it (the merger is the projector, inside ``visual``)."""
+        if checkpoint_config is None:
+            return super().meta_model(config, None)
+        import torch
+        from transformers import AutoConfig
+
+        model_type = checkpoint_config.get("model_type")
+        generation_class, _ = model_classes(str(model_type))
+        model_config = AutoConfig.for_model(**checkpoint_config)
+        with torch.device("meta"):
+            model = generation_class._from_config(model_config)
+        return model, _module_groups(model)
+
+    @classmethod
+    def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
+        """The most tokens an image can become under ``model.max_pixels`` (large photos reach
+        it): ``max_pixels // (patch x merge)^2``; ``None`` without the bound (it depends on
+        each image)."""
+        if config.max_pixels is None:
+            return None
+        vc = model_config.vision_config
+        return int(config.max_pixels) // (int(vc.patch_size) * int(vc.spatial_merge_size)) ** 2
 
     def __init__(self, config: ModelConfig):
         config.validate()
@@ -267,6 +303,21 @@ class Qwen2VLAdapter(PieceAdapter):
         """:meth:`image_inputs` of images from :meth:`load_uint8` (rescale, normalise, patchify)."""
         return self.images.inputs_uint8(images)
 
+    # the model-agnostic batch (models/base.py): the pixel cache holds each resized uint8 image
+    def load_image(self, path: str) -> "np.ndarray":
+        """What the pixel cache stores: :meth:`load_uint8` (shapes differ between images)."""
+        return self.load_uint8(path)
+
+    def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
+        """:meth:`image_inputs_uint8`: ``pixel_values`` and ``image_grid_thw`` of cached images."""
+        return self.image_inputs_uint8(images)
+
+    def pixel_settings(self) -> dict[str, Any]:
+        """Every setting of the image processor (its ``to_dict()``), which alone turns a file into
+        the cached uint8 image: a changed bound, resample filter or factor changes the key."""
+        return {"settings": {"class": type(self.image_processor).__name__, **self.image_processor.to_dict()},
+                "uint8": True}
+
     def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
         raise NotImplementedError(
             "qwen2_vl images are variable-length patch sequences with a grid per image, not a [N, 3, H, W] tensor: "
@@ -281,6 +332,17 @@ class Qwen2VLAdapter(PieceAdapter):
         order). A packed row concatenates the per-sample results, each starting again at 0."""
         grid = (image_inputs or {}).get("image_grid_thw")
         return self.rope_index(input_ids, grid)
+
+    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
+        """:meth:`position_ids` of a generation prompt, its images' grids read from the file
+        headers (what the processor gives them; no pixel decode), and the rope delta
+        transformers' ``get_rope_index`` returns with them (what its ``generate`` keeps in
+        ``model.rope_deltas``): a generated token at index ``i`` has position ``i + delta`` in
+        all three rows."""
+        import torch
+
+        grid = torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
+        return self.rope_index.with_delta(input_ids, grid)
 
     # -- model -------------------------------------------------------------------------------------
     def load_model(self, **kwargs: Any) -> "nn.Module":
@@ -306,13 +368,7 @@ class Qwen2VLAdapter(PieceAdapter):
         """Vision: every module of ``model.visual`` but the merger (patch embedding, blocks, and
         Qwen3-VL's position embedding and DeepStack mergers); projector: ``visual.merger``, the
         module the official ``tune_mm_mlp`` switch trains; language model: decoder and lm_head."""
-        inner = unwrap_model(model)
-        visual = inner.model.visual
-        return ModuleGroups(
-            vision=[module for name, module in visual.named_children() if name != "merger"],
-            projector=[visual.merger],
-            language_model=[inner.model.language_model, inner.lm_head],
-        )
+        return _module_groups(unwrap_model(model))
 
     def text_config(self, config: Any) -> Any:
         return config.text_config
@@ -339,6 +395,15 @@ class Qwen2VLAdapter(PieceAdapter):
         for level in getattr(out, "deepstack_features", None) or []:
             total = total + sum(feature.float().sum() for feature in level)
         return total * 0.0
+
+
+def _module_groups(inner: "nn.Module") -> ModuleGroups:
+    visual = inner.model.visual
+    return ModuleGroups(
+        vision=[module for name, module in visual.named_children() if name != "merger"],
+        projector=[visual.merger],
+        language_model=[inner.model.language_model, inner.lm_head],
+    )
 
 
 def _override_pixels(image_processor: Any, config: ModelConfig) -> None:

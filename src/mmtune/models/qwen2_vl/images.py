@@ -42,9 +42,15 @@ _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 class UnsupportedImageError(CorruptImageError):
     """An image the Qwen-VL image processor refuses (aspect ratio above 200)."""
 
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str):
+    code = "unsupported_image"
+
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
+                 system_first: bool = False):
+        from mmtune.data.validation import turn_label
+
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        where = f"dialogue {dialogue_id!r}, turn {turn}" if dialogue_id is not None else "no dialogue"
+        self.turn_text = turn_label(turn, system_first)
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
         ValueError.__init__(
             self,
             f"image {path!r} ({where}) cannot be used with the Qwen-VL image processor: {detail}. Crop or pad the "

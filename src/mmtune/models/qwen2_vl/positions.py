@@ -5,9 +5,9 @@ width). Text tokens get the same running position in all three rows; an image's 
 merged tokens get ``(start, start + row, start + column)``, and the text after the image
 continues at ``start + max(h, w)``. transformers computes this in
 ``Qwen2VLModel.get_rope_index`` (and the Qwen2.5-VL / Qwen3-VL equivalents), which reads
-nothing but the model config. :class:`RopeIndex` calls it on an instance built on the
-``meta`` device (no parameter memory; a 7B config builds in well under a second), so the
-positions are transformers' own, never a re-implementation.
+nothing but the model config. :class:`RopeIndex` calls it on an instance of the class that
+holds only the config (no submodule built: nothing allocated, nothing for DeepSpeed ZeRO-3
+to partition), so the positions are transformers' own, never a re-implementation.
 """
 
 from __future__ import annotations
@@ -39,18 +39,25 @@ class RopeIndex:
         self._model = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers rebuild the meta instance instead of unpickling it
+        # DataLoader workers rebuild the config-only instance instead of unpickling it
         return {**self.__dict__, "_model": None}
 
     @property
     def model(self):
+        """An instance of the model class holding the config alone: ``get_rope_index`` reads the
+        config and the class's own helpers, no weight. No submodule is built, so nothing is
+        allocated or initialised, and DeepSpeed ZeRO-3's construction hooks (which partition
+        and initialise every module ``_from_config`` builds) never run on it. The tests check
+        its positions give the logits of the full model computing them itself."""
         if self._model is None:
             import copy
 
-            import torch
+            from torch import nn
 
-            with torch.device("meta"):
-                self._model = self.model_class._from_config(copy.deepcopy(self.model_config))
+            host = self.model_class.__new__(self.model_class)
+            nn.Module.__init__(host)
+            host.config = copy.deepcopy(self.model_config)
+            self._model = host
         return self._model
 
     def _check(self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None") -> None:
@@ -77,6 +84,14 @@ class RopeIndex:
             ValueError: ``input_ids`` is not 1-D, or its image-token runs do not match
                 ``image_grid_thw`` (both counts named).
         """
+        return self.with_delta(input_ids, image_grid_thw)[0]
+
+    def with_delta(
+        self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None" = None
+    ) -> tuple["torch.Tensor", int]:
+        """``position_ids`` [3, L] and the rope delta ``get_rope_index`` returns with them
+        (``positions.max() + 1 - L``: a token appended at index ``i`` has position ``i + delta``).
+        Raises as :meth:`__call__`."""
         import torch
 
         if input_ids.ndim != 1:
@@ -85,10 +100,10 @@ class RopeIndex:
         grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw.long().cpu()
         self._check(input_ids.cpu(), grid)
         if input_ids.numel() == 0:
-            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device)
+            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device), 0
         mm_token_type_ids = (input_ids == self.image_token_id).int()[None]  # 1 = image, as the processor marks it
-        positions, _ = self.model.get_rope_index(
+        positions, deltas = self.model.get_rope_index(
             input_ids[None], mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=None if grid is None else grid.to(input_ids.device),
         )  # fmt: skip
-        return positions[:, 0]
+        return positions[:, 0], int(deltas.reshape(-1)[0])

@@ -3,8 +3,13 @@
 Examples::
 
     mmtune plan experiment=table5_mmdu45k_8k --gpus 8 --gpu a100-80g
+    mmtune plan --gpu h100 experiment=table3_llava15_7b_mmdu45k training.lr=1e-4    # flags first or last
     mmtune plan --sweep launch/sweeps/table5.yaml --gpu h100
     mmtune plan --sweep launch/sweeps/table5.yaml --list      # one override line per run
+
+A run is planned for the launcher its experiment's command names (``accelerate launch
+--config_file ...`` at the top of the experiment file) unless ``--accelerate-config``
+gives another; the plan says which it used, or that it assumed plain DDP.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    from mmtune.argparsing import ArgumentParser, plain_text
+
+    parser = ArgumentParser(
         prog="mmtune plan",
         description="Resolve a run or a sweep without loading weights; print model, data, steps, tokens, "
-        "GPU-hours and memory per GPU. Positional arguments are Hydra overrides (experiment=...).",
-        epilog="Cost model" + cost.__doc__.split("Cost model", 1)[1] if cost.__doc__ else None,
+        "GPU-hours and memory per GPU. Positional arguments are Hydra overrides (experiment=...), before or after "
+        "the flags. A run is planned for the launcher its experiment's command names, unless --accelerate-config "
+        "says otherwise.",
+        epilog=plain_text("Cost model" + cost.__doc__.split("Cost model", 1)[1]) if cost.__doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=table5_mmdu45k_8k")
@@ -42,15 +51,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "a sweep's `program` decides for --sweep")
     parser.add_argument("--sweep", help="a W&B sweep YAML (launch/sweeps/*.yaml): plan every grid point")
     parser.add_argument("--list", action="store_true", help="with --sweep: print each grid point's overrides and exit")
-    parser.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs in total (default 8)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="data-parallel GPUs in total (default: the launcher's num_processes, else 8); for an "
+                             "evaluation, the processes that split its dialogues")
     parser.add_argument("--gpu", default="a100-80g", choices=sorted(GPU_TYPES), help="GPU type (default a100-80g)")
     parser.add_argument("--utilization", type=float, default=0.35,
                         help="assumed fraction of peak bf16 FLOP/s achieved, recompute included (default 0.35)")
-    parser.add_argument("--accelerate-config", help="accelerate config whose DeepSpeed settings the run uses")
+    parser.add_argument("--accelerate-config", help="accelerate config whose DeepSpeed settings and process count "
+                        "the run uses (a relative path: from the current folder, else from the project); default: "
+                        "the one in the experiment's command")
     parser.add_argument("--allow-skipped", action="store_true",
                         help="plan even if records would be skipped for missing or broken images")
     parser.add_argument("--json", help="also write the plans as JSON to this file")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    # overrides may come before, between or after the flags
+    args = parser.parse_intermixed_args(list(argv) if argv is not None else None)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     accelerate_config = args.accelerate_config
@@ -79,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for point in points:
         try:
             if recipe == "evaluate":
-                plan = plan_evaluation(point, gpu=args.gpu)
+                plan = plan_evaluation(point, gpu=args.gpu, num_gpus=args.gpus or 8)
             else:
                 plan = plan_run(point, num_gpus=args.gpus, gpu=args.gpu, utilization=args.utilization,
                                 accelerate_config=accelerate_config, allow_skipped=args.allow_skipped)

@@ -38,7 +38,8 @@ from mmtune.training.plan.common import PlanError
 from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
 from mmtune.training.plan.model import ParamCounts
 
-__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "ZERO3_LIVE_PARAMETERS"]
+__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "resolve_launch_file", "launcher_processes",
+           "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
@@ -92,10 +93,12 @@ def estimate_cost(
 
     * ``materialized``: ``14·s·V`` B (16-bit logits, their fp32 copy, the fp32
       log-softmax kept for backward, and its fp32 gradient in backward);
-    * ``chunked``: ``10·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
-      (fp32 logits, turned into their gradient in place, plus a 16-bit copy and the
-      chunk's 16-bit weight gradient ``2·V·d``), plus ``4·V·d`` for the fp32
-      weight-gradient accumulator when the head trains in 16-bit;
+    * ``chunked``: ``6·c·V`` B for one chunk of ``c = min(s, loss_chunk_size)`` rows
+      (an fp32 block of logits, turned into their gradient in place, and its 16-bit copy
+      for the matmuls, both allocated once), the gradients computed in the forward pass
+      and held until backward: the hidden states' ``2·s·d`` and, when the head trains, the
+      chunk's 16-bit weight-gradient product ``2·V·d`` and (16-bit weights) the fp32
+      weight-gradient accumulator ``4·V·d``;
     * ``fused`` (Liger): ``2·c·V`` B with Liger's chunk ``c = 2^ceil(log2(s / ceil(V/d)))``
       plus the gradients it computes in the forward pass and holds until backward,
       ``2·s·d + 4·V·d`` B.
@@ -140,7 +143,7 @@ def estimate_cost(
     head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
     if loss_impl == "chunked":
         c = min(s, max(1, loss_chunk_size))
-        logits = 10 * c * V + 2 * V * d + head_grad_fp32
+        logits = 6 * c * V + 2 * s * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
     elif loss_impl == "fused":
         c = min(s, 2 ** math.ceil(math.log2(max(1.0, s / math.ceil(V / d)))))
         logits = 2 * c * V + 2 * s * d + (4 * V * d if head_trains else 0)
@@ -163,7 +166,7 @@ def estimate_cost(
         "Memory = weights + grads + AdamW (8 or 12 B/param) sharded by ZeRO stage (+1e9 gathered params "
         "under ZeRO-3) + activations "
         "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
-        + {"chunked": "10·c·V + 2·V·d [+4·V·d fp32 head grad] B, c = loss_chunk_size rows",
+        + {"chunked": "6·c·V + 2·s·d [+2·V·d +4·V·d fp32 head grad] B, c = loss_chunk_size rows",
            "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
     )
     return CostEstimate(
@@ -174,27 +177,59 @@ def estimate_cost(
     )
 
 
+def resolve_launch_file(path: str, what: str = "accelerate config") -> str:
+    """A launch file as given when it exists from the current folder, else the same
+    relative path under the project (where ``launch/`` lives), as the README's commands
+    name them from the repository root.
+
+    Raises:
+        PlanError: neither exists (both places named).
+    """
+    from mmtune.data.config import configs_dir
+
+    if os.path.isfile(path):
+        return path
+    project = Path(configs_dir()).resolve().parent / path
+    if not os.path.isabs(path) and project.is_file():
+        return str(project)
+    tried = f"{os.path.abspath(path)}" + ("" if os.path.isabs(path) else f" or {project}")
+    raise PlanError(f"{what} {path!r} not found (tried {tried})")
+
+
+def launcher_processes(accelerate_config: str) -> Optional[int]:
+    """GPUs an accelerate config launches (``num_processes``; per machine x ``num_machines``
+    when it gives a per-node count), or None when it does not say."""
+    from omegaconf import OmegaConf
+
+    acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config))) or {}
+    processes = acc.get("num_processes")
+    return int(processes) if isinstance(processes, int) and processes > 0 else None
+
+
 def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
-    """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config)."""
+    """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config);
+    relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`)."""
     ds_path = training_cfg.deepspeed_config
     origin = "training.deepspeed_config"
     if accelerate_config:
         from omegaconf import OmegaConf
 
-        acc = OmegaConf.to_container(OmegaConf.load(accelerate_config))
+        acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config)))
         ds = (acc or {}).get("deepspeed_config") or {}
         if ds.get("deepspeed_config_file"):
-            ds_path = ds["deepspeed_config_file"]
-            origin = f"{accelerate_config} -> {ds_path}"
+            ds_path = resolve_launch_file(ds["deepspeed_config_file"], "DeepSpeed config")
+            origin = f"{accelerate_config} -> {ds['deepspeed_config_file']}"
         elif ds:
             return (int(ds.get("zero_stage", 0)), ds.get("offload_optimizer_device", "none") not in (None, "none"),
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
         else:
             return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
     if not ds_path:
-        return 0, False, False, "no DeepSpeed config: DDP (pass --accelerate-config to plan a ZeRO launch)"
-    if not os.path.isfile(ds_path):
-        raise PlanError(f"DeepSpeed config {ds_path!r} ({origin}) does not exist")
+        return 0, False, False, "no DeepSpeed config: DDP assumed (pass --accelerate-config to plan a ZeRO launch)"
+    try:
+        ds_path = resolve_launch_file(ds_path, "DeepSpeed config")
+    except PlanError as err:
+        raise PlanError(f"{err} ({origin})") from None
     zero = json.loads(Path(ds_path).read_text()).get("zero_optimization", {})
 
     def off(key: str) -> bool:

@@ -7,7 +7,11 @@ from typing import Any, Optional
 
 from mmtune.training.plan.common import PlanError
 
-__all__ = ["SourcePlan", "DataPlan", "plan_data"]
+__all__ = ["SourcePlan", "DataPlan", "plan_data", "REPEAT_WARNING"]
+
+REPEAT_WARNING = 4.0
+"""Times per epoch a record may be drawn to reach a mixture ratio before the plan warns:
+a small source seen this often every epoch is learnt by heart rather than from."""
 
 
 @dataclass
@@ -99,6 +103,15 @@ def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Opt
         notes.append("data.stacking is enabled: counts are before stacking (fewer, longer samples in training)")
     notes += [f"source {sd.name!r} skips {sd.report.records_skipped} record(s):\n{sd.report.render()}"
               for sd in loaded if sd.report.records_skipped]
+    if mix.weights:
+        for sd in loaded:
+            times = used[sd.name] / len(sd) if len(sd) else 0.0
+            if times >= REPEAT_WARNING:
+                notes.append(
+                    f"WARNING: source {sd.name!r} has {len(sd):,} record(s) but its ratio draws {used[sd.name]:,} "
+                    f"samples per epoch: each record is repeated {times:.1f} times an epoch, which a model "
+                    f"memorises. Lower its ratio (data.ratios / data.mixture.weights), set "
+                    f"data.mixture.epoch_size, or add data to it")
     sources = []
     tokens_epoch = 0
     images_epoch = 0

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import compose_config
+from mmtune.compose import compose_checked
 from mmtune.evaluation.benchmarks.base import BenchmarkWork
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES, GPU_TYPES, OVERHEAD_GIB, GpuType
@@ -34,7 +35,12 @@ class EvalPlan:
     gpu: str
     fits: bool
     generation: list[dict[str, Any]] = field(default_factory=list)
-    """Per benchmark: :class:`mmtune.evaluation.generation.throughput.GenerationEstimate` as a dict."""
+    """Per benchmark: :class:`mmtune.evaluation.generation.throughput.GenerationEstimate` as a dict,
+    plus ``gpus`` and ``hours_wall`` of a data-parallel evaluation on that many GPUs."""
+    gpus: int = 1
+    """Data-parallel GPUs the evaluation is planned for (``mmtune plan --gpus``)."""
+    served_model: Optional[str] = None
+    """The served model of ``eval.generation.backend: api`` (no local generation then)."""
 
     def render(self) -> str:
         m = self.model
@@ -48,6 +54,11 @@ class EvalPlan:
                     f"{b['judge_calls']:,} judge calls" if b["items"] else b["note"])
             lines.append(f"  benchmark   {b['name']:<10} {what}" + (f"  {b['data_path']}" if b["data_path"] else ""))
         lines.append(f"  judge       {self.judge_model or 'from $MMTUNE_JUDGE_MODEL'}")
+        if self.served_model:
+            answers = sum(b["answers"] for b in self.benchmarks)
+            lines.append(f"  generation  served model {self.served_model!r} ($MMTUNE_GEN_BASE_URL): {answers:,} calls, "
+                         "no local GPU")
+            return "\n".join(lines)
         mem = self.memory_gib
         lines.append("  memory/GPU  " + ", ".join(f"{k} {v:.1f}" for k, v in mem.items() if k != "total")
                      + f" => {mem['total']:.1f} GiB on {self.gpu} " + ("(fits)" if self.fits else "(DOES NOT FIT)"))
@@ -58,10 +69,11 @@ class EvalPlan:
 
 
 def plan_generation(gen_cfg: Any, model_cfg: Any, params: ParamCounts, benches: Sequence[BenchmarkWork],
-                    gpu: GpuType) -> list[dict[str, Any]]:
+                    gpu: GpuType, num_gpus: int = 1) -> list[dict[str, Any]]:
     """Generation time of each benchmark on the batched KV path (or re-encoding), at the
-    batch size the config resolves to for this model; see :mod:`mmtune.evaluation.generation.throughput`."""
-    from mmtune.evaluation.generation.throughput import estimate_generation, resolve_batch_size
+    batch size the config resolves to for this model, on one GPU and split across
+    ``num_gpus``; see :mod:`mmtune.evaluation.generation.throughput`."""
+    from mmtune.evaluation.generation.throughput import estimate_data_parallel, estimate_generation, resolve_batch_size
 
     text = checkpoint_config(model_cfg)[0] or {}
     text = text.get("text_config") or text
@@ -75,13 +87,14 @@ def plan_generation(gen_cfg: Any, model_cfg: Any, params: ParamCounts, benches: 
     for b in benches:
         if not b.answers:
             continue
-        est = estimate_generation(
-            b.name, dialogues=b.items, answers=b.answers, images=b.images, tokens_per_image=params.image_tokens or 0,
-            answer_tokens=gen_cfg.max_new_tokens, batch_size=batch, params=params.total,
-            weight_bytes=wbytes * params.total, kv_bytes_per_token=kv_per_token, window=window,
-            hbm_tbps=gpu.hbm_tbps, peak_tflops=gpu.peak_tflops, kv_reuse=gen_cfg.kv_reuse,
-        )
-        out.append(asdict(est))
+        shared = dict(tokens_per_image=params.image_tokens or 0, answer_tokens=gen_cfg.max_new_tokens, batch_size=batch,
+                      params=params.total, weight_bytes=wbytes * params.total, kv_bytes_per_token=kv_per_token,
+                      window=window, hbm_tbps=gpu.hbm_tbps, peak_tflops=gpu.peak_tflops, kv_reuse=gen_cfg.kv_reuse)
+        est = estimate_generation(b.name, dialogues=b.items, answers=b.answers, images=b.images, **shared)
+        used, share = estimate_data_parallel(b.name, gpus=num_gpus, dialogues=b.items, answers=b.answers,
+                                             images=b.images, **shared)
+        out.append({**asdict(est), "gpus": used, "hours_wall": share.hours,
+                    "dialogues_per_gpu": math.ceil(max(b.items, 1) / used), "answers_per_gpu": share.answers})
     return out
 
 
@@ -95,21 +108,25 @@ def render_generation_estimates(estimates: Sequence[dict[str, Any]]) -> list[str
                      f"(B=1: {e['hours_batch1']:.2f}); {e['answers']:,} answers x {e['answer_tokens']} tokens in "
                      f"{e['rounds']:,} rounds, {human(e['prefill_tokens'])} prefill tokens, "
                      f"decode {e['decode_tokens_per_s']:,.0f} tok/s")
+        if e.get("gpus", 1) > 1:
+            lines.append(f"              on {e['gpus']} GPUs: <= {e['hours_wall']:.2f} h wall, {e['dialogues_per_gpu']:,} "
+                         f"dialogues / {e['answers_per_gpu']:,} answers per GPU (data-parallel, balanced by tokens)")
     if lines:
         lines.append(f"              (decode at {DECODE_EFFICIENCY:.0%} of HBM bandwidth, weights + KV read per step; "
                      "every answer at max_new_tokens)")
     return lines
 
 
-def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalPlan:
-    """Resolve one ``recipes/evaluate.py`` run: model, benchmark data, judge calls, memory."""
+def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g", num_gpus: int = 1) -> EvalPlan:
+    """Resolve one ``recipes/evaluate.py`` run: model, benchmark data, judge calls, memory,
+    and generation time on one GPU and on ``num_gpus`` (a data-parallel evaluation)."""
     from mmtune.evaluation.benchmarks.registry import get_benchmark
     from mmtune.evaluation.config import to_evaluate_config
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
     try:
-        cfg = to_evaluate_config(compose_config(overrides, config_name="evaluate"))
+        cfg = to_evaluate_config(compose_checked(overrides, "evaluate", command="mmtune plan --recipe evaluate"))
     except Exception as err:  # noqa: BLE001 - config errors name the key; report them with the run
         raise PlanError(f"evaluation config [{' '.join(overrides)}] is invalid:\n{err}") from err
     problems: list[str] = []
@@ -121,13 +138,16 @@ def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalP
         elif run_file.is_file():
             model_cfg.family = json.loads(run_file.read_text()).get("family", model_cfg.family)
         model_cfg.path = cfg.checkpoint
+    served = cfg.eval.generation.api.model if cfg.eval.generation.backend == "api" else None
     params = None
-    try:
-        peft = argparse.Namespace(method="none", r=0, target_modules=None)
-        frozen = argparse.Namespace(**{g: argparse.Namespace(train=False) for g in ("vision", "projector", "language_model")})
-        params = count_parameters(model_cfg, peft, frozen)
-    except PlanError as err:
-        problems.append(str(err))
+    if not served:  # a served model answers: nothing is loaded here, no parameters to count
+        try:
+            peft = argparse.Namespace(method="none", r=0, target_modules=None)
+            frozen = argparse.Namespace(**{g: argparse.Namespace(train=False) for g in ("vision", "projector",
+                                                                                       "language_model")})
+            params = count_parameters(model_cfg, peft, frozen)
+        except PlanError as err:
+            problems.append(str(err))
     from mmtune.data.config import default_cache_dir
 
     cache_dir = os.path.join(default_cache_dir(), "eval")
@@ -161,5 +181,6 @@ def plan_evaluation(overrides: Sequence[str], *, gpu: str = "a100-80g") -> EvalP
         params=asdict(params) if params else None, context_length=window,
         benchmarks=[asdict(b) for b in benches], judge_model=cfg.eval.judge.model, memory_gib=mem,
         decode_gpu_hours_max=hours, gpu=g.name, fits=mem["total"] <= g.memory_gib,
-        generation=plan_generation(cfg.eval.generation, model_cfg, params, benches, g) if params else [],
+        generation=plan_generation(cfg.eval.generation, model_cfg, params, benches, g, num_gpus) if params else [],
+        gpus=num_gpus, served_model=served,
     )

@@ -35,7 +35,8 @@ class ParamCounts:
     num_layers: int
     vocab_size: int
     image_tokens: Optional[int]
-    """Tokens per image, when the config says (patches of a square image)."""
+    """Tokens per image, when the family can say from the config (the adapter's
+    ``planned_image_tokens``: the patches of a square image, a pixel-count bound)."""
     source: str
     """How the counts were obtained: meta-device build from which config."""
 
@@ -110,10 +111,7 @@ def count_parameters(model_cfg: Any, peft_cfg: Any, training_cfg: Any) -> ParamC
     t = training_cfg
     trainable_lm = (lora if peft_cfg.method != "none" else lm) if t.language_model.train else 0
     trainable = trainable_lm + (vision if t.vision.train else 0) + (projector if t.projector.train else 0)
-    vc = getattr(model.config, "vision_config", None)
-    image_tokens = None
-    if vc is not None and getattr(vc, "image_size", None) and getattr(vc, "patch_size", None):
-        image_tokens = (int(vc.image_size) // int(vc.patch_size)) ** 2
+    image_tokens = family.planned_image_tokens(model_cfg, model.config)
     return ParamCounts(total + lora, vision, projector, lm, trainable, trainable_lm, lora, hidden, layers, vocab,
                        image_tokens, source)
 

@@ -6,10 +6,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import compose_config
+from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
-from mmtune.training.plan.cost import estimate_cost, zero_settings
+from mmtune.training.plan.cost import estimate_cost, launcher_processes, zero_settings
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
 from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
@@ -28,6 +28,11 @@ class RunPlan:
     context: dict[str, Any]
     peft: dict[str, Any]
     batching: dict[str, Any]
+    attention: str
+    """What the language model's attention runs while training (``training.packed_attention``)."""
+    loss: str
+    """The loss the loop will run (``training.loss_impl`` resolved as the loop resolves it, for
+    CUDA GPUs) and, for a fallback, why."""
     zero: dict[str, Any]
     cost: Optional[dict[str, Any]]
     evaluation: dict[str, Any]
@@ -68,6 +73,8 @@ class RunPlan:
             lines += ["  note        " + n.replace("\n", "\n              ") for n in d["notes"]]
         b = self.batching
         lines.append(f"  batching    {b['description']}")
+        lines.append(f"  attention   {self.attention}")
+        lines.append(f"  loss        {self.loss}")
         z = self.zero
         lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
                      + (" + optimizer offload" if z["offload_optimizer"] else "")
@@ -124,20 +131,28 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
 def plan_run(
     overrides: Sequence[str],
     *,
-    num_gpus: int = 8,
+    num_gpus: Optional[int] = 8,
     gpu: str = "a100-80g",
     utilization: float = 0.35,
     accelerate_config: Optional[str] = None,
     allow_skipped: bool = False,
     skip_data: bool = False,
 ) -> RunPlan:
-    """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem."""
+    """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem.
+
+    Without ``accelerate_config``, the run is planned for the launcher its experiment file's
+    command names (``accelerate launch --config_file ...``), so the memory figure is the one
+    of the command that runs it; the plan says which launcher it used or assumed.
+    ``num_gpus=None`` takes the launcher's process count (8 when it gives none).
+    """
+    from mmtune.training.plan.sweeps import experiment_launcher
     from mmtune.training.config import ConfigError, to_sft_config
+    from mmtune.training.packed_attention import resolve_attention
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
-    try:
-        cfg = to_sft_config(compose_config(overrides))
+    try:  # a bad override is one line naming the key and the closest known one
+        cfg = to_sft_config(compose_checked(overrides, "sft", command="mmtune plan --recipe sft"))
     except (ConfigError, ValueError) as err:
         raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
     except Exception as err:  # OmegaConf errors name the key; pass them on with the run
@@ -156,9 +171,10 @@ def plan_run(
             original = (model_dict.get("text_config") or model_dict).get("max_position_embeddings")
         elif cfg.model.path is None:
             original = ((cfg.model.architecture or {}).get("text_config") or {}).get("max_position_embeddings")
-    # The trainer's sample budget: the context window, else the model's own window
-    # (it overrides collator.max_length when it connects the data module).
-    window = int(cfg.context.max_length or original or cfg.collator.max_length)
+    # The trainer's sample budget: the context window when the context group sets one (it
+    # overrides collator.max_length when the trainer connects the data module), else the
+    # collator's own budget, as SFTRecipe.setup takes it.
+    window = int(cfg.context.max_length or cfg.collator.max_length)
     data = None
     if not skip_data:
         try:
@@ -167,11 +183,21 @@ def plan_run(
                              image_limits=cfg.model.image_limits)
         except PlanError as err:
             problems.append(str(err))
+    launcher_note = ""
+    if accelerate_config is None:
+        accelerate_config = experiment_launcher(overrides)
+        if accelerate_config:
+            launcher_note = ", the launcher of the experiment's own command"
     try:
         stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
+        if num_gpus is None:
+            num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
+            launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
     except PlanError as err:
         problems.append(str(err))
         stage, off_opt, off_par, origin = 0, False, False, "?"
+        num_gpus = num_gpus or 8
+    origin += launcher_note
     if problems:
         raise PlanError(f"run [{' '.join(overrides)}]:\n" + "\n".join(problems))
 
@@ -180,14 +206,16 @@ def plan_run(
     if cfg.context.max_length and original and cfg.context.rope_scaling != "none":
         factor = max(1.0, cfg.context.max_length / original)
 
+    from mmtune.training.loss import describe, planned_loss_impl
+
+    loss_line = f"training.loss_impl={cfg.training.loss_impl} (not resolved: the model could not be planned)"
     cost = None
     if params is not None and data is not None:
-        from mmtune.training.loss import planned_loss_impl
-
         try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
             loss = planned_loss_impl(cfg, meta_model(cfg.model)[0], zero_stage=stage)
         except ValueError as err:
             raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
+        loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
             full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
@@ -227,6 +255,9 @@ def plan_run(
               "train_vision": cfg.training.vision.train, "train_projector": cfg.training.projector.train,
               "train_language_model": cfg.training.language_model.train},
         batching=batching,
+        loss=loss_line,
+        attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
+                                    attn_implementation=cfg.model.attn_implementation).description,
         zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
               "num_gpus": num_gpus},
         cost=asdict(cost) if cost else None,

@@ -7,9 +7,9 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import RECIPES
+from mmtune.compose import RECIPES, experiment_name, experiment_recipe
 
-__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "sweep_accelerate_config"]
+__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "experiment_launcher", "sweep_accelerate_config"]
 
 
 def sweep_grid(sweep: dict[str, Any] | str | os.PathLike) -> list[list[str]]:
@@ -49,24 +49,25 @@ def sweep_recipe(sweep: str | os.PathLike) -> str:
     raise ValueError(f"program {program!r} is not one of {sorted(RECIPES.values())}")
 
 
-def experiment_recipe(overrides: Sequence[str]) -> str:
-    """The recipe an ``experiment=`` override's file names in its leading command comment
-    (every experiment file starts with the command that runs it); ``sft`` if none."""
+def experiment_launcher(overrides: Sequence[str]) -> Optional[str]:
+    """The ``--config_file`` of the ``accelerate launch`` command an ``experiment=`` file
+    starts with (every experiment file names the command that runs it), if any: the
+    launcher ``mmtune plan`` plans when none is given."""
+    import shlex
+
     from mmtune.data.config import configs_dir
 
-    for o in overrides:
-        key, _, name = o.partition("=")
-        if key.lstrip("+") != "experiment" or not name:
-            continue
-        path = configs_dir() / "experiment" / f"{name}.yaml"
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                if not line.startswith("#"):
-                    break
-                for recipe, script in RECIPES.items():
-                    if script in line:
-                        return recipe
-    return "sft"
+    name = experiment_name(overrides)
+    path = configs_dir() / "experiment" / f"{name}.yaml"
+    if not name or not path.is_file():
+        return None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        words = shlex.split(line.lstrip("# "), comments=False, posix=True) if "--config_file" in line else []
+        if "--config_file" in words[:-1]:
+            return words[words.index("--config_file") + 1]
+    return None
 
 
 def sweep_accelerate_config(sweep: str | os.PathLike) -> Optional[str]:

@@ -1,0 +1,232 @@
+"""The ``api`` generation backend against a loopback model server that checks every request:
+the history holds the model's own answers and every image so far, decoding is as configured,
+failed and empty turns are recorded per turn, resumed, and fail the run above the allowed share."""
+
+import json
+import random
+
+import pytest
+from PIL import Image as PILImage
+
+from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+from mmtune.evaluation.config import EvalConfig, GenerationConfig
+from mmtune.evaluation.config import ApiGenerationConfig
+from mmtune.evaluation.generation.api import ApiGenerator
+from mmtune.evaluation.generation.records import GenerationFailures, StaleGenerationsError, read_generations
+from mmtune.evaluation.runner import evaluate_checkpoint
+from tests.support.fake_judge import Scripted
+from tests.support.fake_model import CheckingModel, default_answer
+
+KEY = "sk-gen-SECRET-91b2"
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
+
+
+def _benchmark(root, n=5, seed=0, big=None):
+    """An MMDU-schema file of ``n`` dialogues, 1-4 turns each, images in some turns (two in
+    one), questions naming earlier images; the references are what the fake model answers."""
+    rng = random.Random(seed)
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    records = []
+    for d in range(n):
+        images, conversations, shown = [], [], 0
+        for t in range(rng.randint(1, 4)):
+            take = 2 if t == 1 else int(rng.random() < 0.5 or t == 0)
+            marks = []
+            for _ in range(take):
+                shown += 1
+                name = f"img/{d}-{shown}.png"
+                size = big if big and shown == 1 else (40 + 8 * shown, 32)
+                PILImage.new("RGB", size, COLOURS[(d + shown) % len(COLOURS)]).save(root / name)
+                images.append(name)
+                marks.append(f"Image{shown}: <ImageHere>")
+            question = (f"dialogue {d}: describe Image{shown}." if t == 0
+                        else f"Compare Image1 and Image{max(shown, 1)} (turn {t}).")
+            conversations += [{"from": "user", "value": " ".join(marks + [question])},
+                              {"from": "assistant", "value": default_answer(f"d{d}", t)}]
+        records.append({"id": f"d{d}", "image": images, "conversations": conversations})
+    path = root / "bench.json"
+    path.write_text(json.dumps(records))
+    return path, load_mmdu_dialogues(path, image_root=str(root), source="synthetic")
+
+
+def _cfg(data, root, **api):
+    settings = {"model": "gpt-4o-2024-05-13", "concurrency": 3, "backoff_base_s": 0.001, "backoff_max_s": 0.002,
+                "timeout_s": 5.0, **api}
+    gen = GenerationConfig(max_new_tokens=16, backend="api", api=ApiGenerationConfig(**settings))
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False, generation=gen)
+    cfg.synthetic.data_path, cfg.synthetic.image_root = str(data), str(root)
+    return cfg
+
+
+@pytest.fixture
+def env(monkeypatch):
+    def point_at(server):
+        monkeypatch.setenv("MMTUNE_GEN_BASE_URL", server.base_url)
+        monkeypatch.setenv("MMTUNE_GEN_API_KEY", KEY)
+    return point_at
+
+
+def _turns(dialogues):
+    return [(d.id, t) for d in dialogues for t in range(len(list(d.exchanges())))]
+
+
+def test_served_model_sees_its_own_answers_and_every_image_so_far(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=6)
+    model = CheckingModel(dialogues, expect={"temperature": 0.0, "max_tokens": 16, "model": "gpt-4o-2024-05-13"})
+    out = tmp_path / "out"
+    with model.serve(max_requests=100, lifetime_s=120) as server:
+        env(server)
+        results = evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(out), run_name="gpt4o")
+    assert model.problems == []
+    assert sorted(model.asked) == sorted(_turns(dialogues)) and len(model.asked) == len(set(model.asked))
+    # every turn's request came after the dialogue's previous answer (its history holds it)
+    for d in dialogues:
+        asked = [t for i, t in model.asked if i == d.id]
+        assert asked == sorted(asked)
+    result = results["synthetic"]
+    assert result.model == "gpt-4o-2024-05-13" and result.metrics["exact_match"] == 100.0
+    usage = result.meta["generation_usage"]
+    assert usage["completed"] == usage["requests"] == len(model.asked) and usage["failed"] == 0
+    assert usage["cost_usd"] == pytest.approx((usage["prompt_tokens"] * 2.5 + usage["completion_tokens"] * 10) / 1e6)
+    assert result.meta["generation"]["backend"] == "api"
+    # the local generator's file format, in dialogue and turn order, with the settings it depends on
+    rows = read_generations(out / "generations" / "synthetic.jsonl")
+    assert [(r["dialogue_id"], r["turn"]) for r in rows] == _turns(dialogues)
+    assert all(r["answer"] == default_answer(r["dialogue_id"], r["turn"]) and "error" not in r for r in rows)
+    settings = json.loads((out / "generations" / "synthetic.settings.json").read_text())
+    assert settings["model"] == "gpt-4o-2024-05-13" and settings["about"]["endpoint"] == server.base_url
+    assert settings["temperature"] == 1.0 and settings["do_sample"] is False
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
+            assert KEY not in path.read_text(errors="replace")
+    assert server.auth_headers[0] == f"Bearer {KEY}"
+
+
+def test_sampling_settings_and_system_prompt_are_sent_and_keyed(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=2, seed=1)
+    expect = {"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 16}
+    model = CheckingModel(dialogues, expect=expect, system="Answer briefly.")
+    cfg = _cfg(data, tmp_path)
+    cfg.generation.do_sample, cfg.generation.temperature, cfg.generation.top_p, cfg.generation.seed = True, 0.7, 0.9, 3
+    cfg.generation.system_prompt = "Answer briefly."
+    with model.serve(max_requests=50, lifetime_s=120) as server:
+        env(server)
+        evaluate_checkpoint(None, cfg, output_dir=str(tmp_path / "out"), run_name="r")
+        assert model.problems == [] and len(model.asked) == len(_turns(dialogues))
+        cfg.generation.temperature = 0.2  # other decoding: the stored answers are not resumed
+        with pytest.raises(StaleGenerationsError, match=r"\['temperature'\]"):
+            evaluate_checkpoint(None, cfg, output_dir=str(tmp_path / "out"), run_name="r")
+
+
+def test_failed_turns_are_recorded_fail_the_run_and_are_asked_again(tmp_path, env, capsys):
+    data, dialogues = _benchmark(tmp_path, n=5, seed=2)
+    two_turns = [d for d in dialogues if len(list(d.exchanges())) >= 2][0]
+
+    def broken(dialogue_id, turn):
+        if dialogue_id == two_turns.id and turn == 0:
+            return Scripted(status=500, content="overloaded")
+        return default_answer(dialogue_id, turn)
+
+    out = tmp_path / "out"
+    model = CheckingModel(dialogues, answer=broken)
+    with model.serve(max_requests=200, lifetime_s=120) as server:
+        env(server)
+        with pytest.raises(GenerationFailures, match="have no usable answer") as err:
+            evaluate_checkpoint(None, _cfg(data, tmp_path, max_retries=1), output_dir=str(out), run_name="r")
+    later = len(list(two_turns.exchanges())) - 1
+    assert f"{1 + later} of {len(_turns(dialogues))} turns" in str(err.value) and "HTTP 500" in str(err.value)
+    assert "the model server failed" in str(err.value)
+    assert model.asked.count((two_turns.id, 0)) == 2 and (two_turns.id, 1) not in model.asked  # not asked after
+    # results, details and the per-turn errors are written before the exit
+    result = json.loads((out / "synthetic.json").read_text())
+    assert result["counts"]["missing"] == 1 + later and result["meta"]["generation_usage"]["failed"] == 1
+    rows = {(r["dialogue_id"], r["turn"]): r for r in read_generations(out / "generations" / "synthetic.jsonl")}
+    assert rows[(two_turns.id, 0)]["finish_reason"] == "error" and rows[(two_turns.id, 0)]["error"]["status"] == 500
+    assert "not asked: turn 0" in rows[(two_turns.id, 1)]["error"]["message"]
+    assert sum("error" in r for r in rows.values()) == 1 + later
+
+    # a re-run asks only the failed turn and the ones after it; everything else is resumed
+    healthy = CheckingModel(dialogues)
+    healthy.given.update(model.given)
+    with healthy.serve(max_requests=50, lifetime_s=120) as server:
+        env(server)
+        again = evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(out), run_name="r")
+    assert healthy.problems == [] and sorted(healthy.asked) == [(two_turns.id, t) for t in range(1 + later)]
+    assert again["synthetic"].metrics["exact_match"] == 100.0
+    rows = read_generations(out / "generations" / "synthetic.jsonl")
+    assert [(r["dialogue_id"], r["turn"]) for r in rows] == _turns(dialogues) and not any("error" in r for r in rows)
+
+
+def test_empty_answers_count_against_the_allowed_share(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=4, seed=3)
+    first = dialogues[0].id
+    answer = lambda d, t: "   " if (d, t) == (first, 0) else default_answer(d, t)  # noqa: E731
+    model = CheckingModel(dialogues, answer=answer)
+    with model.serve(max_requests=100, lifetime_s=120) as server:
+        env(server)
+        with pytest.raises(GenerationFailures, match="0 failed after retries, 1 empty"):
+            evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(tmp_path / "a"), run_name="r")
+        results = evaluate_checkpoint(None, _cfg(data, tmp_path, max_failed_share=0.5),
+                                      output_dir=str(tmp_path / "b"), run_name="r")
+    assert model.problems == []  # the empty answer went into the next turn's history as ""
+    row = read_generations(tmp_path / "b" / "generations" / "synthetic.jsonl")[0]
+    assert row["answer"] == "" and "empty" in row["error"]["message"]
+    assert results["synthetic"].counts["missing"] == 0 and results["synthetic"].counts["correct"] == len(model.asked) // 2 - 1
+
+
+def test_images_above_the_cap_are_downscaled_or_refused(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=2, seed=4, big=(300, 120))
+    model = CheckingModel(dialogues, max_side=100)
+    with model.serve(max_requests=100, lifetime_s=120) as server:
+        env(server)
+        evaluate_checkpoint(None, _cfg(data, tmp_path, max_image_side=100), output_dir=str(tmp_path / "a"),
+                            run_name="r")
+        assert model.problems == []
+        rows = read_generations(tmp_path / "a" / "generations" / "synthetic.jsonl")
+        assert all("300x120 -> 100x40" in list(r["context"]["downscaled"].values())[0] for r in rows)
+        asked = len(model.asked)
+        with pytest.raises(GenerationFailures, match="refused"):
+            evaluate_checkpoint(None, _cfg(data, tmp_path, max_image_side=100, oversize="refuse"),
+                                output_dir=str(tmp_path / "b"), run_name="r")
+    assert len(model.asked) == asked  # nothing was sent
+    rows = read_generations(tmp_path / "b" / "generations" / "synthetic.jsonl")
+    assert all(r["finish_reason"] == "error" for r in rows) and "300x120" in rows[0]["error"]["message"]
+
+
+def test_a_wrong_key_names_its_variable_and_never_leaks(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=1, seed=5)
+    model = CheckingModel(dialogues, answer=lambda d, t: Scripted(status=401, content=f"bad key {KEY}"))
+    with model.serve(max_requests=20, lifetime_s=120) as server:
+        env(server)
+        with pytest.raises(GenerationFailures) as err:
+            evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(tmp_path / "o"), run_name="r")
+    assert "$MMTUNE_GEN_API_KEY" in str(err.value) and KEY not in str(err.value)
+    assert len(model.asked) == 1  # 401 is not retried
+    assert KEY not in (tmp_path / "o" / "generations" / "synthetic.jsonl").read_text()
+
+
+def test_concurrency_is_bounded_by_the_setting(tmp_path, env):
+    data, dialogues = _benchmark(tmp_path, n=8, seed=6)
+    model = CheckingModel(dialogues, answer=lambda d, t: Scripted(default_answer(d, t), delay_s=0.05))
+    with model.serve(max_requests=100, lifetime_s=120) as server:
+        env(server)
+        generator = ApiGenerator(_cfg(data, tmp_path, concurrency=4).generation)
+        records = generator.generate(dialogues)
+    assert model.problems == [] and server.max_in_flight <= 4 and server.max_in_flight >= 2
+    assert [(r.dialogue_id, r.turn) for r in records] == _turns(dialogues)
+
+
+def test_config_is_checked_at_start_up(tmp_path):
+    from mmtune.evaluation.config import validate_eval_config
+    from mmtune.evaluation.generation.data_parallel import Layout, check_layout
+
+    data, _ = _benchmark(tmp_path, n=1)
+    cfg = _cfg(data, tmp_path, concurrency=0, oversize="shrink", max_image_side=0)
+    cfg.generation.api.model = None
+    with pytest.raises(ValueError) as err:
+        validate_eval_config(cfg)
+    for key in ("api.model is required", "api.concurrency=0", "api.oversize='shrink'", "api.max_image_side=0"):
+        assert key in str(err.value)
+    assert "launched with 2 processes" in check_layout(_cfg(data, tmp_path).generation, Layout(0, 2))[0]
+    with pytest.raises(ValueError, match="nothing is loaded"):
+        evaluate_checkpoint("some/ckpt", _cfg(data, tmp_path), output_dir=str(tmp_path / "o"))
