@@ -188,7 +188,7 @@ def test_the_length_pass_skips_or_refuses_an_image_the_processor_refuses(qwen, f
     strip = _refused_image(tmp_path)
     dialogues = [Dialogue(f"d{i}", "src", (Turn("user", (Image(strip if i == 2 else good), "q")),
                                            Turn("assistant", ("a",)))) for i in range(4)]
-    with pytest.raises(CorruptImageError, match=r"strip\.png.*'d2', turn 0"):
+    with pytest.raises(CorruptImageError, match=r"strip\.png.*'d2', turn 1 \(question\)"):
         compute_lengths(qwen, dialogues, max_length=256)
     table = compute_lengths(qwen, dialogues, max_length=256, image_errors="skip", cache_dir=str(tmp_path / "len"))
     assert table.lengths[2] == 0 and all(table.lengths[i] > 0 for i in (0, 1, 3))

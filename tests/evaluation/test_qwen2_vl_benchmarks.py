@@ -1,10 +1,13 @@
 """The qwen2_vl family through evaluation: MMDU, MM-Vet, MDI and the synthetic benchmark run to
-the end with a saved tiny Qwen2.5-VL checkpoint (loopback judge), and the lmms-eval model
-``mmtune`` serves it (checked against a stand-in of lmms-eval's documented API)."""
+the end with a saved tiny Qwen2.5-VL checkpoint (loopback judge), and lmms-eval (0.7.3, run
+in a process of its own as in test_lmms_model.py) evaluates it through the lmms-eval model
+``mmtune``, its replies equal to mmtune's own generator's answers."""
 
-import dataclasses
+import importlib.util
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image as PILImage
@@ -15,7 +18,6 @@ from mmtune.evaluation.config import EvalConfig, GenerationConfig, JudgeConfig
 from mmtune.evaluation.runner import evaluate_checkpoint
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
-from tests.evaluation.test_lmms_model import Request, fake_lmms_eval  # noqa: F401 (a fixture)
 from tests.support.fake_judge import FakeJudgeServer, Scripted
 
 MMDU_REPLY = ("Fine.\n{'Creativity': 6, 'Richness': 6, 'Visual Perception': 7, 'Logical Coherence': 7, "
@@ -97,24 +99,31 @@ def test_mmdu_mmvet_mdi_and_synthetic_run_with_the_family(checkpoint, data, tmp_
     assert (tmp_path / "eval" / "report.md").exists()
 
 
-def test_the_lmms_eval_model_serves_the_family(fake_lmms_eval, checkpoint):  # noqa: F811
-    from mmtune.evaluation import lmms_model
+@pytest.mark.skipif(importlib.util.find_spec("lmms_eval") is None,
+                    reason="lmms-eval is an optional extra: pip install --no-deps lmms-eval==0.7.3 && "
+                    "pip install -e '.[lmms-eval-runtime]' (as .ci/run does)")
+def test_lmms_eval_evaluates_the_family_through_the_mmtune_model(checkpoint, tmp_path):
+    from mmtune.evaluation.generation.loading import load_for_evaluation
+    from tests.evaluation.test_lmms_model import _env, _own_answers, _task
 
-    lmms_model.register()
-    cls = fake_lmms_eval.MODEL_REGISTRY_V2.get_model_class("mmtune")
-    model = cls(pretrained=str(checkpoint), family="qwen2_vl", device="cpu")
-    assert model.engine.adapter.family == "qwen2_vl" and model.engine.adapter.model_type == "qwen2_5_vl"
-    wide, tall = PILImage.new("RGB", (120, 40), (200, 30, 30)), PILImage.new("RGB", (30, 90), (20, 30, 200))
-    model.task_dict = {"mmstar": {"val": {0: {"images": [wide]}, 1: {"images": [wide, tall]}}}}
-    visual = lambda doc: doc["images"]  # noqa: E731
-    replies = model.generate_until([
-        Request(("<image>\nWhat colour is it?", {"max_new_tokens": 4, "temperature": 0}, visual, 0, "mmstar", "val")),
-        Request(("Compare the two.", {"max_new_tokens": 4}, visual, 1, "mmstar", "val")),
-    ])
-    assert len(replies) == 2 and all(isinstance(r, str) for r in replies)
+    adapter, model, _ = load_for_evaluation(str(checkpoint), ModelConfig(family="qwen2_vl"), device="cpu")
+    assert adapter.family == "qwen2_vl" and adapter.model_type == "qwen2_5_vl"
+    _, docs = _task(tmp_path / "probe", "probe", ["-"] * 3)
+    own = _own_answers(adapter, model, docs)
+    # the references are the model's own answers: lmms-eval's replies must score 1.0
+    task_dir, _ = _task(tmp_path / "qwen", "qwen_tiny", own, until="NEVER-SEEN")
+    spec = {"runs": [{"name": "qwen", "task_dir": str(task_dir), "task": "qwen_tiny",
+                      "model_args": f"pretrained={checkpoint},family=qwen2_vl,device=cpu"}]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    worker = Path(__file__).with_name("lmms_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "spec.json"), str(tmp_path / "report.json")],
+                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())["qwen"]
+    assert report["model"] == "mmtune" and report["replies"] == own
+    assert report["results"]["exact_match,none"] == 1.0
     # the runner hands lmms-eval this family through the mmtune model, with its model config
     command = build_command(str(checkpoint), LmmsEvalConfig(tasks=["mmstar"]), family="qwen2_vl", output_path="/o",
                             python=sys.executable, model_config_file="/o/mmtune_model.json")
     assert command[2] == "mmtune.evaluation.lmms_model" and command[command.index("--model") + 1] == "mmtune"
     assert "family=qwen2_vl" in command[command.index("--model_args") + 1]
-    assert dataclasses.is_dataclass(model.engine.adapter.config)

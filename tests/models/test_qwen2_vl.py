@@ -250,13 +250,13 @@ def test_refused_and_unreadable_images_are_named(adapters, tmp_path):
     PILImage.new("RGB", (201, 1)).save(wide)
     dialogue = Dialogue("rec-7", "t", (Turn("user", ("a",)), Turn("assistant", ("b",)),
                                        Turn("user", (Image(str(wide)), "c")), Turn("assistant", ("d",))))  # fmt: skip
-    with pytest.raises(UnsupportedImageError, match=r"wide.png' \(dialogue 'rec-7', turn 2\).*201 x 1 px.*200") as info:
+    with pytest.raises(UnsupportedImageError, match=r"wide.png' \(dialogue 'rec-7', turn 2 \(question\)\).*201 x 1 px.*200") as info:
         encode_example(adapter, dialogue, max_length=None)
     assert isinstance(info.value, CorruptImageError) and info.value.turn == 2
     with pytest.raises(UnsupportedImageError, match="rec-7"):
         adapter.measure_many([dialogue])
     missing = Dialogue("rec-8", "t", (Turn("user", (Image(str(tmp_path / "gone.png")),)), Turn("assistant", ("b",))))
-    with pytest.raises(CorruptImageError, match=r"gone.png' \(dialogue 'rec-8', turn 0\)"):
+    with pytest.raises(CorruptImageError, match=r"gone.png' \(dialogue 'rec-8', turn 1 \(question\)\)"):
         adapter.encode_dialogue(missing)
     ok = tmp_path / "ok.png"
     PILImage.new("RGB", (200, 1)).save(ok)  # exactly the largest ratio the processor accepts

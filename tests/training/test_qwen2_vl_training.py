@@ -259,7 +259,7 @@ def test_a_sample_with_an_image_the_processor_refuses_is_left_out_and_reported(m
     data.write_text(json.dumps(records))
     source = ("synthetic.enabled=false", "data.mixture.sources.0.format=llava", f"data.mixture.sources.0.path={data}",
               f"data.mixture.sources.0.image_root={images}", "training.max_steps=1")
-    with pytest.raises(ValueError, match=r"strip\.png.*'r3', turn 0.*aspect ratio"):
+    with pytest.raises(ValueError, match=r"strip\.png.*'r3', turn 1 \(question\).*aspect ratio"):
         make_recipe(*source, "data.validation.mode=strict", name="strict")
     recipe = make_recipe(*source, "data.validation.mode=skip", name="skip")
     (loss,) = recipe.data.loss_report.sources

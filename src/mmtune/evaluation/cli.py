@@ -152,8 +152,6 @@ def _benchmark_parser(parent: Any, bench: Any, *, generate: bool) -> None:
     parser.add_argument("--run", default="eval", help="run label written into the results")
     if not generate:
         parser.add_argument("--model", default="external", help="model label written into the results")
-    taken = set(_COMMON) | set(_GENERATION) | {"--out", "--run", "--model", "--family", "--trust-remote-code",
-                                               "--processes"}
     for field in dataclasses.fields(bench.settings_class):
         if generate and field.name == "predictions":
             continue  # `checkpoint` generates the answers
