@@ -297,7 +297,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and ("=" in argv[0] or argv[0].startswith(("+", "~"))):  # Hydra overrides, as for recipes/evaluate.py
         return _run_overrides(argv)
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as err:  # a benchmark's own config names a setting that does not exist
+        print(f"mmtune evaluate: {err}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     names = flag_names(parser, args)
 
