@@ -203,8 +203,8 @@ def test_check_finds_images_too_large_from_their_header(tmp_path, pics, capsys):
                    {"from": "user", "value": "<ImageHere> ?"}, {"from": "assistant", "value": "x"}]}]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(records))
-    assert main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")]) == 0
-    out = capsys.readouterr().out
+    assert main(["check", str(path), "--image-root", str(pics), "--cache-dir", str(tmp_path / "cache")]) == 1
+    out = capsys.readouterr().out  # a skipped record fails the check (--allow-skips accepts it)
     assert "kept 1, skipped 1" in out and "image_too_large" in out
     assert "e.g. thin turn 1 (question)" in out and "1 x 30000 px, an aspect ratio of 30000:1" in out
     assert main(["check", str(path), "--image-root", str(pics), "--strict", "--cache-dir", str(tmp_path / "c2")]) == 1
