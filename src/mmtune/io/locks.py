@@ -59,7 +59,7 @@ from typing import Any, Optional
 
 from mmtune.io.disk import disk_full_guard
 
-__all__ = ["LOCK_FILE", "DirectoryLockedError", "DirectoryLock", "lock_directory", "read_holder"]
+__all__ = ["LOCK_FILE", "DirectoryLockedError", "DirectoryLock", "lock_directory", "read_holder", "pid_alive"]
 
 LOCK_FILE = ".mmtune.lock"
 """Name of the lock file inside a locked directory."""
@@ -170,7 +170,8 @@ def read_holder(directory: str | os.PathLike, name: str = LOCK_FILE) -> dict[str
     return record if isinstance(record, dict) else {}
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` exists on this host (``True`` when that cannot be told)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -184,7 +185,7 @@ def _refusal(directory: Path, holder: dict[str, Any], hint: str, name: str = LOC
     if holder:
         who = (f"pid {holder.get('pid')} on host {holder.get('host')}, running `{holder.get('command')}` "
                f"since {holder.get('since')}" + (f" ({holder['purpose']})" if holder.get("purpose") else ""))
-        if holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid")):
+        if holder.get("host") == socket.gethostname() and not pid_alive(holder.get("pid")):
             who += (f"; that pid has exited, so a process it started holds the lock now (it goes when that one "
                     f"exits; `fuser -v {directory / name}` names it)")
     else:

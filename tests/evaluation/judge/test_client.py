@@ -12,7 +12,8 @@ import pytest
 
 from mmtune.evaluation.config import JudgeConfig
 from tests.support.fake_judge import FakeJudgeServer, Scripted
-from mmtune.evaluation.judge.client import JudgeCache, JudgeClient, JudgeRequest
+from mmtune.evaluation.judge.cache import JudgeCache
+from mmtune.evaluation.judge.client import JudgeClient, JudgeRequest
 
 KEY = "sk-test-SECRET-4f7a9c"
 

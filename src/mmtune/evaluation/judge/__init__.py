@@ -1,9 +1,9 @@
 """The LLM judge: an OpenAI-compatible client with bounded concurrency, retries, an on-disk
-cache of every reply and loud failures (:mod:`.client`), and its settings (:mod:`.config`).
+cache of every reply (:mod:`.cache`) and loud failures (:mod:`.client`), and its settings (:mod:`.config`).
 What a benchmark asks the judge, and how it reads the reply, is the benchmark's."""
 
+from mmtune.evaluation.judge.cache import JudgeCache
 from mmtune.evaluation.judge.client import (
-    JudgeCache,
     JudgeClient,
     JudgeError,
     JudgeFailures,
