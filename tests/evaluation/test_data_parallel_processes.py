@@ -68,7 +68,8 @@ def test_two_ranks_give_the_generations_and_scores_of_one_process_and_judge_each
     with FakeJudgeServer(lambda body: Scripted(REPLY), max_requests=200, lifetime_s=900) as server:
         env = {"MMTUNE_JUDGE_BASE_URL": server.base_url}
         _recipe(saved, tmp_path / "two", 2, **env)
-        judged_by_two = len(server.requests)
+        # the one-token check before generation (judge.check_first) is no judgement
+        judged_by_two = sum(body.get("max_tokens") != 1 for body in server.requests)
         _recipe(saved, tmp_path / "one", 1, **env)
     for name in ("synthetic", "mmdu"):
         two = (tmp_path / "two" / "generations" / f"{name}.jsonl").read_text()

@@ -62,7 +62,7 @@ class GenerationEngine:
 
         values = json.loads(Path(model_config).read_text()) if model_config else {}
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        config = ModelConfig(**{k: v for k, v in values.items() if k in fields})
+        config = ModelConfig.from_dict({k: v for k, v in values.items() if k in fields})
         config = dataclasses.replace(config, family=family, path=pretrained)
         if loader is None:
             from mmtune.evaluation.generation.loading import load_for_evaluation as loader

@@ -54,6 +54,14 @@ class ModelConfig:
     refused, naming file, dialogue and turn, in strict mode and in evaluation. A saved
     checkpoint never sets these: they are always the caller's."""
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        """A config from plain values (a JSON file written from one): nested sections such as
+        ``image_limits`` become their dataclasses, and a wrong key or type fails here."""
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+
     def set_family_keys(self) -> list[str]:
         """The :data:`FAMILY_KEYS` this config sets (not null / empty)."""
         return [key for key in FAMILY_KEYS if getattr(self, key) not in (None, {})]
