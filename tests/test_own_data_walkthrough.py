@@ -169,3 +169,31 @@ def test_the_8_gpu_commands_plan_and_parse(shell, monkeypatch):
     assert Path(evaluate_cfg.output_dir) == Path(cfg.training.output_dir) / "eval" / "before"
     args = build_parser().parse_args(shlex.split(after)[2:])
     assert (args.benchmark, args.processes, args.out) == ("heldout", 8, f"{cfg.training.output_dir}/eval/after")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/own_data.md", "docs/data.md", "docs/data_building.md",
+                                  "docs/reproduction.md"])
+def test_links_between_the_pages_lead_to_a_file_and_heading(page):
+    source = ROOT / page
+    text = source.read_text()
+    broken = []
+    for target, anchor in re.findall(r"\]\(([\w./-]+\.md)?(?:#([\w-]+))?\)", text):
+        path = (source.parent / target) if target else source
+        if not path.is_file():
+            broken.append(f"{target} (no such file)")
+            continue
+        headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+        if anchor and anchor not in headings:
+            broken.append(f"{target}#{anchor} (no such heading)")
+    assert not broken, f"{page}: {broken}"
+
+
+def test_the_pages_lead_to_the_walkthrough_and_the_downloads():
+    assert "](docs/own_data.md)" in (ROOT / "README.md").read_text()
+    assert "](own_data.md)" in (ROOT / "docs" / "data.md").read_text()
+    assert "](data.md#downloading-the-public-data)" in (ROOT / "docs" / "reproduction.md").read_text()
