@@ -209,10 +209,21 @@ def with_flags(text: str, names: dict[str, str]) -> str:
     return text
 
 
-def _print(results) -> None:
+def _print(results, output_dir: str) -> None:
+    """Each benchmark's headline metrics, then where its result file, the report and the viewer are."""
+    from mmtune.evaluation.results import result_filename
+
+    if not results:  # another rank of a data-parallel run: rank 0 scores and reports
+        return
+    out = Path(output_dir)
+    files = []
     for name, result in results.items():
         headline = {k: round(v, 2) for k, v in result.metrics.items() if "/" not in k}
         print(f"{name}: {headline}  counts={result.counts}")
+        files.append((f"result {name}", out / result_filename(result)))
+    for label, path in files + [("report", out / "report.html"), ("viewer", out / "viewer.html")]:
+        if path.is_file():
+            print(f"  {label + ':':<15} {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             results = run_benchmarks(config_from_args(args), output_dir=args.out, run_name=args.run,
                                      model_label=args.model, messages=say)
-            _print(results)
+            _print(results, args.out)
         elif args.command == "checkpoint":
             if args.processes < 1:
                 raise ValueError(f"--processes {args.processes}: must be >= 1")
@@ -325,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             _print(evaluate_checkpoint(args.checkpoint, config_from_args(args), output_dir=args.out, run_name=args.run,
                                        model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code),
-                                       messages=say))
+                                       messages=say), args.out)
         elif args.command == "lmms-command":
             from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig, build_command
 
