@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from mmtune.io.deadline import deadline
 
-__all__ = ["Role", "JUDGE", "SERVED_MODEL", "CONNECT_TIMEOUT_S", "CHECK_TIMEOUT_S", "EndpointCheckFailed",
+__all__ = ["Role", "JUDGE", "SERVED_MODEL", "TEACHER", "CONNECT_TIMEOUT_S", "CHECK_TIMEOUT_S", "EndpointCheckFailed",
            "likely_cause", "resolve_endpoint", "CallStats", "ChatReply",
            "ChatEndpoint", "ImageTooLarge", "image_upload", "image_data_url"]
 
@@ -52,6 +52,8 @@ class Role:
 
 JUDGE = Role("judge", "judge", "judge server", "judge model")
 SERVED_MODEL = Role("model", "generation.api", "model server", "served model")
+TEACHER = Role("teacher", "teacher", "teacher server", "teacher model")
+"""The data builder's teacher (``mmtune data build``), called through the judge's client."""
 
 
 CONNECT_TIMEOUT_S = 10.0

@@ -87,7 +87,9 @@ def teacher_client(
     Raises:
         mmtune.evaluation.judge.client.JudgeError: no model name (config or ``$MMTUNE_TEACHER_MODEL``).
     """
-    return JudgeClient(judge_config(cfg), cache_path=cache_path, env=env)
+    from mmtune.evaluation.chat_api import TEACHER
+
+    return JudgeClient(judge_config(cfg), cache_path=cache_path, env=env, role=TEACHER)
 
 
 def request(prompt: str, images: Sequence[str], cfg: TeacherConfig) -> JudgeRequest:

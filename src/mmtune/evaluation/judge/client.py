@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint,
+from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint, Role,
                                        EndpointCheckFailed, image_data_url, likely_cause, resolve_endpoint)
 from mmtune.evaluation.judge.cache import JudgeCache
 from mmtune.evaluation.judge.config import JudgeConfig
@@ -136,6 +136,7 @@ class JudgeClient:
         env: environment mapping to read (defaults to ``os.environ``; tests pass a dict).
         sleep, rng: injected for tests (backoff waits and jitter).
         image_limits: largest images attached to a call (``model.image_limits``; default: the defaults).
+        role: who answers, in the words its messages use (the data builder's teacher passes ``TEACHER``).
 
     Raises:
         JudgeError: when no judge model name is configured.
@@ -150,6 +151,7 @@ class JudgeClient:
         sleep: Callable[[float], None] = time.sleep,
         rng: Optional[random.Random] = None,
         image_limits: Any = None,
+        role: Role = JUDGE,
     ):
         env = os.environ if env is None else env
         self.config = config
@@ -159,7 +161,7 @@ class JudgeClient:
                 f"no judge model: set judge.model in the eval config or the environment variable {config.model_env}"
             )
         self.stats = JudgeStats()
-        self._endpoint = ChatEndpoint(config, env=env, role=JUDGE, stats=self.stats, rng=rng)
+        self._endpoint = ChatEndpoint(config, env=env, role=role, stats=self.stats, rng=rng)
         self.base_url, self.key_source, self.url_source = (self._endpoint.base_url, self._endpoint.key_source,
                                                            self._endpoint.url_source)
         path = cache_path if cache_path is not None else config.cache_path
