@@ -86,3 +86,19 @@ def test_mmtune_train_answers_a_bad_command_line_with_one_message(args, expected
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_a_bad_held_out_file_stops_training_with_one_message_not_a_traceback(files, tmp_path, capsys):
+    """The evaluation before training reads the held-out file; a record it cannot evaluate
+    is the user's file to fix: one message with the data report, exit 2, no traceback."""
+    chat, _ = files
+    held = tmp_path / "held.json"
+    held.write_text(json.dumps([{"id": "h1", "image": "imgs/gone.png", "conversations": [
+        {"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "red"}]}]))
+    code = cli.main(["model=llava_tiny", f"data.files=[{chat}]", f"data.image_root={tmp_path}", "eval=heldout",
+                     f"eval.heldout.data_path={held}", f"eval.heldout.image_root={tmp_path}",
+                     "training.eval_before=true", "training.max_steps=1", f"training.output_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "mmtune train: eval.heldout.data_path=" in err and "cannot be evaluated" in err and "missing_image" in err
+    assert "Traceback" not in err

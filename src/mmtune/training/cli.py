@@ -97,10 +97,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from mmtune.training.loop import SFTRecipe
 
+    from mmtune.data.validation import DataValidationError
+    from mmtune.evaluation.benchmarks.common import BenchmarkDataError
+    from mmtune.io.locks import DirectoryLockedError
+
     started = time.perf_counter()
     recipe = SFTRecipe(cfg, resolved_config=OmegaConf.to_container(raw, resolve=True))
-    recipe.setup()
-    recipe.train()
+    # Problems of the user's files or folders (not of mmtune) are one message, not a traceback:
+    # found at set-up, or by the evaluation before training (a held-out file with bad records).
+    try:
+        recipe.setup()
+        recipe.train()
+    except (DataValidationError, BenchmarkDataError, DirectoryLockedError, FileNotFoundError) as err:
+        print(f"mmtune train: {err}", file=sys.stderr)
+        return 2
     final_dir = recipe.save()
     recipe.cleanup()
     if not recipe.accelerator.is_main_process:

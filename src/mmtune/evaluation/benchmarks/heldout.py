@@ -88,7 +88,9 @@ class HeldoutBenchmark(SyntheticBenchmark):
                              allow_absolute_image_paths=allow_absolute_image_paths, image_limits=image_limits)
         report = loaded.report
         if report.records_skipped:
-            raise ValueError(f"eval.{self.name}.data_path={sub.data_path!r}: {report.records_skipped} of "
+            from mmtune.evaluation.benchmarks.common import BenchmarkDataError
+
+            raise BenchmarkDataError(f"eval.{self.name}.data_path={sub.data_path!r}: {report.records_skipped} of "
                              f"{report.records_read} held-out dialogue(s) cannot be evaluated; fix them "
                              f"(`mmtune data check {sub.data_path}` lists each):\n{report.render()}")
         dialogues = list(loaded.dialogues)
