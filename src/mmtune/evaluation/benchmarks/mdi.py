@@ -104,7 +104,7 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         BenchmarkDataError: listing the problems.
     """
     from mmtune.data.validation import ImageChecker, Problem
-    from mmtune.evaluation.benchmarks.common import read_records, refuse, resolve_image_path
+    from mmtune.evaluation.benchmarks.common import checked_item_image, read_records, refuse
 
     records, problems = read_records(path)
     checker = ImageChecker(check_images, image_limits)
@@ -140,14 +140,12 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         if image and not re.search(r"\.(png|jpe?g)$", image, re.IGNORECASE):
             image += ".png"
         if image:
-            resolved = resolve_image_path(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
-            if resolved.problem:
-                bad(resolved.detail, resolved.problem)
+            image, found = checked_item_image(image, image_root, Path(path), checker,
+                                              allow_absolute=allow_absolute_image_paths)
+            for detail, code in found:
+                bad(detail, code)
+            if image is None:
                 continue
-            image = resolved.path
-            found = checker.check(image)
-            if found is not None:
-                bad(found[1], found[0])
         response = record.get("response")
         if response is not None and not isinstance(response, str):
             bad(f"response must be text, not a JSON {type(response).__name__}")

@@ -133,7 +133,7 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         BenchmarkDataError: listing the problems.
     """
     from mmtune.data.validation import ImageChecker, Problem
-    from mmtune.evaluation.benchmarks.common import read_records, refuse, resolve_image_path
+    from mmtune.evaluation.benchmarks.common import checked_item_image, read_records, refuse
 
     records, problems = read_records(path)
     if records and any(key is None for key, _ in records):
@@ -170,14 +170,12 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
             bad(f"imagename must be a file name, not a JSON {type(image).__name__}")
             continue
         if image:
-            resolved = resolve_image_path(image, image_root, Path(path), allow_absolute=allow_absolute_image_paths)
-            if resolved.problem:
-                bad(resolved.detail, resolved.problem)
+            image, found = checked_item_image(image, image_root, Path(path), checker,
+                                              allow_absolute=allow_absolute_image_paths)
+            for detail, code in found:
+                bad(detail, code)
+            if image is None:
                 continue
-            image = resolved.path
-            found = checker.check(image)
-            if found is not None:
-                bad(found[1], found[0])
         items.append(MMVetItem(key, value["question"], value["answer"], tuple(capability), image or None))
     refuse(path, problems, "MM-Vet file (a JSON object keyed by question id)")
     return items[:limit] if limit is not None else items
