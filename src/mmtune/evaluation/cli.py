@@ -271,12 +271,14 @@ def run_config(config: Any) -> dict[str, Any]:
     """Evaluate an :class:`~mmtune.evaluation.config.EvaluateConfig` (what ``recipes/evaluate.py``
     and ``mmtune evaluate key=value ...`` run); prints the headline metrics and the folder."""
     from mmtune.evaluation.config import default_output_dir
+    from mmtune.evaluation.generation.data_parallel import close_layout, current_layout
     from mmtune.evaluation.runner import evaluate_checkpoint
 
     output_dir = config.output_dir or default_output_dir(config.run_name, config.checkpoint, config.model,
                                                          config.eval.generation)
     results = evaluate_checkpoint(config.checkpoint, config.eval, output_dir=output_dir, run_name=config.run_name,
                                   model_config=config.model, wandb=config.wandb, wandb_project=config.wandb_project)
+    close_layout(current_layout())
     if not results:  # another rank of a data-parallel run: rank 0 scores and reports
         return results
     for name, result in results.items():
@@ -331,12 +333,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError(f"--processes {args.processes}: must be >= 1")
             if args.processes > 1 and "WORLD_SIZE" not in os.environ:
                 return _launch(args.processes, sys.argv[1:] if argv is None else list(argv))
+            from mmtune.evaluation.generation.data_parallel import close_layout, current_layout
             from mmtune.evaluation.runner import evaluate_checkpoint
             from mmtune.models.config import ModelConfig
 
             _print(evaluate_checkpoint(args.checkpoint, config_from_args(args), output_dir=args.out, run_name=args.run,
                                        model_config=ModelConfig(family=args.family, trust_remote_code=args.trust_remote_code),
                                        messages=say), args.out)
+            close_layout(current_layout())
         elif args.command == "lmms-command":
             from mmtune.evaluation.benchmarks.lmms_eval import LmmsEvalConfig, build_command
 

@@ -32,6 +32,7 @@ save/load of model, optimizer, scheduler and RNG state.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -618,7 +619,14 @@ class SFTRecipe:
     # ------------------------------------------------------------------ cleanup
     def cleanup(self) -> None:
         self.logger.close()
+        # Every rank arrives before the process group goes: a rank that tore it down while
+        # another still finished its last collective would abort that one (gloo's threads).
+        self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        # What gloo's finished work objects still hold can sit in reference cycles; freed in
+        # interpreter shutdown instead, it aborts a rank whose run succeeded (SIGABRT,
+        # "terminate called without an active exception", about one 2-rank CPU run in ten).
+        gc.collect()
         if self.output_lock is not None:
             self.output_lock.release()
 

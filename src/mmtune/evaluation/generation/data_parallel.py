@@ -45,7 +45,7 @@ from mmtune.evaluation.generation.records import (
 )
 
 __all__ = ["Layout", "RankFailed", "current_layout", "split_by_tokens", "shard_path", "shard_files", "generate_shared",
-           "check_layout", "rank_device", "lock_run_folder"]
+           "check_layout", "rank_device", "lock_run_folder", "close_layout"]
 
 
 class RankFailed(RuntimeError):
@@ -136,6 +136,24 @@ def lock_run_folder(directory: str | os.PathLike, layout: Layout, *, purpose: st
     if outcome is not None:
         raise DirectoryLockedError(*outcome)
     return lock if lock is not None else contextlib.nullcontext()
+
+
+def close_layout(layout: Layout) -> None:
+    """End a data-parallel run this process launched (the evaluate command and recipe call
+    it once the run succeeded): every rank waits for the others, the process group goes,
+    and what gloo's work objects held is freed now; freed in interpreter shutdown instead,
+    it can abort a rank whose run succeeded (SIGABRT, "terminate called without an active
+    exception"). Nothing for one process."""
+    import gc
+
+    import torch
+
+    if not layout.distributed:
+        return
+    layout.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
 
 
 def rank_device(device: str, layout: Layout) -> str:
