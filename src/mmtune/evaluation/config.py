@@ -14,6 +14,7 @@ variables *named* in ``eval.judge``, never stored.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -142,10 +143,26 @@ def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelCon
     return os.path.join("outputs", "eval", run_name, slug)
 
 
+def _endpoint_problems(settings: Any, key: str) -> list[str]:
+    """Problems of the call settings a chat endpoint reads (the judge's and the served
+    model's alike: concurrency, timeout, retries, backoff), named under ``key``."""
+    problems = []
+    if settings.concurrency < 1:
+        problems.append(f"{key}.concurrency={settings.concurrency}: must be >= 1")
+    if not (math.isfinite(settings.timeout_s) and settings.timeout_s > 0):
+        problems.append(f"{key}.timeout_s={settings.timeout_s}: must be a finite number of seconds > 0")
+    if settings.max_retries < 0:
+        problems.append(f"{key}.max_retries={settings.max_retries}: must be >= 0 (0: no retries)")
+    for name in ("backoff_base_s", "backoff_max_s"):
+        value = getattr(settings, name)
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{key}.{name}={value}: must be a finite number of seconds >= 0")
+    return problems
+
+
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Collect every problem of ``cfg`` (and of each chosen benchmark's settings) and raise once."""
     import dataclasses
-    import math
 
     from mmtune.evaluation.benchmarks.registry import get_benchmark, registered_names
 
@@ -186,16 +203,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     if gen.backend == "api" and not api.model:
         problems.append("eval.generation.api.model is required with eval.generation.backend=api: the served model's "
                         "name as the endpoint knows it (e.g. gpt-4o-2024-05-13, or the model given to `vllm serve`)")
-    if api.concurrency < 1:
-        problems.append(f"eval.generation.api.concurrency={api.concurrency}: must be >= 1")
-    if not (math.isfinite(api.timeout_s) and api.timeout_s > 0):
-        problems.append(f"eval.generation.api.timeout_s={api.timeout_s}: must be a finite number of seconds > 0")
-    if api.max_retries < 0:
-        problems.append(f"eval.generation.api.max_retries={api.max_retries}: must be >= 0 (0: no retries)")
-    for key in ("backoff_base_s", "backoff_max_s"):
-        value = getattr(api, key)
-        if not (math.isfinite(value) and value >= 0):
-            problems.append(f"eval.generation.api.{key}={value}: must be a finite number of seconds >= 0")
+    problems += _endpoint_problems(api, "eval.generation.api")
     if not 0.0 <= api.max_failed_share <= 1.0:
         problems.append(f"eval.generation.api.max_failed_share={api.max_failed_share}: must be within [0, 1]")
     if api.max_image_side is not None and api.max_image_side < 1:
@@ -208,16 +216,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     for key in ("max_failed_share", "max_unparsed_share"):
         if not 0.0 <= getattr(judge, key) <= 1.0:  # NaN fails this too
             problems.append(f"eval.judge.{key}={getattr(judge, key)}: must be within [0, 1]")
-    if judge.concurrency < 1:
-        problems.append(f"eval.judge.concurrency={judge.concurrency}: must be >= 1")
-    if not (math.isfinite(judge.timeout_s) and judge.timeout_s > 0):
-        problems.append(f"eval.judge.timeout_s={judge.timeout_s}: must be a finite number of seconds > 0")
-    if judge.max_retries < 0:
-        problems.append(f"eval.judge.max_retries={judge.max_retries}: must be >= 0 (0: no retries)")
-    for key in ("backoff_base_s", "backoff_max_s"):
-        value = getattr(judge, key)
-        if not (math.isfinite(value) and value >= 0):
-            problems.append(f"eval.judge.{key}={value}: must be a finite number of seconds >= 0")
+    problems += _endpoint_problems(judge, "eval.judge")
     if judge.stop_after_failures < 1:
         problems.append(f"eval.judge.stop_after_failures={judge.stop_after_failures}: must be >= 1")
     if judge.max_tokens < 1:
