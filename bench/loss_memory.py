@@ -19,6 +19,12 @@ change in machine load hits them alike, and the table shows medians:
   its threads spent (on a machine other jobs share, wall time swings with their load;
   CPU time much less, so "cpu vs mat" is the steadier ratio there).
 
+On CPU in fp32 the chunked loss multiplies with oneDNN's kernel (PyTorch's matmul is MKL's
+sgemm, which runs its AVX2 code on AMD processors), while the materialised path is the
+model's ``lm_head``, torch's matmul. So that the table tells the GEMM from the algorithm, a
+third row, ``mat-onednn``, runs the materialised path on oneDNN's kernel, and a line after
+each case compares the chunked path with it.
+
 Every path must hand back the two gradients (``hidden.grad`` and ``weight.grad``, the
 "grads" column); the "working" column is the peak minus them, what the loss itself
 holds (logits, their softmax and gradient, chunk buffers). Ratios are against the
@@ -47,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 GiB = 1024**3
+MATERIALIZED_ONEDNN = "mat-onednn"
 
 
 def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, device: str,
@@ -72,6 +79,9 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
             if impl == "materialized":
                 logits = hidden_states @ weight.t() if device == "cpu" else F.linear(hidden_states, weight)
                 loss = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+            elif impl == MATERIALIZED_ONEDNN:
+                logits = _one_dnn_linear_function().apply(hidden_states, weight)
+                loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
             elif impl == "chunked":
                 loss = chunked_linear_cross_entropy(hidden_states, weight, targets, chunk_size=chunk_size)
             else:
@@ -118,6 +128,27 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
             "cpu_seconds": cpu if device == "cpu" else None, "loss": float(loss)}
 
 
+
+def _one_dnn_linear_function():
+    """``hidden @ weight.T`` with oneDNN's kernel forward and backward: the materialised path on the chunked one's GEMM."""
+    import torch
+
+    linear = torch.ops.mkldnn._linear_pointwise.default
+
+    class OneDnnLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight):
+            ctx.save_for_backward(hidden, weight)
+            return linear(hidden, weight, None, "none", [], "")
+
+        @staticmethod
+        def backward(ctx, grad):
+            hidden, weight = ctx.saved_tensors
+            return linear(grad, weight.t(), None, "none", [], ""), linear(grad.t(), hidden.t(), None, "none", [], "")
+
+    return OneDnnLinear
+
+
 def _matmul_gflops(device: str) -> float:
     import torch
 
@@ -146,7 +177,7 @@ def _free_bytes(device: str) -> int:
 def _skip_reason(tokens, vocab, hidden, impl, chunk_size, device, gflops, args) -> str | None:
     logits_bytes = tokens * vocab * 4
     inputs = (tokens + 2 * vocab) * hidden * 4 + tokens * hidden * 4  # inputs + gradients
-    if impl == "materialized":
+    if impl in ("materialized", MATERIALIZED_ONEDNN):
         need = 3 * logits_bytes + inputs  # logits, log-softmax and the logits' gradient
     else:
         need = 2 * min(tokens, chunk_size) * vocab * 4 + inputs
@@ -191,9 +222,14 @@ def main() -> None:
         print(json.dumps(_case(tokens, vocab, hidden, impl, args.chunk_size, device, args.label_fraction)))
         return
 
-    from mmtune.training.loss import fused_available
+    from mmtune.training.loss import _onednn_linear, fused_available
 
-    impls = ["materialized", "chunked"] + (["fused"] if device == "cuda" and fused_available() else [])
+    # On CPU in fp32 the chunked loss multiplies with oneDNN's kernel where PyTorch has it, the
+    # materialised path (the model's lm_head) with torch's matmul; the extra row runs the
+    # materialised path on oneDNN's kernel too, so the table separates the GEMM from the algorithm.
+    same_gemm = device == "cpu" and _onednn_linear() is not None
+    impls = (["materialized", "chunked"] + ([MATERIALIZED_ONEDNN] if same_gemm else [])
+             + (["fused"] if device == "cuda" and fused_available() else []))
     gflops = _matmul_gflops(device)
     print(f"device {device}, {torch.get_num_threads()} threads, matmul ~{gflops:.0f} GFLOP/s; hidden {args.hidden}, "
           f"chunk {args.chunk_size} rows, {'bf16 autocast' if device == 'cuda' else 'fp32'}, "
@@ -216,6 +252,7 @@ def main() -> None:
                 for impl in runs:  # the paths take turns, so a change in machine load hits them alike
                     runs[impl].append(_run_case(tokens, vocab, impl, device, args, env))
             reference = None
+            summaries: dict[str, dict] = {}
             for impl, results in runs.items():
                 failed = [r["failed"] for r in results if "failed" in r]
                 if failed:
@@ -238,6 +275,13 @@ def main() -> None:
                     if abs(r["loss"] - reference["loss"]) > 1e-3 * abs(reference["loss"]):
                         line += f"  LOSS MISMATCH {r['loss']:.4f} vs {reference['loss']:.4f}"
                 print(line + f"  (wall s per run: {times})", flush=True)
+                summaries[impl] = r
+            if "chunked" in summaries and MATERIALIZED_ONEDNN in summaries:
+                a, b = summaries["chunked"], summaries[MATERIALIZED_ONEDNN]
+                cpu = f", cpu {a['cpu'] / b['cpu']:.2f}x" if a["cpu"] and b["cpu"] else ""
+                print(f"{tokens:>6} {vocab:>6}  chunked vs {MATERIALIZED_ONEDNN} (the same GEMM): "
+                      f"time {a['seconds'] / b['seconds']:.2f}x{cpu}, "
+                      f"working {a['working'] / max(b['working'], 1):.1%}", flush=True)
 
 if __name__ == "__main__":
     main()

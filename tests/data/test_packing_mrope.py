@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from mmtune.data.collator import CollatorConfig, MultiImageCollator, MultiImageDataset, batch_keys, model_inputs
+from mmtune.data.collator import CollatorConfig, MultiImageDataset, batch_keys, model_inputs
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.data.encoding import Example
 from mmtune.models.base import IGNORE_INDEX

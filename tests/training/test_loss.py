@@ -24,11 +24,11 @@ from mmtune.training.config import LOSS_IMPLS, PeftConfig
 from mmtune.training.loss import (
     LossChoice,
     TrainingLoss,
+    _onednn_linear,
     choose_loss_impl,
     chunked_linear_cross_entropy,
     linear_cross_entropy_sum,
     materialized_cross_entropy_sum,
-    model_head_problem,
     output_head,
     planned_loss_impl,
     shifted_targets,
@@ -59,7 +59,7 @@ def test_gradcheck_in_float64_with_bias_and_ignored_rows():
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 10_000])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp32_loss_and_gradients_equal_materialized(chunk_size, with_bias):
+def test_fp32_loss_and_gradients_equal_materialized(chunk_size, with_bias, cpu_gemm):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(150, 32, generator=g, requires_grad=True)
     weight = (torch.randn(97, 32, generator=g) * 0.2).requires_grad_()
@@ -78,7 +78,7 @@ def test_fp32_loss_and_gradients_equal_materialized(chunk_size, with_bias):
     assert ours_grads[0][targets == IGNORE_INDEX].abs().max() == 0
 
 
-def test_all_rows_ignored_gives_zero_loss_and_zero_gradients():
+def test_all_rows_ignored_gives_zero_loss_and_zero_gradients(cpu_gemm):
     hidden = torch.randn(5, 4, requires_grad=True)
     weight = torch.randn(9, 4, requires_grad=True)
     loss = chunked_linear_cross_entropy(hidden, weight, torch.full((5,), IGNORE_INDEX), chunk_size=2)
@@ -86,7 +86,7 @@ def test_all_rows_ignored_gives_zero_loss_and_zero_gradients():
     assert loss.item() == 0.0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
 
 
-def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does(cpu_gemm):
     hidden = torch.randn(12, 8, requires_grad=True)
     weight = torch.randn(20, 8)
     targets = torch.randint(0, 20, (12,))
@@ -128,17 +128,30 @@ def test_shifted_targets_pair_position_t_with_label_t_plus_1():
 
 
 class _CountMatmuls(TorchDispatchMode):
-    """Counts the matrix products torch runs inside the block."""
-
-    MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_}
+    """Counts the multiply-adds of the matrix products torch runs inside the block (``macs``)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.macs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket in self.MATMULS
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:] if packet != torch.ops.aten.mm else args[:2]
+            self.macs += a.shape[0] * a.shape[1] * b.shape[1]
+        elif packet == torch.ops.mkldnn._linear_pointwise:  # X [m, k] times W [n, k] transposed
+            self.macs += args[0].shape[0] * args[0].shape[1] * args[1].shape[0]
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(params=["onednn", "torch"])
+def cpu_gemm(request, monkeypatch):
+    """Both ways the chunked loss multiplies on CPU in fp32: oneDNN's kernel and torch.mm."""
+    if request.param == "torch":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    elif _onednn_linear() is None:
+        pytest.skip("this PyTorch build cannot run oneDNN's linear kernel")
+    return request.param
 
 
 def _problem(n=40, h=12, v=50, ignored=0.3, seed=3, bias=False):
@@ -155,31 +168,32 @@ def _problem(n=40, h=12, v=50, ignored=0.3, seed=3, bias=False):
                          [(True, True, False, 3), (True, True, True, 3), (True, False, False, 2),
                           (False, True, False, 2), (False, False, True, 1)])
 def test_gradients_are_made_in_the_forward_pass_three_matmuls_per_chunk(hidden_grad, weight_grad, bias_grad,
-                                                                        per_chunk):
-    """Logits, hidden gradient, weight gradient per chunk, only those that something needs;
-    backward runs no matmul at all (nothing is recomputed) and still equals the reference."""
+                                                                        per_chunk, cpu_gemm):
+    """Logits, hidden gradient, weight gradient per chunk, only those that something needs
+    (the products' multiply-adds add up to that many ``rows x hidden x vocab``); backward
+    runs no matmul at all (nothing is recomputed) and still equals the reference."""
     hidden, weight, bias, targets = _problem(bias=bias_grad)
     hidden.requires_grad_(hidden_grad)
     weight.requires_grad_(weight_grad)
     inputs = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
-    chunks = -(-int((targets != IGNORE_INDEX).sum()) // 7)
+    rows = int((targets != IGNORE_INDEX).sum())
     with _CountMatmuls() as forward:
         ours = chunked_linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_size=7)
     with _CountMatmuls() as backward:
         grads = torch.autograd.grad(ours * 1.7, inputs)
-    assert forward.count == per_chunk * chunks and backward.count == 0
+    assert forward.macs == per_chunk * rows * weight.shape[1] * weight.shape[0] and backward.macs == 0
     ref = _reference(hidden, weight, targets, bias)
     for a, b in zip(grads, torch.autograd.grad(ref * 1.7, inputs)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_no_grad_forward_does_no_gradient_work():
-    """Evaluation (grad disabled): one matmul per chunk, the same value, nothing to backward."""
+def test_no_grad_forward_does_no_gradient_work(cpu_gemm):
+    """Evaluation (grad disabled): the logits product only, the same value, nothing to backward."""
     hidden, weight, _, targets = _problem()
-    chunks = -(-int((targets != IGNORE_INDEX).sum()) // 6)
+    rows = int((targets != IGNORE_INDEX).sum())
     with torch.no_grad(), _CountMatmuls() as counted:
         value = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=6)
-    assert counted.count == chunks and not value.requires_grad
+    assert counted.macs == rows * weight.shape[1] * weight.shape[0] and not value.requires_grad
     torch.testing.assert_close(value, _reference(hidden, weight, targets).detach(), rtol=1e-6, atol=1e-5)
     with torch.inference_mode():
         torch.testing.assert_close(chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=6), value)

@@ -4,7 +4,6 @@ chunked loss (the same loss and gradients as without them), packed rows with per
 attention, recipes/sft.py end to end, ZeRO-3's vision call on a text-only batch and exact resume
 after SIGKILL (both behind the slow marker)."""
 
-import copy
 import json
 import os
 import signal

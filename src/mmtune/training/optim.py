@@ -10,7 +10,6 @@ and offsets, not features).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 import torch
