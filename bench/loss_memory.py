@@ -128,23 +128,24 @@ def _case(tokens: int, vocab: int, hidden: int, impl: str, chunk_size: int, devi
             "cpu_seconds": cpu if device == "cpu" else None, "loss": float(loss)}
 
 
-
 def _one_dnn_linear_function():
     """``hidden @ weight.T`` with oneDNN's kernel forward and backward: the materialised path on the chunked one's GEMM."""
     import torch
 
-    linear = torch.ops.mkldnn._linear_pointwise.default
+    from mmtune.training.loss import _onednn_linear
+
+    linear = _onednn_linear()
 
     class OneDnnLinear(torch.autograd.Function):
         @staticmethod
         def forward(ctx, hidden, weight):
             ctx.save_for_backward(hidden, weight)
-            return linear(hidden, weight, None, "none", [], "")
+            return linear(hidden, weight)
 
         @staticmethod
         def backward(ctx, grad):
             hidden, weight = ctx.saved_tensors
-            return linear(grad, weight.t(), None, "none", [], ""), linear(grad.t(), hidden.t(), None, "none", [], "")
+            return linear(grad, weight.t()), linear(grad.t(), hidden.t())
 
     return OneDnnLinear
 

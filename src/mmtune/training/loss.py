@@ -44,7 +44,7 @@ import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -414,8 +414,9 @@ def _graph_is_kept() -> bool:
 def _chunk_matmuls(rows: int, weight_shape: torch.Size, compute_dtype: torch.dtype, acc: torch.dtype,
                    device: torch.device) -> "_TorchMatmuls | _OneDnnMatmuls":
     """oneDNN's kernels for fp32 on a CPU where PyTorch can run them, PyTorch's own matmul otherwise."""
-    if device.type == "cpu" and compute_dtype == torch.float32 and _onednn_linear() is not None:
-        return _OneDnnMatmuls(rows, weight_shape)
+    linear = _onednn_linear() if device.type == "cpu" and compute_dtype == torch.float32 else None
+    if linear is not None:
+        return _OneDnnMatmuls(linear, rows, weight_shape)
     return _TorchMatmuls(rows, weight_shape[0], compute_dtype, acc, device)
 
 
@@ -468,29 +469,30 @@ class _OneDnnMatmuls:
     gradient is added in slices of the vocabulary, each product at most half a block.
     """
 
-    def __init__(self, rows: int, weight_shape: torch.Size):
+    def __init__(self, linear: Callable[..., torch.Tensor], rows: int, weight_shape: torch.Size):
         vocab, hidden = weight_shape
-        self.linear = _onednn_linear()
+        self.linear = linear
         self.slice_rows = max(1, min(vocab, rows * vocab // (2 * hidden)))
 
     def logits(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.linear(h, w, b, "none", [], "")
+        return self.linear(h, w, b)
 
     def low(self, block: torch.Tensor) -> torch.Tensor:
         return block
 
     def grad_hidden(self, grad_logits: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.linear(grad_logits, w.t(), None, "none", [], "")
+        return self.linear(grad_logits, w.t())
 
     def add_grad_weight(self, grad_w: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
         h_t = h.t()
         for start in range(0, grad_w.shape[0], self.slice_rows):
             stop = start + self.slice_rows
-            grad_w[start:stop] += self.linear(grad_logits[:, start:stop].t(), h_t, None, "none", [], "")
+            grad_w[start:stop] += self.linear(grad_logits[:, start:stop].t(), h_t)
 
 
-def _onednn_linear():
-    """PyTorch's oneDNN linear op (``torch.ops.mkldnn._linear_pointwise``), or None where it cannot run.
+def _onednn_linear() -> Optional[Callable[..., torch.Tensor]]:
+    """``linear(x, w, b=None)``: ``x @ w.T (+ b)`` by PyTorch's oneDNN linear op
+    (``torch.ops.mkldnn._linear_pointwise``, no fused activation), or None where it cannot run.
 
     None when PyTorch was built without oneDNN, when ``torch.backends.mkldnn.enabled`` is
     off (``with torch.backends.mkldnn.flags(enabled=False)``: the way to compare against
@@ -499,9 +501,14 @@ def _onednn_linear():
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return None
     try:
-        return torch.ops.mkldnn._linear_pointwise.default
+        op = torch.ops.mkldnn._linear_pointwise.default
     except (AttributeError, RuntimeError):
         return None
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return op(x, w, b, "none", [], "")
+
+    return linear
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
