@@ -4,7 +4,6 @@ whole command with its error and merges nothing. Slow: each process imports the 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_judge import FakeJudgeServer, Scripted
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,6 @@ def _env(**extra):
     return env
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _recipe(saved, out, processes, **env):
     final, data = saved
     overrides = [f"checkpoint={final}", "eval=synthetic", "eval.benchmarks=[synthetic,mmdu]",
@@ -57,7 +51,7 @@ def _recipe(saved, out, processes, **env):
                  "eval.progress=false", f"output_dir={out}"]
     launcher = [sys.executable] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-        "--master_port", str(_free_port())]
+        "--master_port", str(free_port())]
     proc = subprocess.run([*launcher, str(REPO / "recipes" / "evaluate.py"), *overrides], cwd=REPO, env=_env(**env),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> dict:
@@ -29,7 +24,7 @@ def test_two_ranks_shard_data_without_overlap_and_stay_in_sync(tmp_path, synthet
     out = tmp_path / "run"
     overrides = tiny_overrides(out, synthetic_dir, "training.max_steps=4", "training.log_sample_ids=true",
                                "training.save_final=false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,7 +52,7 @@ def test_every_rank_of_a_second_job_stops_naming_the_folders_holder(tmp_path, sy
     try:
         assert holder.stdout.readline().strip() == "locked"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(WORKER), str(tmp_path / "rank{rank}.json"),
+               str(free_port()), str(WORKER), str(tmp_path / "rank{rank}.json"),
                *tiny_overrides(out, synthetic_dir, "training.max_steps=1")]
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     finally:
@@ -89,7 +84,7 @@ def test_two_ranks_stay_in_step_on_uneven_packed_plans_with_the_token_weighted_g
     overrides = tiny_overrides(out, synthetic_dir, *_UNEVEN_PACKING, "training.epochs=2",
                                "training.gradient_accumulation_steps=2", "training.max_grad_norm=null",
                                "training.log_sample_ids=true", "training.save_final=false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(GRADS_OUT=str(tmp_path / "grads{rank}.pt")), capture_output=True,
                           text=True, timeout=900)
@@ -154,7 +149,7 @@ def test_deepspeed_zero_on_cpu_trains_and_saves_a_loadable_hf_checkpoint(stage, 
     overrides = tiny_overrides(out, synthetic_dir, "training.max_steps=3", "training.lr=1e-2",
                                f"training.deepspeed_config={REPO}/launch/deepspeed/zero{stage}.json")
     env = _env(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -182,7 +177,7 @@ def test_two_ranks_share_the_evaluation_after_training_and_match_one_process(tmp
     out = tmp_path / "run"
     overrides = tiny_overrides(out, synthetic_dir, "training.max_steps=2", "training.eval_after=true",
                                "eval.generation.batch_size=2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,9 +4,6 @@ its gradients come from the forward pass (three matmuls per chunk, none in backw
 and ``mmtune plan`` resolve ``training.loss_impl`` the same way."""
 
 import copy
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +30,7 @@ from mmtune.training.loss import (
     planned_loss_impl,
     shifted_targets,
 )
+from tests.support.processes import zero3_loss
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["llava", "internlm_xcomposer2"]
@@ -582,12 +580,6 @@ def test_plan_run_estimates_the_loss_the_loop_will_run(tmp_path, synthetic_dir, 
 # -- DeepSpeed ZeRO-3, one CPU process through accelerate ----------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_zero3_chunked_gradients_equal_materialized(tmp_path, synthetic_dir, tiny_overrides):
     """The output weight is partitioned under ZeRO-3; the chunked loss gathers it in forward and
@@ -597,14 +589,7 @@ def test_zero3_chunked_gradients_equal_materialized(tmp_path, synthetic_dir, tin
         overrides = tiny_overrides(tmp_path / impl, synthetic_dir, f"training.loss_impl={impl}",
                                    "training.loss_chunk_size=16",
                                    f"training.deepspeed_config={REPO}/launch/deepspeed/zero3.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
-               "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port())}
-        out = tmp_path / f"{impl}.pt"
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("zero3_loss_worker.py")), str(out),
-                               *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results[impl] = torch.load(out)
+        results[impl] = zero3_loss(tmp_path / f"{impl}.pt", overrides)
     chunked, materialized = results["chunked"], results["materialized"]
     assert chunked["head_status"] == "NOT_AVAILABLE"  # the head really is partitioned
     assert chunked["description"].startswith("chunked")

@@ -6,11 +6,8 @@ after SIGKILL (both behind the slow marker)."""
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from mmtune.models.registry import build_adapter
 from mmtune.training.config import to_sft_config
 from mmtune.training.demo import compose_sft_config
 from mmtune.training.loop import SFTRecipe
+from tests.support.processes import kill_and_resume, read_jsonl, zero3_loss
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN = ("model=qwen2_vl_tiny",)
@@ -154,12 +152,6 @@ def test_sft_recipe_trains_generates_and_saves_the_tiny_qwen(tmp_path):
 # -- slow: ZeRO-3 on one CPU process, exact resume --------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_zero3_runs_the_vision_tower_on_a_text_only_batch(tmp_path, tiny_overrides):
     """Under ZeRO-3 every rank must call the same modules: a text-only batch still runs the vision
@@ -175,14 +167,7 @@ def test_zero3_runs_the_vision_tower_on_a_text_only_batch(tmp_path, tiny_overrid
                                    "data.mixture.sources.0.format=llava", f"data.mixture.sources.0.path={data}",
                                    "data.mixture.sources.0.image_root=null", "training.vision.train=true",
                                    f"training.deepspeed_config={REPO}/launch/deepspeed/zero3.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
-               "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port())}
-        out = tmp_path / f"{impl}.pt"
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("zero3_loss_worker.py")), str(out),
-                               *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results[impl] = torch.load(out)
+        results[impl] = zero3_loss(tmp_path / f"{impl}.pt", overrides)
     chunked, materialized = results["chunked"], results["materialized"]
     assert chunked["loss"] == pytest.approx(materialized["loss"], rel=1e-6)
     vision = [n for n in chunked["grads"] if ".visual." in n]
@@ -195,49 +180,18 @@ def test_zero3_runs_the_vision_tower_on_a_text_only_batch(tmp_path, tiny_overrid
             torch.testing.assert_close(chunked["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def _start(overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, str(REPO / "recipes" / "sft.py"), *overrides], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _lines(path):
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by the kill
-            pass
-    return rows
-
-
-@pytest.mark.slow
 def test_sigkill_then_resume_of_packed_qwen_rows_matches_the_uninterrupted_run(tmp_path, synthetic_dir,
                                                                               tiny_overrides):
     common = (*QWEN, "training.epochs=2", "training.save_every_steps=3", "training.log_sample_ids=true",
               "training.save_final=false", "training.resume=auto", "training.lr=3e-3", "collator.batching=packing",
               "collator.batch_size=1", "collator.max_length=256", "collator.packing_window=8",
               "training.gradient_accumulation_steps=2")
-    reference = _start(tiny_overrides(tmp_path / "reference", synthetic_dir, *common))
-    killed_dir = tmp_path / "killed"
-    victim = _start(tiny_overrides(killed_dir, synthetic_dir, *common))
-    deadline = time.time() + 300
-    while time.time() < deadline and victim.poll() is None:
-        steps = _lines(killed_dir / "sample_ids.jsonl") if (killed_dir / "checkpoints" / "step-3").exists() else []
-        if steps and steps[-1]["step"] >= 4:
-            victim.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    assert victim.wait() == -signal.SIGKILL, "the run finished before it could be killed:\n" + victim.stdout.read()
-    assert reference.wait(timeout=300) == 0, reference.stdout.read()
-    resumed = _start(tiny_overrides(killed_dir, synthetic_dir, *common))
-    output = resumed.communicate(timeout=300)[0]
-    assert resumed.returncode == 0, output
-    resume_step = int(output.split("resumed from ")[1].split("step ")[1].split(",")[0])
+    run = kill_and_resume(tmp_path, synthetic_dir, tiny_overrides, common)
+    resume_step = run.resume_step
     assert resume_step >= 3
-    ids, metrics = _lines(killed_dir / "sample_ids.jsonl"), _lines(killed_dir / "metrics.jsonl")
-    ref_ids, ref_metrics = _lines(tmp_path / "reference" / "sample_ids.jsonl"), _lines(
-        tmp_path / "reference" / "metrics.jsonl")
+    ids, metrics = read_jsonl(run.killed_dir / "sample_ids.jsonl"), read_jsonl(run.killed_dir / "metrics.jsonl")
+    ref_ids, ref_metrics = read_jsonl(run.reference_dir / "sample_ids.jsonl"), read_jsonl(
+        run.reference_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [m["step"] for m in ref_metrics] == list(range(1, len(ref_metrics) + 1))
     ref_loss = {m["step"]: m["train/loss"] for m in ref_metrics}
     after = [(m["step"], m["train/loss"]) for m in metrics if m["step"] > resume_step]

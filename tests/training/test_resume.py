@@ -1,33 +1,11 @@
 """Exact resume after SIGKILL: same losses as an uninterrupted run, no sample skipped or repeated."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _start(overrides: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, str(REPO / "recipes" / "sft.py"), *overrides], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _lines(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by the kill
-            pass
-    return rows
-
+from tests.support.processes import kill_and_resume, read_jsonl
 
 # Packed rows (one row of up to 768 tokens per micro-batch; epochs of 8 and 9 rows, two per
 # step, so each epoch ends in a partial group) must resume as exactly as padded batches.
@@ -41,32 +19,14 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
     common = ("training.epochs=2", "training.save_every_steps=3", "training.log_sample_ids=true",
               "training.save_final=false", "training.resume=auto", "training.lr=3e-3",
               f"collator.batching={batching[0]}", *batching[1:])
-    reference = _start(tiny_overrides(tmp_path / "reference", synthetic_dir, *common))
-    killed_dir = tmp_path / "killed"
-    victim = _start(tiny_overrides(killed_dir, synthetic_dir, *common))
-    # SIGKILL once a checkpoint exists and training has moved past it.
-    deadline = time.time() + 300
-    while time.time() < deadline and victim.poll() is None:
-        # The metrics line of a step is written after its sample ids, so wait for the metrics.
-        steps = _lines(killed_dir / "metrics.jsonl") if (killed_dir / "checkpoints" / "step-3").exists() else []
-        if steps and steps[-1]["step"] >= 4:
-            victim.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    assert victim.wait() == -signal.SIGKILL, "the run finished before it could be killed:\n" + victim.stdout.read()
-    assert reference.wait(timeout=300) == 0, reference.stdout.read()
-
-    before_kill_metrics = _lines(killed_dir / "metrics.jsonl")
-    resumed = _start(tiny_overrides(killed_dir, synthetic_dir, *common))
-    output = resumed.communicate(timeout=300)[0]
-    assert resumed.returncode == 0, output
-    resume_step = int(output.split("resumed from ")[1].split("step ")[1].split(",")[0])
+    run = kill_and_resume(tmp_path, synthetic_dir, tiny_overrides, common)
+    resume_step, before_kill_metrics, killed_dir = run.resume_step, run.before_kill_metrics, run.killed_dir
     assert resume_step >= 3 and resume_step % 3 == 0
     assert before_kill_metrics[-1]["step"] > resume_step, "the killed attempt should have logged past its checkpoint"
 
-    ids, metrics = _lines(killed_dir / "sample_ids.jsonl"), _lines(killed_dir / "metrics.jsonl")
-    reference_dir = tmp_path / "reference"
-    ref_ids, ref_metrics = _lines(reference_dir / "sample_ids.jsonl"), _lines(reference_dir / "metrics.jsonl")
+    ids, metrics = read_jsonl(killed_dir / "sample_ids.jsonl"), read_jsonl(killed_dir / "metrics.jsonl")
+    reference_dir = run.reference_dir
+    ref_ids, ref_metrics = read_jsonl(reference_dir / "sample_ids.jsonl"), read_jsonl(reference_dir / "metrics.jsonl")
     if batching[0] == "padding":
         assert ref_metrics[-1]["step"] == 16  # 32 samples / 4 per batch x 2 epochs
     # The logs were cut back to the checkpoint on resume: every step appears once.
@@ -172,4 +132,4 @@ def test_after_a_full_disk_the_last_checkpoint_resumes_the_run(tmp_path, synthet
 
     resumed = _train(tmp_path, synthetic_dir, tiny_overrides, *steps, "training.resume=auto")
     assert resumed.step == 3 and (run / "final" / "mmtune_run.json").is_file()
-    assert [m["step"] for m in _lines(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
