@@ -180,6 +180,7 @@ def test_zero3_runs_the_vision_tower_on_a_text_only_batch(tmp_path, tiny_overrid
             torch.testing.assert_close(chunked["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_of_packed_qwen_rows_matches_the_uninterrupted_run(tmp_path, synthetic_dir,
                                                                               tiny_overrides):
     common = (*QWEN, "training.epochs=2", "training.save_every_steps=3", "training.log_sample_ids=true",
