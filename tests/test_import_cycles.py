@@ -15,6 +15,14 @@ through ``importlib`` (the benchmark and adapter registries discover their built
 modules that way; those modules are leaves that register themselves). ``from a.b import
 c`` counts as importing the module ``a.b.c`` when there is one, else the package ``a.b``
 (a package's own ``__init__`` importing its children is therefore no ring).
+
+One layering rule on top (:func:`test_data_and_models_meet_only_in_the_contract_layer`):
+``mmtune.core`` (the dialogue and encoded-example types, the ignore index, image limits
+and image errors) imports nothing else of mmtune; ``mmtune.data`` and ``mmtune.models``
+both build on it and never import each other, in either direction, at module level or in
+a function. The one allowance: a ``data`` module may name the adapter contract
+``mmtune.models.base.ModelAdapter`` in annotations, imported under ``if TYPE_CHECKING:``
+(the caller hands the adapter in; nothing of ``models`` runs from ``data``).
 """
 
 from __future__ import annotations
@@ -144,6 +152,44 @@ def test_no_import_cycles_in_mmtune():
     message = "\n".join(f"{kind}: {' <-> '.join(ring)}" for kind, rings in cycles.items() for ring in rings)
     assert cycles == {"module level": [], "with function level": []}, (
         "import cycles (move the shared code down a layer, or pass the object in from the caller):\n" + message)
+
+
+def _type_checking_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every ``from module import names`` under ``if TYPE_CHECKING:``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.body:
+                if isinstance(child, ast.ImportFrom):
+                    found.append((child.module or "", [alias.name for alias in child.names]))
+                elif isinstance(child, ast.Import):
+                    found += [(alias.name, []) for alias in child.names]
+    return found
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_data_and_models_meet_only_in_the_contract_layer():
+    modules = _modules(SRC, "mmtune")
+    crossings = []
+    for name, path in modules.items():
+        top, deferred = _imports(name, path, modules, "mmtune")
+        for target in sorted(top | deferred):
+            if _in(name, "mmtune.core") and not _in(target, "mmtune.core"):
+                crossings.append(f"{name} imports {target}: the contract layer imports nothing else of mmtune")
+            for lower, other in (("mmtune.data", "mmtune.models"), ("mmtune.models", "mmtune.data")):
+                if _in(name, lower) and _in(target, other):
+                    crossings.append(f"{name} imports {target}")
+        for target, names in _type_checking_imports(path):
+            allowed = _in(name, "mmtune.data") and target == "mmtune.models.base" and names == ["ModelAdapter"]
+            if not allowed and ((_in(name, "mmtune.data") and _in(target, "mmtune.models"))
+                                or (_in(name, "mmtune.models") and _in(target, "mmtune.data"))):
+                crossings.append(f"{name} imports {names} from {target} for annotations")
+    assert crossings == [], (
+        "data and models import each other (put the shared type in mmtune.core, or pass the object in):\n  "
+        + "\n  ".join(crossings))
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -1,5 +1,7 @@
 """Schema introspection: keys a composed config has that its typed schema does not (the
-``+key`` typo catcher), and the docstrings of a schema's fields (command-line help).
+``+key`` typo catcher), the docstrings of a schema's fields (command-line help), and a
+config's dotted keys (:func:`flatten_config`, :func:`key_covers`: what the config checks
+and the resume check name).
 
 OmegaConf rejects an unknown key while merging a YAML file into a structured config, but
 Hydra's ``+key=value`` (which Hydra itself suggests when a key is missing) adds a key
@@ -17,7 +19,7 @@ import difflib
 import typing
 from typing import Any
 
-__all__ = ["unknown_keys", "field_docs", "model_path_problem"]
+__all__ = ["unknown_keys", "field_docs", "flatten_config", "key_covers", "model_path_problem"]
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -174,3 +176,28 @@ def model_path_problem(path: str | None, key: str = "model.path") -> str | None:
     if os.path.exists(expanded) and not os.path.isdir(expanded):
         return f"{key}={path!r} is a file, not a checkpoint directory"
     return None
+
+
+def flatten_config(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested config dict: ``{"training.lr": 2e-5, "data.mixture.sources[0].path": ...}``.
+
+    Lists of objects are indexed (``[0]``); lists of plain values are one value.
+    """
+    if isinstance(value, dict):
+        if not value and prefix:
+            return {prefix: {}}
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten_config(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        flat = {}
+        for i, item in enumerate(value):
+            flat.update(flatten_config(item, f"{prefix}[{i}]"))
+        return flat
+    return {prefix: value}
+
+
+def key_covers(entry: str, key: str) -> bool:
+    """Whether config key ``entry`` is ``key`` or one of its parents (``training`` covers ``training.lr``)."""
+    return key == entry or key.startswith(entry + ".") or key.startswith(entry + "[")

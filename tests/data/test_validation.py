@@ -241,7 +241,7 @@ def test_non_utf8_id_is_reported_printably(tmp_path, pics, cache_dir):
 
 
 def test_image_limits_are_the_callers_and_part_of_the_cache_entry(tmp_path, pics, cache_dir, write_json):
-    from mmtune.data.image_limits import ImageLimits
+    from mmtune.core.images import ImageLimits
 
     bad, _ = MMDU_CASES["image_too_large"]
     path = write_json(tmp_path / "d.json", [GOOD, bad])

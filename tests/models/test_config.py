@@ -58,7 +58,7 @@ def test_saved_configs_of_older_runs_drop_keys_their_family_does_not_read(tmp_pa
 def test_a_config_written_as_json_reads_back_with_its_sections_typed():
     """The lmms-eval hand-off writes the model config as JSON; reading it back must give
     ``image_limits`` as its dataclass (a dict would fail validation), and a typo must fail."""
-    from mmtune.data.image_limits import ImageLimits
+    from mmtune.core.images import ImageLimits
 
     written = ModelConfig(family="llava", image_limits=ImageLimits(max_side=4096))
     read = ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(written))))

@@ -84,7 +84,7 @@ def test_preprocess_is_the_normalised_uint8_pixels_and_the_cache_serves_the_same
 
 @pytest.mark.parametrize("family, aspect", [("llava", "pad"), ("llava", "resize"), ("internlm_xcomposer2", None)])
 def test_an_image_above_the_limits_is_refused_from_its_header_before_any_decode(family, aspect, tmp_path, monkeypatch):
-    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+    from mmtune.core.images import ImageLimits, ImageTooLargeError
 
     thin = tmp_path / "thin.png"
     PILImage.new("L", (1, 10000)).save(thin, optimize=True)  # ~100 bytes; LLaVA's pad canvas: 10000 x 10000
@@ -114,7 +114,7 @@ def test_qwen_vl_counts_and_loads_only_images_within_the_limits(tmp_path):
     """Qwen-VL's resize target is bounded by max_pixels, but the decoded source is as large as
     the file says: the limits are checked when the image is counted (encoding) and loaded."""
     from mmtune.data.dialogue import Dialogue, Image, Turn
-    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+    from mmtune.core.images import ImageLimits, ImageTooLargeError
     from mmtune.data.images import CorruptImageError
 
     tall = tmp_path / "tall.png"

@@ -54,7 +54,7 @@ import torch
 from mmtune.data.encoding import TRAIN_ON, Example, encode_example
 from mmtune.data.images import CorruptImageError, ImagePipeline
 from mmtune.data.truncation import STRATEGIES, TruncationStats
-from mmtune.models.base import IGNORE_INDEX
+from mmtune.core.encoded import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.dialogue import Dialogue

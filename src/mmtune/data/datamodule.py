@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
-from mmtune.models.base import IGNORE_INDEX
+from mmtune.core.encoded import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.batching import RankPlan
@@ -239,7 +239,7 @@ class SFTDataModule:
 
 
 def _as_filler(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from mmtune.models.base import IGNORE_INDEX
+    from mmtune.core.encoded import IGNORE_INDEX
 
     batch, _ = item
     batch = {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
 from mmtune.data.truncation import TruncationStats, truncate
-from mmtune.models.base import IGNORE_INDEX, EncodedDialogue, EncodedTurn, ImageChunk, TokenChunk
+from mmtune.core.encoded import IGNORE_INDEX, EncodedDialogue, EncodedTurn, ImageChunk, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from mmtune.core.images import CorruptImageError, image_size
+
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.encoding import ImageRef
     from mmtune.models.base import ModelAdapter
@@ -64,38 +66,6 @@ def _read(path: str) -> np.ndarray | None:
     return np.frombuffer(bytearray(data[start:]), dtype=dtype).reshape(shape)
 
 
-class CorruptImageError(ValueError):
-    """An image file could not be decoded, or was refused before decoding (too large).
-
-    ``code`` is the problem's code in reports: ``corrupt_image`` or ``image_too_large``
-    (the cause is an :class:`~mmtune.data.image_limits.ImageTooLargeError`); a subclass
-    may name its own.
-    """
-
-    code = "corrupt_image"
-    """Problem code of the sample left out for it (skip mode)."""
-
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException,
-                 system_first: bool = False):
-        from mmtune.data.image_limits import ImageTooLargeError
-        from mmtune.data.validation import turn_label
-
-        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        self.turn_text = turn_label(turn, system_first)
-        """``turn 2 (question)``: the turn as the reports and the viewer number it."""
-        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
-        if isinstance(cause, ImageTooLargeError):
-            self.code = "image_too_large"
-            what = f"image {path!r} ({where}) is not decoded: {cause.reason}. Crop or downscale the file, raise " \
-                   "model.image_limits if such images are expected,"
-        else:
-            what = f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the file,"
-        super().__init__(
-            f"{what} or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
-            "counted and reported; data.validation.check_images=decode finds them all before training"
-        )
-
-
 @dataclass
 class ImageStats:
     """Counters of one pipeline (per worker process)."""
@@ -106,14 +76,6 @@ class ImageStats:
     """Images read back from the pixel cache."""
     corrupt: int = 0
     """Images that failed to decode."""
-
-
-def image_size(path: str) -> tuple[int, int]:
-    """``(width, height)`` from the file header only (no pixel decode)."""
-    from PIL import Image as PILImage
-
-    with PILImage.open(path) as handle:
-        return handle.size
 
 
 class ImagePipeline:

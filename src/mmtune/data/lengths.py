@@ -33,7 +33,7 @@ import numpy as np
 from mmtune.data.encoding import encode_dialogues
 from mmtune.data.images import CorruptImageError
 from mmtune.data.truncation import TruncationStats, fit_turns, truncate
-from mmtune.models.base import ImageChunk
+from mmtune.core.encoded import ImageChunk
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.dialogue import Dialogue
@@ -153,7 +153,7 @@ def _lengths_of_range(
 def _each_or_skip(batch: list["Dialogue"], measure: Any, start: int, image_errors: str,
                   skipped: list[dict[str, Any]]) -> list[Any]:
     """``measure(batch)``; in skip mode, a batch with an image that cannot be used (a
-    :class:`~mmtune.data.images.CorruptImageError`: unreadable, or refused by the image
+    :class:`~mmtune.core.images.CorruptImageError`: unreadable, or refused by the image
     processor) is measured dialogue by dialogue and the failing ones become ``None``,
     recorded in ``skipped``. In strict mode the error (naming file, dialogue, turn) goes on."""
     try:

@@ -46,7 +46,7 @@ import numpy as np
 from mmtune.data.cache import CacheWriter, cache_key, entry_paths, open_entry
 from mmtune.data.config import FORMATS, IMAGE_CHECKS, MODES, DataConfig, SourceConfig, default_cache_dir
 from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.data.image_limits import ImageLimits
+from mmtune.core.images import ImageLimits
 from mmtune.data.paths import ImagePathRules, ResolvedImage
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
 

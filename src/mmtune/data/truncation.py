@@ -2,8 +2,8 @@
 
 Peer frameworks cut the token sequence at ``max_length`` after image-token expansion, which
 splits an image's token run ("Image features and image tokens do not match") or silently
-cuts a turn in half. Here truncation works on an :class:`~mmtune.models.base.EncodedDialogue`
-(turn chunks, images as whole :class:`~mmtune.models.base.ImageChunk` objects): it keeps the
+cuts a turn in half. Here truncation works on an :class:`~mmtune.core.encoded.EncodedDialogue`
+(turn chunks, images as whole :class:`~mmtune.core.encoded.ImageChunk` objects): it keeps the
 longest run of leading user/assistant exchanges that fits, so every kept image keeps all of
 its tokens and every dropped image disappears with the turn that introduced it.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mmtune.models.base import EncodedDialogue
+from mmtune.core.encoded import EncodedDialogue
 
 __all__ = ["STRATEGIES", "SampleTooLongError", "TruncationStats", "fit_turns", "truncate"]
 

@@ -16,10 +16,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
-from mmtune.data.dialogue import ROLES, Dialogue, Image
+from mmtune.core.dialogue import ROLES, Dialogue, Image, turn_label
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmtune.data.image_limits import ImageLimits
+    from mmtune.core.images import ImageLimits
 
 # code -> (what is wrong, how to fix it)
 PROBLEMS: dict[str, tuple[str, str]] = {
@@ -127,18 +127,6 @@ class Problem:
         return f"{where}: [{self.code}] {what}{detail}. How to fix: {fix}."
 
 
-def turn_label(message_index: int | None, system_first: bool = False) -> str:
-    """``turn 2 (answer)`` for the 4th message of a record (``turn 2 (question)`` for the 3rd):
-    turns count question/answer exchanges from 1, as the evaluation's details files,
-    ``report.md`` and ``viewer.html`` do; a leading system message is no exchange."""
-    if message_index is None:
-        return ""
-    position = message_index - int(system_first)
-    if position < 0:
-        return "system message"
-    return f"turn {position // 2 + 1} ({'question' if position % 2 == 0 else 'answer'})"
-
-
 @dataclass
 class ValidationReport:
     """Counts and problems of one source, after reading and validating it."""
@@ -236,7 +224,7 @@ class ImageChecker:
     """
 
     def __init__(self, level: str = "verify", limits: "ImageLimits | None" = None):
-        from mmtune.data.image_limits import ImageLimits
+        from mmtune.core.images import ImageLimits
 
         self.level = level
         self.limits = limits or ImageLimits()
@@ -254,7 +242,7 @@ class ImageChecker:
         elif self.level in ("verify", "decode"):
             from PIL import Image as PILImage
 
-            from mmtune.data.image_limits import ImageTooLargeError
+            from mmtune.core.images import ImageTooLargeError
 
             try:
                 self.limits.check_file(path)

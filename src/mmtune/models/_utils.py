@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAdapter, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmtune.data.dialogue import Dialogue
+    from mmtune.core.dialogue import Dialogue
     from mmtune.models.config import ModelConfig
 
 __all__ = [

@@ -28,7 +28,7 @@ import functools
 import hashlib
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.data.dialogue import Image
+from mmtune.core.dialogue import Image
 from mmtune.models._utils import load_dtype_and_attention, state_fingerprint
 from mmtune.models.base import (
     EncodedDialogue,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from mmtune.data.dialogue import Dialogue
+    from mmtune.core.dialogue import Dialogue
 
 __all__ = ["AutoAdapter", "TemplateNotPrefixStableError", "UnsupportedProcessorError"]
 
@@ -261,7 +261,7 @@ class AutoAdapter(ModelAdapter):
         return EncodedDialogue(dialogue.id, [], encoded_turns, suffix)
 
     def image_token_count(self, image: Image) -> int:
-        from mmtune.data.images import image_size
+        from mmtune.core.images import image_size
 
         width, height = image_size(image.path)  # header only
         return self._count_for_size(height, width)

@@ -1,6 +1,6 @@
 """The model adapter contract: what the collator, trainer and evaluator need from a model family.
 
-An adapter renders a :class:`~mmtune.data.dialogue.Dialogue` into token *chunks*
+An adapter renders a :class:`~mmtune.core.dialogue.Dialogue` into token *chunks*
 turn by turn (never by string surgery on a rendered prompt), says how many tokens
 each image becomes, preprocesses images, loads the model, and names its module
 groups (vision tower / projector / language model) and the config that holds RoPE.
@@ -32,86 +32,19 @@ without naming any of them:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+# The encoded-example types are the contract layer's; adapters and their callers may name them from here too.
+from mmtune.core.encoded import IGNORE_INDEX, Chunk, EncodedDialogue, EncodedTurn, ImageChunk, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
     from torch import nn
 
-    from mmtune.data.dialogue import Dialogue, Image
+    from mmtune.core.dialogue import Dialogue, Image
     from mmtune.models.config import ModelConfig
-
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """Token ids that go into the sequence as they are.
-
-    ``trainable`` chunks get labels equal to their ids (assistant content and its
-    end-of-turn token); all others get ``IGNORE_INDEX``.
-    """
-
-    ids: tuple[int, ...]
-    trainable: bool = False
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-@dataclass(frozen=True)
-class ImageChunk:
-    """One image: ``num_tokens`` copies of the adapter's ``image_token_id``, labels ignored."""
-
-    image: "Image"
-    num_tokens: int
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-
-Chunk = Union[TokenChunk, ImageChunk]
-
-
-@dataclass
-class EncodedTurn:
-    """The chunks of one turn, including the template's role header and end-of-turn tokens."""
-
-    role: str
-    chunks: list[Chunk]
-
-    @property
-    def length(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
-    @property
-    def num_images(self) -> int:
-        return sum(1 for c in self.chunks if isinstance(c, ImageChunk))
-
-
-@dataclass
-class EncodedDialogue:
-    """A dialogue rendered by an adapter's chat template.
-
-    ``prefix`` (BOS, system prompt) is never dropped; ``turns`` map one-to-one onto the
-    dialogue's non-system turns; ``suffix`` (e.g. a final EOS) is appended after the
-    last kept turn. Truncation drops whole trailing user/assistant exchanges.
-    """
-
-    dialogue_id: str
-    prefix: list[Chunk]
-    turns: list[EncodedTurn]
-    suffix: list[Chunk] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return (
-            sum(len(c) for c in self.prefix)
-            + sum(t.length for t in self.turns)
-            + sum(len(c) for c in self.suffix)
-        )
 
 
 @dataclass

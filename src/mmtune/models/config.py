@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mmtune.data.image_limits import ImageLimits
+from mmtune.core.images import ImageLimits
 
 #: keys that only some families read (each adapter lists its own in ``reads_model_keys``);
 #: a family that does not read one refuses it when it is set, so a setting never does nothing

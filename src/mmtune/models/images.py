@@ -12,7 +12,7 @@ The pixel cache (:class:`~mmtune.data.images.ImagePipeline`) stores what
 :meth:`SquareImage.load_uint8` returns and keys it on every field of the
 :class:`SquareImage`, so a setting that changes the pixels always changes the key.
 
-Every image is checked against :class:`~mmtune.data.image_limits.ImageLimits` (the
+Every image is checked against :class:`~mmtune.core.images.ImageLimits` (the
 adapter's ``model.image_limits``) from its header, before it is decoded or padded: the
 padding canvas of a 1 x 30000 PNG would be 30000 x 30000. The limits refuse images and
 never change pixels, so they are not part of the cache key.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-    from mmtune.data.image_limits import ImageLimits
+    from mmtune.core.images import ImageLimits
 
 __all__ = ["SquareImage", "SquareImageAdapter"]
 
@@ -57,7 +57,7 @@ class SquareImage:
         import numpy as np
         from PIL import Image as PILImage
 
-        from mmtune.data.image_limits import ImageLimits
+        from mmtune.core.images import ImageLimits
 
         (limits or ImageLimits()).check(name, *image.size)
         resample = PILImage.Resampling[self.resample.upper()]
@@ -88,7 +88,7 @@ class SquareImage:
         Raises:
             ImageTooLargeError: the header states a size above ``limits`` (nothing is decoded).
         """
-        from mmtune.data.image_limits import ImageLimits
+        from mmtune.core.images import ImageLimits
 
         limits = limits or ImageLimits()
         limits.check_file(path)
@@ -120,7 +120,7 @@ class SquareImageAdapter:
 
     @property
     def image_limits(self) -> "ImageLimits":
-        from mmtune.data.image_limits import ImageLimits
+        from mmtune.core.images import ImageLimits
 
         return getattr(getattr(self, "config", None), "image_limits", None) or ImageLimits()
 

@@ -31,7 +31,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.data.dialogue import Image
+from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     Piece,
     PieceAdapter,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from mmtune.data.dialogue import Dialogue
+    from mmtune.core.dialogue import Dialogue
 
 log = logging.getLogger(__name__)
 

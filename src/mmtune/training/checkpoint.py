@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.permissions import restore_default_modes
+from mmtune.schema_keys import flatten_config, key_covers
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -91,31 +92,6 @@ _ABSENT = object()
 
 class ResumeConfigError(ValueError):
     """Resuming would continue a checkpoint with a config that differs in keys that affect training."""
-
-
-def flatten_config(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a nested config dict: ``{"training.lr": 2e-5, "data.mixture.sources[0].path": ...}``.
-
-    Lists of objects are indexed (``[0]``); lists of plain values are one value.
-    """
-    if isinstance(value, dict):
-        if not value and prefix:
-            return {prefix: {}}
-        flat: dict[str, Any] = {}
-        for key, item in value.items():
-            flat.update(flatten_config(item, f"{prefix}.{key}" if prefix else str(key)))
-        return flat
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        flat = {}
-        for i, item in enumerate(value):
-            flat.update(flatten_config(item, f"{prefix}[{i}]"))
-        return flat
-    return {prefix: value}
-
-
-def key_covers(entry: str, key: str) -> bool:
-    """Whether config key ``entry`` is ``key`` or one of its parents (``training`` covers ``training.lr``)."""
-    return key == entry or key.startswith(entry + ".") or key.startswith(entry + "[")
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -392,7 +392,7 @@ def validate(cfg: SFTConfig) -> None:
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.resume_config_changes:
-        from mmtune.training.checkpoint import flatten_config, key_covers
+        from mmtune.schema_keys import flatten_config, key_covers
 
         keys = flatten_config(dataclasses.asdict(cfg))
         for entry in t.resume_config_changes:

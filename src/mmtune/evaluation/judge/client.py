@@ -334,7 +334,7 @@ def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) ->
 
 def _check_image_size(path: str, limits: Any) -> None:
     """Refuse to attach an image whose header states a size above ``limits`` (``model.image_limits``)."""
-    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+    from mmtune.core.images import ImageLimits, ImageTooLargeError
 
     try:
         (limits or ImageLimits()).check_file(path)

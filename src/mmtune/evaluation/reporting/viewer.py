@@ -101,7 +101,7 @@ class _Images:
     why an image has neither (``problems``)."""
 
     def __init__(self, out: Path, *, embed: bool, budget: int, limits: Any = None):
-        from mmtune.data.image_limits import ImageLimits
+        from mmtune.core.images import ImageLimits
 
         self.out, self.embed, self.budget = out, embed, budget
         self.limits = limits or ImageLimits()
@@ -128,7 +128,7 @@ class _Images:
 
     def _refused(self, path: str) -> bool:
         """Whether the header of ``path`` states a size above the limits (the reason goes to ``problems``)."""
-        from mmtune.data.image_limits import ImageTooLargeError
+        from mmtune.core.images import ImageTooLargeError
 
         try:
             self.limits.check_file(path)

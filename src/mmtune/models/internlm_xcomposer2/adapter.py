@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mmtune.data.dialogue import Image
+from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     Piece,
     PieceAdapter,
@@ -38,7 +38,7 @@ from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmtune.data.dialogue import Dialogue
+    from mmtune.core.dialogue import Dialogue
 
 __all__ = [
     "InternLMXComposer2Adapter",

@@ -7,7 +7,7 @@ default is read off it and the layout is checked on probe conversations), its to
 its image processor (:mod:`~mmtune.models.qwen2_vl.images`, PIL backend: no torchvision).
 
 An image is ``<|vision_start|>`` + N x ``<|image_pad|>`` + ``<|vision_end|>``: the
-:class:`~mmtune.models.base.ImageChunk` covers the N pad tokens (N from the file header and
+:class:`~mmtune.core.encoded.ImageChunk` covers the N pad tokens (N from the file header and
 the processor's ``min_pixels`` / ``max_pixels``), the start / end tokens are template tokens.
 
 Its model-agnostic batch (the contract of :mod:`mmtune.models.base`):
@@ -32,7 +32,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.data.dialogue import Image
+from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     PieceAdapter,
     Plan,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-    from mmtune.data.dialogue import Dialogue
+    from mmtune.core.dialogue import Dialogue
 
 __all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
 

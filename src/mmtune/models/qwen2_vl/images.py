@@ -18,7 +18,7 @@ and merged ``merge_size x merge_size`` into ``H' W' / (patch * merge)^2`` image 
 ``smart_resize`` refuses aspect ratios above 200; such images raise
 :class:`UnsupportedImageError` naming the file, the dialogue and the turn. Before that,
 and before any decode, an image is checked against ``model.image_limits``
-(:class:`~mmtune.data.image_limits.ImageLimits`) from its header: ``smart_resize`` bounds
+(:class:`~mmtune.core.images.ImageLimits`) from its header: ``smart_resize`` bounds
 the resized image, but the decoded source is as large as the file says.
 """
 
@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
-from mmtune.data.images import CorruptImageError
+from mmtune.core.images import CorruptImageError, ImageLimits, ImageTooLargeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -46,7 +45,7 @@ class UnsupportedImageError(CorruptImageError):
 
     def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
                  system_first: bool = False):
-        from mmtune.data.validation import turn_label
+        from mmtune.core.dialogue import turn_label
 
         self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
         self.turn_text = turn_label(turn, system_first)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.core.dialogue import Dialogue, Image, Turn
 from mmtune.models._utils import Piece, Plan
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Bounds on an image's size, checked from its file header before anything is allocated for it.
+"""Image limits and image errors: bounds on an image's size, checked from its file header
+before anything is allocated for it, and the errors of an image that cannot be used.
 
 A PNG of a few hundred bytes can declare 1 x 100000 pixels. Decoding it is cheap, but
 LLaVA-1.5's padding to a square then asks for a 100000 x 100000 canvas (30 GB), and a
@@ -20,7 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ImageLimits", "ImageTooLargeError", "header_size"]
+from mmtune.core.dialogue import turn_label
+
+__all__ = ["CorruptImageError", "ImageLimits", "ImageTooLargeError", "header_size", "image_size"]
 
 
 @dataclass
@@ -114,3 +117,39 @@ def header_size(path: str) -> tuple[int, int]:
         warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
         with PILImage.open(path) as handle:
             return handle.size
+
+
+class CorruptImageError(ValueError):
+    """An image file could not be decoded, or was refused before decoding (too large).
+
+    ``code`` is the problem's code in reports: ``corrupt_image`` or ``image_too_large``
+    (the cause is an :class:`ImageTooLargeError`); a subclass may name its own.
+    """
+
+    code = "corrupt_image"
+    """Problem code of the sample left out for it (skip mode)."""
+
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, cause: BaseException,
+                 system_first: bool = False):
+        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
+        self.turn_text = turn_label(turn, system_first)
+        """``turn 2 (question)``: the turn as the reports and the viewer number it."""
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
+        if isinstance(cause, ImageTooLargeError):
+            self.code = "image_too_large"
+            what = f"image {path!r} ({where}) is not decoded: {cause.reason}. Crop or downscale the file, raise " \
+                   "model.image_limits if such images are expected,"
+        else:
+            what = f"cannot decode image {path!r} ({where}): {type(cause).__name__}: {cause}. Replace or remove the file,"
+        super().__init__(
+            f"{what} or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
+            "counted and reported; data.validation.check_images=decode finds them all before training"
+        )
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """``(width, height)`` from the file header only (no pixel decode)."""
+    from PIL import Image as PILImage
+
+    with PILImage.open(path) as handle:
+        return handle.size
