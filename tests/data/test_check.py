@@ -8,6 +8,7 @@ from mmtune import cli
 from mmtune.data.check import main
 from mmtune.data.config import configs_dir, load_data_config
 from mmtune.data.synthetic import generate_synthetic
+from mmtune.data.formats import get_format
 
 DATA_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml"))
 
@@ -233,7 +234,7 @@ def test_check_several_data_files_as_training_reads_them(tmp_path, pics, capsys)
 
 @pytest.mark.parametrize("record, expected", [
     ({"id": "a", "dialogue": [{"speaker": "me", "text": "hi"}]},
-     "expected a 'messages' list of {role, content} (messages), or a 'conversations' list of {from, value} turns"),
+     "cannot tell the format: expected one of: "),
     ({"id": "a", "conversations": [{"role": "user", "content": "hi"}]},
      "its turns are not {from, value}: the first record's first turn is ['content', 'role']"),
     (["not", "an", "object"], "the first record is a list, not an object"),
@@ -246,6 +247,10 @@ def test_detection_failure_names_the_keys_expected_and_found(tmp_path, record, e
     assert expected in err and "mine.json" in err
     if isinstance(record, dict) and "dialogue" in record:
         assert "the first record has keys ['dialogue', 'id']" in err
+        # every format's own description of its records, named with the format
+        for name in ("llava", "mmdu", "xcomposer2", "messages"):
+            assert f"{get_format(name).keys} ({name})" in err
+        assert "a 'messages' list of {role, content} (messages)" in err
 
 
 def test_data_help_lists_its_subcommands(capsys):

@@ -11,6 +11,9 @@ part of the key: after moving or fixing images, reload with ``refresh=True``
 Each entry is two files, written to temporary names and renamed when complete, so an
 interrupted build never leaves a half-written cache behind:
 ``<cache_dir>/<source>-<key>.arrow`` and ``<source>-<key>.report.json``.
+
+Reading an entry back: :class:`DialogueSequence` converts rows to dialogues lazily (one
+by index, or in batches of Arrow columns when iterated).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Iterator
 
 from datasets import Dataset, Features, List, Value
 from datasets.arrow_writer import ArrowWriter
+
+from mmtune.core.dialogue import Dialogue, Image, Turn
 
 # Bump when the reader's output or validation rules change, so old caches are not reused.
 READER_VERSION = 3  # 3: reports number turns by question/answer exchange
@@ -114,4 +120,75 @@ def open_entry(arrow_path: str, report_path: str) -> tuple[Dataset, dict[str, An
     return Dataset.from_file(arrow_path), report
 
 
-__all__ = ["READER_VERSION", "FEATURES", "cache_key", "entry_paths", "CacheWriter", "open_entry"]
+class DialogueSequence(Sequence):
+    """Random-access, lazily converted dialogues over a memory-mapped Arrow dataset."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return self.dataset.num_rows
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"dialogue index {i} out of range for {n} dialogues")
+        return Dialogue.from_record(self.dataset[int(i)])
+
+    def __iter__(self) -> Iterator[Dialogue]:
+        # Batched reads of 1000 rows as Arrow tables, converted column by column: the
+        # nested segment structs come out as two flat lists (texts, image paths) plus
+        # offsets, instead of one Python dict per segment.
+        arrow = self.dataset.with_format("arrow")
+        for start in range(0, len(self), 1000):
+            yield from _dialogues_from_arrow(arrow[start : start + 1000])
+
+
+def _offsets(array) -> list[int]:
+    """A (possibly sliced) Arrow list array's offsets, relative to its own first value."""
+    offsets = array.offsets.to_numpy()
+    return (offsets - offsets[0]).tolist()
+
+
+def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
+    """The dialogues of an Arrow table of cache rows (``Dialogue.to_record`` layout)."""
+    ids = table.column("id").to_pylist()
+    sources = table.column("source").to_pylist()
+    roles = table.column("roles").to_pylist()
+    turns_of = table.column("segments").combine_chunks()  # list<list<struct<text, image>>>
+    turn_starts = _offsets(turns_of)
+    segments_of = turns_of.flatten()
+    segment_starts = _offsets(segments_of)
+    structs = segments_of.flatten()
+    texts = structs.field("text").to_pylist()
+    images = structs.field("image").to_pylist()
+    segments = [text if image is None else Image(image) for text, image in zip(texts, images)]
+    for row, dialogue_id in enumerate(ids):
+        first = turn_starts[row]
+        turns = tuple(
+            Turn(role, tuple(segments[segment_starts[first + k]:segment_starts[first + k + 1]]))
+            for k, role in enumerate(roles[row])
+        )
+        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns)
+
+
+def cache_row(d: Dialogue) -> dict[str, Any]:
+    """A dialogue as a cache row: :meth:`Dialogue.to_record` plus its image and character counts."""
+    row = d.to_record()
+    n_img = n_chars = 0
+    for t in d.turns:
+        for s in t.segments:
+            if isinstance(s, str):
+                n_chars += len(s)
+            else:
+                n_img += 1
+    row["num_images"], row["num_chars"] = n_img, n_chars
+    return row
+
+
+__all__ = ["READER_VERSION", "FEATURES", "cache_key", "entry_paths", "CacheWriter", "open_entry", "cache_row",
+           "DialogueSequence"]

@@ -34,69 +34,17 @@ from typing import Any, Optional, Sequence
 
 from omegaconf.errors import OmegaConfBaseException
 
-from mmtune.data.config import FORMATS, ConfigError, DataConfig, MixtureConfig, SourceConfig, load_data_config
+from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, SourceConfig, load_data_config
+from mmtune.data.formats import detect_format, format_names
 
 _DATA_SUFFIXES = (".json", ".jsonl")
-_EXPECTED = ("a 'messages' list of {role, content} (messages), or a 'conversations' list of {from, value} "
-             "turns (llava with <image>, mmdu / xcomposer2 with <ImageHere>)")
 #: examples kept per problem kind when every problem is to be listed (--strict)
 EVERY_PROBLEM = 1_000_000
 
 
-def _keys(obj: Any) -> str:
-    return str(sorted(map(str, obj))[:12]) if isinstance(obj, dict) else f"a {type(obj).__name__}, not an object"
-
-
-def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
-    """``(format, why)`` of a data file, from its first ``sample`` records.
-
-    Raises:
-        ValueError: no record looks like any format; the message says which keys each
-            format needs and which the first record has.
-    """
-    from mmtune.data.readers import iter_records
-
-    records: list[Any] = []
-    first: Any = None
-    for _, obj, problem in iter_records(path):
-        if first is None and problem is None:
-            first = obj
-        if problem is None and isinstance(obj, dict):
-            records.append(obj)
-        if len(records) >= sample:
-            break
-    choose = f"write {_EXPECTED}, or pass --format {{{','.join(FORMATS)}}}"
-    if not records:
-        found = "no readable record" if first is None else f"the first record is {_keys(first)}"
-        raise ValueError(f"{path}: no JSON object records found ({found}); {choose}")
-    if sum("messages" in r for r in records) > len(records) / 2:
-        return "messages", "records have a 'messages' list (OpenAI chat style)"
-    convs = [r for r in records if isinstance(r.get("conversations"), list)]
-    if not convs:
-        raise ValueError(f"{path}: cannot tell the format: expected {_EXPECTED}; the first record has keys "
-                         f"{_keys(records[0])}. Rename the keys, or pass --format {{{','.join(FORMATS)}}}")
-    # Only strings are looked at: a value may be any JSON, nested deeper than str() follows.
-    messages = [m for r in convs for m in r["conversations"] if isinstance(m, dict)]
-    texts = [m["value"] for m in messages if isinstance(m.get("value"), str)]
-    roles = {m["from"] for m in messages if isinstance(m.get("from"), str)}
-    if not texts or not roles:
-        turn = next((m for m in convs[0]["conversations"]), None)
-        raise ValueError(f"{path}: records have 'conversations', but its turns are not {{from, value}}: the first "
-                         f"record's first turn is {_keys(turn) if turn is not None else 'missing'}. Write turns as "
-                         "{\"from\": \"human\", \"value\": \"...\"}, or put {role, content} messages under 'messages'")
-    mmdu_marks = sum(t.count("<ImageHere>") for t in texts)
-    llava_marks = sum(t.count("<image>") for t in texts)
-    list_images = any(isinstance(r.get("image"), list) for r in convs)
-    if mmdu_marks > llava_marks or (list_images and not llava_marks):
-        if roles & {"bot", "human", "gpt"}:
-            return "xcomposer2", f"'<ImageHere>' placeholders with roles {sorted(roles)} (InternLM-XComposer2 fine-tune JSON)"
-        return "mmdu", f"'<ImageHere>' placeholders with roles {sorted(roles)} (MMDU schema)"
-    return "llava", f"'conversations' with {'<image> placeholders' if llava_marks else 'no image placeholders'} and roles {sorted(roles)} (llava-665k schema)"
-
-
 def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
                        fmt: Optional[str] = None) -> tuple[list[SourceConfig], list[str]]:
-    """One source per data file, its format detected (:func:`detect_format`), named after
+    """One source per data file, its format detected (:func:`~mmtune.data.formats.detect_format`), named after
     the file (``chats/a.json`` -> ``a``; ``a_2`` ... when two files share a name).
 
     Args:
@@ -167,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", action="store_true", help="re-read the files instead of using the Arrow cache")
     p.add_argument("--cache-dir", help="cache folder (data.cache_dir)")
     p.add_argument("--mixture", action="store_true", help="also print each source's samples per epoch")
-    p.add_argument("--format", choices=FORMATS, help="data files only: their format (default: detected)")
+    p.add_argument("--format", choices=format_names(), help="data files only: their format (default: detected)")
     p.add_argument("--image-root", help="data files only: folder image paths are joined to (default: each file's folder)")
     p.add_argument("--allow-absolute-paths", action="store_true",
                    help="accept absolute image paths outside the image root (data.allow_absolute_image_paths=true)")

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-FORMATS = ("llava", "mmdu", "xcomposer2", "messages")
 MODES = ("skip", "strict")
 IMAGE_CHECKS = ("verify", "decode", "exists", "none")
 MIX_BY = ("samples", "tokens")
@@ -42,9 +41,9 @@ class SourceConfig:
     """Name used in reports, in ``MixtureConfig.weights`` and as ``Dialogue.source``."""
 
     format: str = "???"
-    """File format: ``llava`` (llava-665k), ``mmdu`` (MMDU benchmark / MMDU-45k),
-    ``xcomposer2`` (InternLM-XComposer2 fine-tune JSON) or ``messages`` (JSONL of
-    OpenAI-style ``messages`` with interleaved image parts)."""
+    """File format, a registered one (:mod:`mmtune.data.formats`): ``llava`` (llava-665k),
+    ``mmdu`` (MMDU benchmark / MMDU-45k), ``xcomposer2`` (InternLM-XComposer2 fine-tune
+    JSON) or ``messages`` (JSONL of OpenAI-style ``messages`` with interleaved image parts)."""
 
     path: str = "???"
     """The data file: a JSON list or a JSONL file (detected from its first character)."""
@@ -185,7 +184,10 @@ class DataConfig:
 
     def validate(self) -> None:
         """Check everything OmegaConf cannot; raise one :class:`ConfigError` listing all."""
+        from mmtune.data.formats import format_names, get_format
+
         problems = []
+        formats = format_names()
         mix = self.mixture
         if not mix.sources:
             problems.append("data.mixture.sources is empty: list at least one source")
@@ -195,8 +197,8 @@ class DataConfig:
             for attr in ("name", "format", "path"):
                 if getattr(s, attr) in (None, "", "???"):
                     problems.append(f"{key}.{attr} is missing")
-            if s.format not in FORMATS and s.format != "???":
-                problems.append(f"{key}.format={s.format!r} is unknown: use one of {', '.join(FORMATS)}")
+            if s.format not in formats and s.format != "???":
+                problems.append(f"{key}.format={s.format!r} is unknown: use one of {', '.join(formats)}")
             if names.count(s.name) > 1:
                 problems.append(f"{key}.name={s.name!r} is used by several sources: names must be unique")
             if s.num_samples is not None and s.num_samples < 0:
@@ -205,8 +207,9 @@ class DataConfig:
                 problems.append(
                     f"{key}.num_samples is set together with data.mixture.weights: use one of the two"
                 )
-            if s.move_image_to_start is True and s.format != "llava":
-                problems.append(f"{key}.move_image_to_start applies to format llava only")
+            if s.move_image_to_start is True and s.format in formats and get_format(s.format).image_to_start is None:
+                movable = [name for name in formats if get_format(name).image_to_start is not None]
+                problems.append(f"{key}.move_image_to_start applies to format {' or '.join(movable)} only")
         if self.ratios and len(self.ratios) != len(self.files):
             problems.append(f"data.ratios has {len(self.ratios)} value(s) for {len(self.files)} data.files: give one "
                             "share per file, in the same order")
@@ -328,7 +331,6 @@ def load_data_config(name_or_path: str, overrides: Optional[List[str]] = None) -
 
 
 __all__ = [
-    "FORMATS",
     "ConfigError",
     "SourceConfig",
     "MixtureConfig",

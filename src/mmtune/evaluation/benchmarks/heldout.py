@@ -51,12 +51,13 @@ class HeldoutBenchmark(SyntheticBenchmark):
     title = "Held-out"
 
     def check(self, cfg: Any) -> list[str]:
-        from mmtune.data.config import FORMATS
+        from mmtune.data.formats import format_names
 
         problems = super().check(cfg)
         fmt = self.settings(cfg).format
-        if fmt is not None and fmt not in FORMATS:
-            problems.append(f"eval.{self.name}.format={fmt!r} is unknown: use one of {', '.join(FORMATS)} (or null: detected)")
+        if fmt is not None and fmt not in format_names():
+            problems.append(f"eval.{self.name}.format={fmt!r} is unknown: use one of {', '.join(format_names())} "
+                            "(or null: detected)")
         return problems
 
     def source_config(self, sub: Any) -> Any:

@@ -1,0 +1,303 @@
+"""Records of a JSON list or JSONL file, read as a stream: :func:`iter_records`.
+
+Any format may be stored as a JSON list or as JSONL; the first non-blank character
+decides. A JSON list is read incrementally (:func:`iter_json_array`), so a 1.3 GB file is
+never held in memory whole. One bad record (bytes that are not UTF-8, broken JSON inside
+its own brackets, nesting deeper than the parser follows, an escape such as ``\\ud800``
+that is no character) is yielded with its :class:`~mmtune.data.validation.Problem`; the
+records after it are read as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterator
+
+from mmtune.data.validation import DataValidationError, Problem
+
+__all__ = ["iter_json_array", "iter_jsonl", "iter_records", "surrogate_problem"]
+
+_WS = re.compile(r"[ \t\n\r]*")
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_MAX_RECORD_CHARS = 256 * 1024 * 1024
+# A ``\\uD800``-``\\uDFFF`` escape in the raw text; only a record holding one can decode to
+# a lone surrogate (a valid pair decodes to one character), so only those are walked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Tokens that decide where a JSON value ends: whole strings (JSON forbids raw line breaks
+# in them, so a string never spans a line), a quote that opens no complete string, and
+# brackets. Everything between them is skipped.
+_STRING = r'"[^"\\\n\r]*(?:\\.[^"\\\n\r]*)*"'
+_EXTENT_TOKEN = re.compile(_STRING + r'|["\[\]{}]')
+_OPEN_STRING = re.compile(r'"[^"\\\n\r]*(?:\\.[^"\\\n\r]*)*\\?\Z')
+_ID_VALUE = re.compile(r'[ \t\n\r]*:[ \t\n\r]*(' + _STRING + r'|-?\d+)')
+_OPENER = {"]": "[", "}": "{"}
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (undecodable bytes, bad escapes) spelled as ``\\udcxx``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """``(where, escape)`` of the first lone UTF-16 surrogate in a parsed record's strings or
+    keys (``("conversations[2].value", "\\ud800")``), or ``None``. Iterative: records may
+    nest deeply."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            found = _LONE_SURROGATE.search(v)
+            if found:
+                return where or "the record", f"\\u{ord(found.group()):04x}"
+        elif isinstance(v, dict):
+            for k in v:
+                found = _LONE_SURROGATE.search(k)
+                if found:
+                    return f"key '{_printable(k)}'" + (f" of {where}" if where else ""), f"\\u{ord(found.group()):04x}"
+            todo.extend((f"{where}.{k}" if where else str(k), x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            todo.extend((f"{where}[{i}]", v[i]) for i in reversed(range(len(v))))
+    return None
+
+
+def _surrogate_problem(value: Any, index: int, rid: str) -> Problem | None:
+    """A ``lone_surrogate`` problem naming the field (and turn) that holds one, or ``None``."""
+    found = _lone_surrogate(value)
+    if found is None:
+        return None
+    where, escape = found
+    turn = re.match(r"(?:conversations|messages)\[(\d+)\]", where)
+    return Problem("lone_surrogate", rid, index, int(turn.group(1)) if turn else None,
+                   f"{where} holds {escape} without the other half of its pair")
+
+
+def surrogate_problem(value: Any, index: int, record_id: str) -> Problem | None:
+    """A ``lone_surrogate`` problem of a parsed record (naming the field that holds one), or ``None``.
+
+    For readers of other layouts (a JSON object keyed by item id) that parse a file
+    themselves; :func:`iter_records` checks its records already.
+    """
+    return _surrogate_problem(value, index, record_id)
+
+
+def _value_id(value: Any, default: str) -> str:
+    rid = value.get("id") if isinstance(value, dict) else None
+    return _printable(str(rid)) if rid is not None and rid != "" else default
+
+
+def _element_extent(text: str, pos: int) -> tuple[str, int, str | None]:
+    """Where the JSON object or array starting at ``text[pos]`` ends, found without parsing it.
+
+    Used when the parser cannot take an element (it nests too deeply, or its syntax is
+    broken) so that only that element is skipped. Brackets must pair by type and strings
+    must close on their line, so a stray quote or bracket does not resynchronise
+    somewhere arbitrary: it is reported as ``broken``.
+
+    Returns:
+        ``(status, end, record_id)``: status ``complete`` (``end`` is just past the
+        element), ``more`` (the text ends inside it) or ``broken`` (no safe end;
+        ``end`` is where that was found); the element's top-level ``id`` if seen.
+    """
+    if pos >= len(text) or text[pos] not in "[{":
+        return "broken", pos, None
+    stack: list[str] = []
+    rid = None
+    for m in _EXTENT_TOKEN.finditer(text, pos):
+        token = m.group()
+        if token[0] == '"':
+            if len(token) == 1:  # a quote that opens no complete string
+                return ("more" if _OPEN_STRING.match(text, m.start()) else "broken"), m.start(), rid
+            if rid is None and token == '"id"' and stack == ["{"]:
+                found = _ID_VALUE.match(text, m.end())
+                if found:
+                    try:
+                        rid = _printable(str(json.loads(found.group(1))))
+                    except ValueError:
+                        rid = _printable(found.group(1))
+        elif token in "[{":
+            stack.append(token)
+        elif not stack or stack.pop() != _OPENER[token]:
+            return "broken", m.start(), rid
+        elif not stack:
+            return "complete", m.end(), rid
+    return "more", len(text), rid
+
+
+def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Yield ``(index, value, problem)`` for each element of a top-level JSON array.
+
+    The file is read in chunks and split with ``json.JSONDecoder.raw_decode``, keeping
+    only the unparsed tail in memory. One bad element is yielded with its problem
+    (and ``value=None`` when it could not be parsed); the elements after it are read
+    as usual:
+
+    - bytes that are not UTF-8 (decoded with ``surrogateescape``): ``non_utf8``;
+    - an escape such as ``\\ud800`` that is no character: ``lone_surrogate``;
+    - nesting deeper than the parser follows (its ``RecursionError``): ``too_deep``;
+    - broken syntax inside an object or array element: ``invalid_json`` with line and
+      column, when the element's end can still be found safely (its brackets pair by
+      type and its strings close on their line, see :func:`_element_extent`).
+
+    Raises:
+        DataValidationError: the file is not a JSON array, the syntax between elements
+            is broken, a broken element's end cannot be found, or the file ends inside
+            the list. The rest of such a file cannot be trusted, so this is fatal in
+            every mode.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        buf, pos, eof, lines_before = f.read(chunk_chars), 0, False, 0
+        # Searching every record for escaped bytes costs more than parsing it; searching
+        # each chunk once and records only in a "dirty" buffer costs almost nothing.
+        dirty = _SURROGATE.search(buf) is not None
+        escaped = _SURROGATE_ESCAPE.search(buf) is not None
+
+        def refill() -> bool:
+            nonlocal buf, pos, eof, lines_before, dirty, escaped
+            if eof:
+                return False
+            more = f.read(chunk_chars)
+            if not more:
+                eof = True
+                return False
+            lines_before += buf.count("\n", 0, pos)
+            dirty = _SURROGATE.search(buf, pos) is not None or _SURROGATE.search(more) is not None
+            buf, pos = buf[pos:] + more, 0
+            escaped = _SURROGATE_ESCAPE.search(buf) is not None  # also one straddling the old chunk's end
+            return True
+
+        def skip_ws() -> None:
+            nonlocal pos
+            while True:
+                pos = _WS.match(buf, pos).end()
+                if pos < len(buf) or not refill():
+                    return
+
+        def where(at: int) -> str:
+            line = lines_before + buf.count("\n", 0, at) + 1
+            col = at - (buf.rfind("\n", 0, at) + 1) + 1
+            return f"line {line}, column {col}"
+
+        def fail(at: int, what: str, index: int) -> DataValidationError:
+            return DataValidationError(
+                f"{path}: invalid JSON at {where(at)} (array element #{index}): {what}. "
+                "How to fix: repair the file (e.g. `python -m json.tool FILE` shows the spot). A break in the "
+                "list's own structure leaves no safe way to tell where the next record starts, so it fails the "
+                "whole file; a record broken inside its own brackets is skipped alone."
+            )
+
+        def extent(index: int) -> tuple[int, str | None]:
+            """End and id of the element at ``pos``, reading on as needed; fatal when none is safe."""
+            while True:
+                status, end, rid = _element_extent(buf, pos)
+                if status == "complete":
+                    return end, rid
+                if status == "more" and len(buf) - pos <= _MAX_RECORD_CHARS and refill():
+                    continue
+                raise fail(end, "an element nested too deeply to parse, whose end cannot be found"
+                           if status == "broken" else "file ends inside a deeply nested element", index)
+
+        if buf.startswith("\ufeff"):
+            pos = 1
+        skip_ws()
+        if pos >= len(buf) or buf[pos] != "[":
+            raise fail(pos, "expected '[' at the start of a JSON list", 0)
+        pos += 1
+        skip_ws()
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        index = 0
+        while True:
+            skip_ws()
+            problem = None
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                    # A number ending exactly at the chunk end may continue in the next one.
+                    if end < len(buf) or not refill():
+                        break
+                    continue
+                except RecursionError:
+                    start = where(pos)
+                    end, rid = extent(index)
+                    value, problem = None, Problem("too_deep", rid or f"#{index}", index, None,
+                                                   f"element starting at {start}")
+                    break
+                except json.JSONDecodeError as e:
+                    # Usually the element continues in the next chunk (the scan says
+                    # "more"); a complete element that does not parse is broken itself.
+                    status, end, rid = _element_extent(buf, pos)
+                    if status == "complete":
+                        value, problem = None, Problem(
+                            "invalid_json", rid or f"#{index}", index, None,
+                            f"{e.msg} at {where(e.pos)} (element spans {where(pos)} to {where(end - 1)})")
+                        break
+                    if status == "broken" or len(buf) - pos > _MAX_RECORD_CHARS or not refill():
+                        raise fail(e.pos, e.msg, index) from None
+            if problem is None and dirty and _SURROGATE.search(buf, pos, end):
+                problem = Problem("non_utf8", _value_id(value, f"#{index}"), index, None,
+                                  "bytes that are not UTF-8 inside the record")
+            if problem is None and escaped and _SURROGATE_ESCAPE.search(buf, pos, end):
+                problem = _surrogate_problem(value, index, _value_id(value, f"#{index}"))
+            yield index, value, problem
+            index += 1
+            pos = end
+            skip_ws()
+            if pos >= len(buf):
+                raise fail(pos, "file ends inside the list (missing ']')", index)
+            if buf[pos] == ",":
+                pos += 1
+            elif buf[pos] == "]":
+                return
+            else:
+                raise fail(pos, "expected ',' or ']' between elements", index)
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Yield ``(line_index, value, problem)`` for each non-blank line of a JSONL file.
+
+    A line that is not UTF-8, not JSON, nested deeper than the parser follows, or holds
+    an escape such as ``\\ud800`` that is no character is yielded with its problem; the
+    other lines are unaffected.
+    """
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            rid = f"line {index + 1}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield index, None, Problem("non_utf8", rid, index, None, str(e))
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield index, None, Problem("invalid_json", rid, index, None, e.msg)
+                continue
+            except RecursionError:
+                _, _, found = _element_extent(text, len(text) - len(text.lstrip()))
+                named = f"record id {found!r}, " if found else ""
+                yield index, None, Problem("too_deep", rid, index, None, f"{named}nested too deeply to parse")
+                continue
+            problem = None
+            if _SURROGATE_ESCAPE.search(text):
+                problem = _surrogate_problem(value, index, _value_id(value, rid))
+            yield index, value, problem
+
+
+def iter_records(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Records of a JSON list or JSONL file, whichever it is."""
+    head = b""
+    with open(path, "rb") as f:
+        while not head:
+            chunk = f.read(4096)
+            if not chunk:
+                break
+            head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        yield from iter_json_array(path)
+    else:
+        yield from iter_jsonl(path)
