@@ -14,7 +14,7 @@ def _records(n):
 
 
 def _forbid_parsing(monkeypatch):
-    def boom(path):
+    def boom(path, *limit):
         raise AssertionError("the data file was parsed although a cache entry exists")
 
     monkeypatch.setattr(readers, "iter_records", boom)
@@ -38,6 +38,7 @@ def test_key_changes_with_file_and_reader_options(tmp_path, cache_dir, write_jso
     cfg = SourceConfig(name="s", format="llava", path=str(path))
     a = load_source(cfg, cache_dir=cache_dir)
     assert load_source(cfg, cache_dir=cache_dir, check_images="exists").cache_file != a.cache_file
+    assert load_source(cfg, cache_dir=cache_dir, max_record_bytes=1 << 20).cache_file != a.cache_file
     assert load_source(SourceConfig(name="s", format="llava", path=str(path), image_root=str(tmp_path)),
                        cache_dir=cache_dir).cache_file != a.cache_file
     write_json(path, _records(5))
@@ -51,7 +52,7 @@ def test_interrupted_build_leaves_no_entry(tmp_path, cache_dir, write_json, monk
     path = write_json(tmp_path / "d.json", _records(3))
     cfg = SourceConfig(name="s", format="llava", path=str(path))
 
-    def interrupted(path):
+    def interrupted(path, *limit):
         yield 0, _records(1)[0], None
         raise KeyboardInterrupt
 

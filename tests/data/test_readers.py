@@ -5,13 +5,7 @@ import pytest
 
 from mmtune.data.config import SourceConfig
 from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.data.readers import (
-    iter_json_array,
-    iter_records,
-    load_source,
-    read_datatxt,
-    sources_from_datatxt,
-)
+from mmtune.data.readers import load_source, read_datatxt, sources_from_datatxt
 from mmtune.data.validation import DataValidationError
 
 
@@ -135,80 +129,6 @@ def test_messages_jsonl_interleaved_parts(tmp_path, pics, cache_dir, load):
     assert d0.turns[1].segments == ("First ", Image(str(pics / "a.png")), " then ", Image(str(pics / "b.jpg")), "?")
     assert list(d0.exchanges()) == [(1, 2)]
     assert d1.id == "src-1" and d1.turns[0].segments == (Image(str(pics / "c.png")),)
-
-
-def test_json_array_streaming_matches_json_load_across_chunk_boundaries(tmp_path):
-    records = [{"id": i, "t": "ünïcode ✓ " * (i % 5), "nested": [{"a": [1, 2, {"b": "]},["}]}]} for i in range(50)]
-    path = tmp_path / "a.json"
-    path.write_text(" \n" + json.dumps(records, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    for chunk in (3, 17, 1000, 1 << 20):
-        got = list(iter_json_array(str(path), chunk_chars=chunk))
-        assert [v for _, v, _ in got] == records
-        assert [i for i, _, _ in got] == list(range(50))
-        assert all(p is None for _, _, p in got)
-    (tmp_path / "numbers.json").write_text("[1, 23456, 789]")
-    for chunk in (2, 3, 5):
-        assert [v for _, v, _ in iter_json_array(str(tmp_path / "numbers.json"), chunk_chars=chunk)] == [1, 23456, 789]
-    (tmp_path / "empty.json").write_text("[ ]")
-    assert list(iter_records(str(tmp_path / "empty.json"))) == []
-
-
-def test_broken_json_list_raises_with_line(tmp_path):
-    # Breaks in the list's own structure: no safe way to find where the next record starts.
-    path = tmp_path / "broken.json"
-    for text, line, element in [
-        ('[\n{"id": 1},\n{"id": 2},, {"x": 3},\n{"id": 4}\n]', 3, 2),  # between elements
-        ('[\n{"id": 1},\n{"id": 2, "x": [3}},\n{"id": 4}\n]', 3, 1),  # brackets do not pair
-        ('[\n{"id": 1},\n{"id": "2, "x": 3},\n{"id": "4"}\n]', 3, 1),  # a stray quote: strings cross lines
-        ('[\n{"id": 1},\n  tru,\n{"id": 4}\n]', 3, 1),  # a broken scalar element
-    ]:
-        path.write_text(text)
-        with pytest.raises(DataValidationError, match=rf"broken.json: invalid JSON at line {line}.*element #{element}"):
-            list(iter_json_array(str(path), chunk_chars=4))
-    path.write_text('[{"id": 1}, {"id": 2}')
-    with pytest.raises(DataValidationError, match="missing"):
-        list(iter_json_array(str(path)))
-    path.write_text('[{"id": 1}, {"id": 2, "x": [[[')
-    with pytest.raises(DataValidationError, match="element #1"):
-        list(iter_json_array(str(path)))
-    path.write_text('{"id": 1}\n')  # JSONL is not mistaken for a list
-    assert [v for _, v, _ in iter_records(str(path))] == [{"id": 1}]
-
-
-def test_json_list_element_broken_inside_its_brackets_is_skipped_alone(tmp_path):
-    path = tmp_path / "broken.json"
-    path.write_text('[\n{"id": 1},\n{"x": [1 2], "id": "two",, "y": "]"},\n{"id": 3}\n]')
-    for chunk in (4, 11, 1 << 20):
-        got = list(iter_json_array(str(path), chunk_chars=chunk))
-        assert [(i, v) for i, v, _ in got] == [(0, {"id": 1}), (1, None), (2, {"id": 3})]
-        problem = got[1][2]
-        assert (problem.code, problem.record_id, problem.record_index) == ("invalid_json", "two", 1)
-        assert "at line 3, column 10" in problem.detail
-        assert "spans line 3, column 1 to line 3, column 36" in problem.detail
-
-
-def test_json_list_problems_are_the_same_across_chunk_boundaries(tmp_path):
-    """Deep, broken, surrogate-holding and non-UTF-8 elements among good ones, read in chunks of every size."""
-    elements = [
-        '{"id": "g0", "t": "\\ud83d\\ude00"}',
-        '{"deep": %s, "id": "deep"}' % ("[" * 3000 + "]" * 3000),
-        '{"id": "g1"}',
-        '{"id": "broken", "t": [1 2]}',
-        '{"id": "sur", "t": ["x", "\\udc00"]}',
-        '{"id": "latin", "t": "caf\udce9"}',
-        '{"id": "g2", "t": "a\\\\ud800"}',
-    ]
-    path = tmp_path / "mixed.json"
-    path.write_bytes(("[\n" + ",\n".join(elements) + "\n]").encode("utf-8", "surrogateescape"))
-    expected = [(0, None, "g0"), (1, "too_deep", "deep"), (2, None, "g1"), (3, "invalid_json", "broken"),
-                (4, "lone_surrogate", "sur"), (5, "non_utf8", "latin"), (6, None, "g2")]
-    for chunk in (5, 64, 999, 1 << 20):
-        got = list(iter_json_array(str(path), chunk_chars=chunk))
-        seen = [(i, p.code if p else None, p.record_id if p else v["id"]) for i, v, p in got]
-        assert seen == expected, chunk
-        assert got[4][2].detail.startswith("t[1] holds \\udc00")
-        assert [v for _, v, p in got if p is None] == [{"id": "g0", "t": "\U0001f600"}, {"id": "g1"},
-                                                      {"id": "g2", "t": "a\\ud800"}]
 
 
 def test_dialogue_sequence_is_random_access_and_lazy(tmp_path, pics, cache_dir, load):

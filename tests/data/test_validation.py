@@ -52,9 +52,9 @@ ROLE_ORDER_CASES = {
 }
 
 
-def _check_both_modes(path, fmt, image_root, cache_dir, code, turn, n_good=1, record_id="bad"):
+def _check_both_modes(path, fmt, image_root, cache_dir, code, turn, n_good=1, record_id="bad", **read):
     cfg = SourceConfig(name="s", format=fmt, path=str(path), image_root=str(image_root))
-    src = load_source(cfg, mode="skip", cache_dir=cache_dir)
+    src = load_source(cfg, mode="skip", cache_dir=cache_dir, **read)
     r = src.report
     assert r.problems == {code: 1}
     assert r.skipped == {code: 1}
@@ -65,14 +65,14 @@ def _check_both_modes(path, fmt, image_root, cache_dir, code, turn, n_good=1, re
     assert code in rendered and PROBLEMS[code][1] in rendered and f"e.g. {record_id}" in rendered
 
     with pytest.raises(DataValidationError) as e:
-        load_source(cfg, mode="strict", cache_dir=cache_dir + "-strict")
+        load_source(cfg, mode="strict", cache_dir=cache_dir + "-strict", **read)
     msg = str(e.value)
     assert str(path) in msg and f"record {record_id!r}" in msg and f"[{code}]" in msg and "How to fix:" in msg
     if turn is not None:  # named as the viewer numbers turns: 1-based exchange and its side
         assert f"{turn_label(turn)}:" in msg and f"{record_id} {turn_label(turn)}" in r.examples[code][0]
     # The cached skip-mode entry also refuses strict mode, naming the same problem.
     with pytest.raises(DataValidationError, match=rf"\[{code}\]"):
-        load_source(cfg, mode="strict", cache_dir=cache_dir)
+        load_source(cfg, mode="strict", cache_dir=cache_dir, **read)
 
 
 @pytest.mark.parametrize("code", sorted(MMDU_CASES))
@@ -225,9 +225,17 @@ def test_a_nul_byte_in_an_image_path_skips_only_that_record(fmt, tmp_path, pics,
     _check_both_modes(path, fmt, pics, cache_dir, "invalid_image_path", 0)
 
 
+def test_a_jsonl_line_over_the_record_size_limit_skips_only_that_record(tmp_path, pics, cache_dir):
+    good = json.dumps(GOOD)
+    path = tmp_path / "d.jsonl"
+    path.write_text(f"{good}\n" + json.dumps({"id": "bad", "t": "x" * 4 * len(good)}) + "\n")
+    _check_both_modes(path, "mmdu", pics, cache_dir, "record_too_large", None, record_id="line 2",
+                      max_record_bytes=2 * len(good))
+
+
 def test_every_problem_class_is_covered_by_a_test():
     covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8", "lone_surrogate", "too_deep",
-                                 "invalid_image_path"}
+                                 "invalid_image_path", "record_too_large"}
     assert covered == set(PROBLEMS)
 
 

@@ -43,7 +43,8 @@ EVERY_PROBLEM = 1_000_000
 
 
 def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
-                       fmt: Optional[str] = None) -> tuple[list[SourceConfig], list[str]]:
+                       fmt: Optional[str] = None, max_record_bytes: Optional[int] = None,
+                       ) -> tuple[list[SourceConfig], list[str]]:
     """One source per data file, its format detected (:func:`~mmtune.data.formats.detect_format`), named after
     the file (``chats/a.json`` -> ``a``; ``a_2`` ... when two files share a name).
 
@@ -51,6 +52,7 @@ def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *
         image_root: every source's image root (``None``: each file's folder).
         key: the config key (or command-line argument) the files came from, named in problems.
         fmt: the format of every file, when given (``--format``); ``None``: detected.
+        max_record_bytes: no record is read past it while detecting (``data.validation.max_record_bytes``).
 
     Returns:
         The sources, and per source the reason for its format (``detected: ...``).
@@ -74,7 +76,7 @@ def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *
             from mmtune.data.validation import DataValidationError
 
             try:
-                found, why = detect_format(path)
+                found, why = detect_format(path, max_record_bytes=max_record_bytes)
             except DataValidationError:  # the file's own structure is broken: that is the message
                 raise
             except ValueError as err:
@@ -122,12 +124,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _files_config(files: list[str], args: argparse.Namespace) -> tuple[DataConfig, list[str]]:
-    """A config with one source per data file, and the line that states each one's format."""
-    sources, reasons = sources_from_files(files, args.image_root, key="FILE", fmt=args.format)
+def _with_overrides(cfg: DataConfig, overrides: list[str]) -> DataConfig:
+    """``cfg`` with ``key=value`` overrides applied, checked against the schema."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.structured(cfg))
+    for item in overrides:
+        key, _, value = item.partition("=")
+        OmegaConf.update(merged, key, yaml.safe_load(value), merge=True)
+    return OmegaConf.to_object(merged)
+
+
+def _files_config(files: list[str], args: argparse.Namespace, overrides: list[str]) -> tuple[DataConfig, list[str]]:
+    """A config with one source per data file and the overrides, and the line that states each one's format."""
+    limit = _with_overrides(DataConfig(), overrides).validation.max_record_bytes  # detection reads no more
+    sources, reasons = sources_from_files(files, args.image_root, key="FILE", fmt=args.format, max_record_bytes=limit)
     stated = [f"{s.path}: format {s.format} ({why}{'' if args.format else '; override with --format'})"
               for s, why in zip(sources, reasons)]
-    return DataConfig(mixture=MixtureConfig(sources=sources)), stated
+    return _with_overrides(DataConfig(mixture=MixtureConfig(sources=sources)), overrides), stated
 
 
 def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool) -> tuple[int, str]:
@@ -166,18 +181,10 @@ def run(argv: list[str]) -> int:
             raise ConfigError("--strict accepts no skipped record and --allow-skips accepts them: pass one of the two")
         if _is_data_file(args.config):
             try:
-                cfg, stated = _files_config(files, args)
+                cfg, stated = _files_config(files, args, overrides)
             except DataValidationError as e:  # the file itself is broken, not the command line
                 print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
                 return 1
-            import yaml
-            from omegaconf import OmegaConf
-
-            merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.structured(cfg))
-            for item in overrides:
-                key, _, value = item.partition("=")
-                OmegaConf.update(merged, key, yaml.safe_load(value), merge=True)
-            cfg = OmegaConf.to_object(merged)
             cfg.validate()
         else:
             if len(files) > 1:

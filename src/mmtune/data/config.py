@@ -121,6 +121,12 @@ class ValidationConfig:
     max_examples: int = 5
     """Example record ids kept per problem class in the report."""
 
+    max_record_bytes: int = 256 * 1024 * 1024
+    """Largest record read, in bytes (256 MiB): a JSONL line above it is skipped as
+    ``record_too_large`` without ever being held in memory whole (format detection too);
+    a JSON list element above it fails the file, whose structure cannot then be followed.
+    Reading a record takes a few times its size in memory while it is parsed."""
+
 
 @dataclass
 class StackingConfig:
@@ -240,6 +246,8 @@ class DataConfig:
             )
         if self.validation.max_examples < 0:
             problems.append(f"data.validation.max_examples={self.validation.max_examples} must be >= 0")
+        if self.validation.max_record_bytes < 1:
+            problems.append(f"data.validation.max_record_bytes={self.validation.max_record_bytes} must be >= 1")
         st = self.stacking
         if st.sources is not None:
             for name in st.sources:

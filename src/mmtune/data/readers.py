@@ -33,7 +33,7 @@ from mmtune.data.formats import ConvertContext, get_format
 from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDER
 from mmtune.data.formats.base import ROLE_MAP
 from mmtune.data.paths import ImagePathRules
-from mmtune.data.records import iter_json_array, iter_jsonl, iter_records, surrogate_problem
+from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
 
 
@@ -116,6 +116,7 @@ def load_source(
     refresh: bool = False,
     allow_absolute_image_paths: bool = False,
     image_limits: "ImageLimits | None" = None,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -131,6 +132,8 @@ def load_source(
             (see :mod:`mmtune.data.paths`).
         image_limits: largest images accepted by the ``verify`` / ``decode`` checks (the
             model's ``model.image_limits``; default: the defaults); others are ``image_too_large``.
+        max_record_bytes: largest record read (``data.validation.max_record_bytes``); a longer
+            JSONL line is a ``record_too_large`` problem, skipped without being held whole.
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -167,6 +170,8 @@ def load_source(
     }
     if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
         options["image_limits"] = asdict(limits)
+    if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
+        options["max_record_bytes"] = max_record_bytes
     arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
@@ -176,7 +181,7 @@ def load_source(
             raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
-                        report_path)
+                        report_path, max_record_bytes)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -189,14 +194,14 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
     return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
 
 
-def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker,
-                     limit: int | None = None) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
+def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
+                     max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
     """``(dialogue, problems)`` of every record of the source, in file order: each record
     converted and checked (:func:`check_dialogue`, duplicate ids); ``dialogue`` is None when
     the record could not be converted. ``limit``: only the first records."""
     seen: set[str] = set()
     fmt = get_format(source_cfg.format)
-    for index, obj, problem in iter_records(source_cfg.path):
+    for index, obj, problem in iter_records(source_cfg.path, max_record_bytes):
         if limit is not None and index >= limit:
             return
         dialogue = None
@@ -217,12 +222,13 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
         yield dialogue, problems
 
 
-def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path) -> ValidationReport:
+def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
+           max_record_bytes: int) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
     try:
-        for dialogue, problems in _checked_records(source_cfg, ctx, checker):
+        for dialogue, problems in _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes):
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
@@ -244,6 +250,7 @@ def read_source(
     allow_absolute_image_paths: bool = False,
     image_limits: "ImageLimits | None" = None,
     limit: int | None = None,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> list[tuple[Dialogue | None, list[Problem]]]:
     """Every record of one source converted and checked as :func:`load_source` does, without
     the Arrow cache: ``(dialogue, problems)`` per record in file order (``dialogue`` None when
@@ -259,7 +266,7 @@ def read_source(
         raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
     ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
                    source_cfg.move_image_to_start)
-    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit))
+    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes))
 
 
 def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
@@ -276,6 +283,7 @@ def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
             refresh=refresh,
             allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
             image_limits=image_limits,
+            max_record_bytes=v.max_record_bytes,
         )
         for s in data_cfg.mixture.sources
     ]

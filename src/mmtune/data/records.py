@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from mmtune.data.validation import DataValidationError, Problem
 
-__all__ = ["iter_json_array", "iter_jsonl", "iter_records", "surrogate_problem"]
+__all__ = ["MAX_RECORD_BYTES", "iter_json_array", "iter_jsonl", "iter_records", "surrogate_problem"]
 
 _WS = re.compile(r"[ \t\n\r]*")
 _SURROGATE = re.compile("[\udc80-\udcff]")
-_MAX_RECORD_CHARS = 256 * 1024 * 1024
+#: the default bound on one record's size (``data.validation.max_record_bytes``): 256 MiB
+MAX_RECORD_BYTES = 256 * 1024 * 1024
+# an over-long JSONL line is skipped in reads of this many bytes, never held whole
+_SKIP_CHUNK = 1 << 20
 # A ``\\uD800``-``\\uDFFF`` escape in the raw text; only a record holding one can decode to
 # a lone surrogate (a valid pair decodes to one character), so only those are walked.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -125,7 +128,8 @@ def _element_extent(text: str, pos: int) -> tuple[str, int, str | None]:
     return "more", len(text), rid
 
 
-def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int, Any, Problem | None]]:
+def iter_json_array(path: str, chunk_chars: int = 1 << 22,
+                    max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
     """Yield ``(index, value, problem)`` for each element of a top-level JSON array.
 
     The file is read in chunks and split with ``json.JSONDecoder.raw_decode``, keeping
@@ -194,7 +198,7 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int
                 status, end, rid = _element_extent(buf, pos)
                 if status == "complete":
                     return end, rid
-                if status == "more" and len(buf) - pos <= _MAX_RECORD_CHARS and refill():
+                if status == "more" and len(buf) - pos <= max_record_bytes and refill():
                     continue
                 raise fail(end, "an element nested too deeply to parse, whose end cannot be found"
                            if status == "broken" else "file ends inside a deeply nested element", index)
@@ -234,7 +238,7 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int
                             "invalid_json", rid or f"#{index}", index, None,
                             f"{e.msg} at {where(e.pos)} (element spans {where(pos)} to {where(end - 1)})")
                         break
-                    if status == "broken" or len(buf) - pos > _MAX_RECORD_CHARS or not refill():
+                    if status == "broken" or len(buf) - pos > max_record_bytes or not refill():
                         raise fail(e.pos, e.msg, index) from None
             if problem is None and dirty and _SURROGATE.search(buf, pos, end):
                 problem = Problem("non_utf8", _value_id(value, f"#{index}"), index, None,
@@ -255,18 +259,65 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 22) -> Iterator[tuple[int
                 raise fail(pos, "expected ',' or ']' between elements", index)
 
 
-def iter_jsonl(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
+def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | bytearray | None, int, str | None]:
+    """``(line, bytes read, None)`` of the next line of ``f``, or ``(None, bytes skipped, record id
+    its start names)`` for a line whose text is longer than ``limit`` bytes: such a line is read
+    in 1 MiB parts, held only up to ``limit``, and skipped to its end. ``(b"", 0, None)`` at the end."""
+    part = f.readline(_SKIP_CHUNK)
+    if part.endswith(b"\n") or len(part) < _SKIP_CHUNK:  # the whole line at once: nearly every line
+        over = len(part) - part.endswith(b"\n") > limit
+        return (None, len(part), _named_id(part)) if over else (part, len(part), None)
+    line = bytearray(part)  # grown in place: no second copy of a long line
+    while len(line) <= limit + 1 and not line.endswith(b"\n"):
+        part = f.readline(_SKIP_CHUNK)
+        if not part:
+            break
+        line += part
+    size = len(line)
+    if size - line.endswith(b"\n") <= limit:
+        return line, size, None
+    found = _named_id(bytes(line[:_SKIP_CHUNK]))
+    tail = line[-1:]
+    del line  # let go of it before reading on
+    while tail and tail != b"\n":
+        part = f.readline(_SKIP_CHUNK)
+        size += len(part)
+        tail = part[-1:]
+    return None, size, found
+
+
+def _named_id(raw: bytes) -> str | None:
+    """The record id the first MiB of an over-long line names at its top level, if any."""
+    text = raw[:_SKIP_CHUNK].decode("utf-8", "replace")
+    return _element_extent(text, len(text) - len(text.lstrip()))[2]
+
+
+def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
     """Yield ``(line_index, value, problem)`` for each non-blank line of a JSONL file.
 
     A line that is not UTF-8, not JSON, nested deeper than the parser follows, or holds
     an escape such as ``\\ud800`` that is no character is yielded with its problem; the
-    other lines are unaffected.
+    other lines are unaffected. A line longer than ``max_record_bytes`` is a
+    ``record_too_large`` problem (naming its line, and its id when the start of the line
+    names one): it is held only up to the limit and the rest is skipped in reads of 1 MiB,
+    so memory stays bounded by the limit however long the line is.
     """
     with open(path, "rb") as f:
-        for index, raw in enumerate(f):
+        index = -1
+        while True:
+            raw, size, found = _read_line(f, max_record_bytes)
+            if not size:
+                return
+            index += 1
+            rid = f"line {index + 1}"
+            if raw is None:
+                named = f"record id {found!r}, " if found else ""
+                yield index, None, Problem("record_too_large", rid, index, None,
+                                           f"{named}{size} bytes, above data.validation.max_record_bytes="
+                                           f"{max_record_bytes}")
+                continue
             if not raw.strip():
                 continue
-            rid = f"line {index + 1}"
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -288,8 +339,10 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
             yield index, value, problem
 
 
-def iter_records(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
-    """Records of a JSON list or JSONL file, whichever it is."""
+def iter_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
+    """Records of a JSON list or JSONL file, whichever it is, none read past ``max_record_bytes``
+    (a JSONL line above it is a ``record_too_large`` problem; a JSON list element above it
+    fails the file, whose structure cannot then be followed)."""
     head = b""
     with open(path, "rb") as f:
         while not head:
@@ -298,6 +351,6 @@ def iter_records(path: str) -> Iterator[tuple[int, Any, Problem | None]]:
                 break
             head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
     if head.startswith(b"["):
-        yield from iter_json_array(path)
+        yield from iter_json_array(path, max_record_bytes=max_record_bytes)
     else:
-        yield from iter_jsonl(path)
+        yield from iter_jsonl(path, max_record_bytes)

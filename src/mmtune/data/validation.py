@@ -35,6 +35,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "text holds an escape such as \\ud800 that is half of a UTF-16 surrogate pair, which is no character",
         "write the character itself, or its full pair (\\ud83d\\ude00 is one emoji), or delete the escape",
     ),
+    "record_too_large": (
+        "record (a JSONL line) is longer than data.validation.max_record_bytes; it was skipped unread",
+        "split or shorten the record, or raise data.validation.max_record_bytes if such records are expected",
+    ),
     "too_deep": (
         "record nests lists/objects deeper than the JSON parser can follow",
         "flatten or delete the record: no supported format nests more than a few levels",

@@ -295,7 +295,9 @@ def apply_data_files(cfg: Any) -> list[str]:
         return []
     files = [str(f) for f in files]
     try:
-        sources, reasons = sources_from_files(files, OmegaConf.select(cfg, "data.image_root", default=None))
+        sources, reasons = sources_from_files(
+            files, OmegaConf.select(cfg, "data.image_root", default=None),
+            max_record_bytes=OmegaConf.select(cfg, "data.validation.max_record_bytes", default=None))
     except DataConfigError as err:
         raise ConfigError(str(err)) from None
     ratios = list(OmegaConf.select(cfg, "data.ratios", default=None) or [])

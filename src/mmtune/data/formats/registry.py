@@ -74,20 +74,21 @@ def _keys(obj: Any) -> str:
     return str(sorted(map(str, obj))[:12]) if isinstance(obj, dict) else f"a {type(obj).__name__}, not an object"
 
 
-def detect_format(path: str, *, sample: int = 50) -> tuple[str, str]:
+def detect_format(path: str, *, sample: int = 50, max_record_bytes: int | None = None) -> tuple[str, str]:
     """``(format, why)`` of a data file, from its first ``sample`` records: the registered
     format whose :meth:`~mmtune.data.formats.base.DataFormat.detect` scores them highest.
+    No record is read past ``max_record_bytes`` (default: ``data.validation.max_record_bytes``'s).
 
     Raises:
         ValueError: no record looks like any format; the message says which keys each
             format needs and which the first record has.
         DataValidationError: a JSON list broken in its own structure.
     """
-    from mmtune.data.records import iter_records
+    from mmtune.data.records import MAX_RECORD_BYTES, iter_records
 
     records: list[dict] = []
     first: Any = None
-    for _, obj, problem in iter_records(path):
+    for _, obj, problem in iter_records(path, max_record_bytes or MAX_RECORD_BYTES):
         if first is None and problem is None:
             first = obj
         if problem is None and isinstance(obj, dict):
