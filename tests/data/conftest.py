@@ -48,3 +48,13 @@ def pics(tmp_path: Path) -> Path:
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> str:
     return str(tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def adapter_576():
+    """The tiny LLaVA adapter at LLaVA-1.5's real image size: 336 px / 14 px patches = 576 tokens
+    per image. Only the tokenizer and config are built; no model, and no image file is opened."""
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    return build_adapter(ModelConfig(family="llava", image_size=336))

@@ -7,12 +7,6 @@ from PIL import Image as PILImage
 from mmtune.data.collator import BATCH_KEYS, CollatorConfig, MultiImageCollator, MultiImageDataset, model_inputs
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.data.encoding import Example, ImageRef, encode_example
-from mmtune.models.config import ModelConfig
-from mmtune.models.registry import build_adapter
-
-@pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
 
 @pytest.fixture(scope="module")
 def dialogues(tmp_path_factory):
@@ -50,13 +44,26 @@ def test_padding_batch_has_fixed_keys_and_shapes(adapter, dialogues):
     assert n_image_tokens == batch["pixel_values"].shape[0] * adapter.num_image_tokens
     assert int(batch["num_loss_tokens"]) == sum(e.num_loss_tokens for e in examples)
 
-def test_batch_runs_through_the_model(adapter, dialogues):
-    model = adapter.load_model()
-    dataset = MultiImageDataset(dialogues, adapter, CollatorConfig(max_length=256))
+def test_the_padded_batch_gives_the_model_the_loss_of_each_sample_alone(adapter, dialogues):
+    """Padding, label alignment and pixel order change nothing a sample sees: the batch's loss
+    (the mean over all its answer tokens) is each sample's loss run alone, weighted by its
+    answer tokens, and the cross-entropy recomputed by hand from the logits."""
+    model = adapter.load_model().eval()
+    dataset = MultiImageDataset(dialogues, adapter, CollatorConfig(max_length=256, pad_to_multiple_of=8))
     loader = torch.utils.data.DataLoader(dataset, batch_size=3, collate_fn=dataset.collator())
     batch = next(iter(loader))
-    loss = model(**model_inputs(batch)).loss
-    assert torch.isfinite(loss)
+    with torch.no_grad():
+        out = model(**model_inputs(batch))
+        alone = [(model(**model_inputs(dataset.collator()([dataset[i]]))).loss, dataset[i].num_loss_tokens)
+                 for i in range(3)]
+    # labels predict the next token: position t's logits score labels[t + 1]
+    by_hand = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(),
+                                                batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    weighted = sum(loss * n for loss, n in alone) / sum(n for _, n in alone)
+    assert sum(n for _, n in alone) == int(batch["num_loss_tokens"]) > 0
+    torch.testing.assert_close(out.loss, by_hand, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, weighted, rtol=1e-5, atol=1e-5)
+    assert len({round(float(loss), 4) for loss, _ in alone}) == 3  # three different samples, not one repeated
 
 def test_text_only_batch_has_no_pixels(adapter, dialogues):
     example = encode_example(adapter, dialogues[1], max_length=256)

@@ -6,13 +6,6 @@ from mmtune.data.collator import CollatorConfig
 from mmtune.data.config import DataConfig, MixtureConfig, SourceConfig
 from mmtune.data.datamodule import SFTDataModule
 from mmtune.models.base import IGNORE_INDEX
-from mmtune.models.config import ModelConfig
-from mmtune.models.registry import build_adapter
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,6 @@ from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
 
 
-@pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
-
-
 @pytest.fixture()
 def files(tmp_path):
     good = tmp_path / "good.jpg"

@@ -12,13 +12,6 @@ from mmtune.data.config import DataConfig, MixtureConfig, SourceConfig, Validati
 from mmtune.data.datamodule import SFTDataModule
 from mmtune.data.images import CorruptImageError
 from mmtune.data.validation import ImageChecker
-from mmtune.models.config import ModelConfig
-from mmtune.models.registry import build_adapter
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
 
 
 def _truncated_jpeg(path):

@@ -12,13 +12,6 @@ from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.data.encoding import encode_example
 from mmtune.data.images import ImagePipeline
 from mmtune.data.lengths import compute_lengths
-from mmtune.models.config import ModelConfig
-from mmtune.models.registry import build_adapter
-
-
-@pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,10 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from PIL import Image as PILImage
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.evaluation.generation.config import GenerationConfig
-from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
+from tests.support.lmms_tasks import COLOURS, own_answers, worker_env, write_task
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("lmms_eval") is None,
@@ -28,73 +25,6 @@ pytestmark = pytest.mark.skipif(
     "pip install -e '.[lmms-eval-runtime]' (as .ci/run does)")
 
 ROOT = Path(__file__).resolve().parents[2]
-COLOURS = ("red", "green", "blue")
-QUESTION = "What colour is this image? Answer with one word."
-UTILS = '''
-from PIL import Image
-
-
-def doc_to_visual(doc):
-    return [Image.open(doc["image"]).convert("RGB")]
-
-
-def doc_to_text(doc, lmms_eval_specific_kwargs=None):
-    return "<image>\\n" + doc["question"]
-
-
-def process_results(doc, results):
-    return {"exact_match": float(results[0].strip() == doc["answer"])}
-'''
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {docs}
-test_split: test
-output_type: {output_type}
-doc_to_visual: !function utils.doc_to_visual
-doc_to_text: !function utils.doc_to_text
-doc_to_target: answer
-{extra}
-"""
-GENERATE = """generation_kwargs:
-  max_new_tokens: 6
-  temperature: 0
-  until: ["{until}"]
-process_results: !function utils.process_results
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true"""
-CHOICE = """doc_to_choice: choices
-metric_list:
-  - metric: acc"""
-
-
-def _task(root: Path, name: str, answers: list[str], *, until: str = "\\n\\n", output_type: str = "generate_until"):
-    """A local lmms-eval task of one image per colour; ``answers`` are the references."""
-    root.mkdir(parents=True, exist_ok=True)
-    docs = []
-    for i, (colour, answer) in enumerate(zip(COLOURS, answers)):
-        image = root / f"{colour}.png"
-        PILImage.new("RGB", (40, 40), colour).save(image)
-        docs.append({"id": i, "image": str(image), "question": QUESTION, "answer": answer, "choices": list(COLOURS)})
-    (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (root / "utils.py").write_text(UTILS)
-    extra = GENERATE.format(until=until) if output_type == "generate_until" else CHOICE
-    (root / f"{name}.yaml").write_text(TASK.format(name=name, docs=root / "docs.jsonl", output_type=output_type,
-                                                   extra=extra))
-    return root, docs
-
-
-def _own_answers(adapter, model, docs, max_new_tokens=6):
-    """mmtune's generator on the questions as the lmms-eval model asks them."""
-    generator = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=max_new_tokens, device="cpu"))
-    dialogues = [Dialogue(f"q{d['id']}", "t", (Turn("user", (Image(d["image"]), "\n", QUESTION)), Turn("assistant", ("",))))
-                 for d in docs]
-    return [r.answer for r in generator.generate(dialogues)]
-
-
 @pytest.fixture(scope="module")
 def llava_final(tmp_path_factory):
     root = tmp_path_factory.mktemp("lmms")
@@ -113,23 +43,15 @@ def _tiny_xc2():
     return adapter, adapter.load_model(seed=0).eval()
 
 
-def _env(tmp_path):
-    import os
-
-    return {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                                                  os.environ.get("PYTHONPATH", "")])}
-
-
 def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(llava_final, tmp_path):
     final, adapter, model = llava_final
-    _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
-    own = _own_answers(adapter, model, docs)
-    xc2_own = _own_answers(*_tiny_xc2(), docs)
+    _, docs = write_task(tmp_path / "probe", "probe", list(COLOURS))
+    own = own_answers(adapter, model, docs)
+    xc2_own = own_answers(*_tiny_xc2(), docs)
     # the reference of the first item is the model's own answer, so the score is exactly 1/3
-    llava_dir, _ = _task(tmp_path / "llava", "mmtune_tiny", [own[0], "not-an-answer", "not-an-answer"])
-    xc2_dir, _ = _task(tmp_path / "xc2", "xc2_tiny", xc2_own, until="NEVER-SEEN")
-    choice_dir, _ = _task(tmp_path / "mc", "xc2_choice", list(COLOURS), output_type="multiple_choice")
+    llava_dir, _ = write_task(tmp_path / "llava", "mmtune_tiny", [own[0], "not-an-answer", "not-an-answer"])
+    xc2_dir, _ = write_task(tmp_path / "xc2", "xc2_tiny", xc2_own, until="NEVER-SEEN")
+    choice_dir, _ = write_task(tmp_path / "mc", "xc2_choice", list(COLOURS), output_type="multiple_choice")
     spec = {"runs": [
         {"name": "llava", "task_dir": str(llava_dir), "task": "mmtune_tiny",
          "model_args": f"pretrained={final},family=llava,device=cpu"},
@@ -138,7 +60,7 @@ def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(l
     ]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("lmms_worker.py")), str(tmp_path / "spec.json"),
-                           str(tmp_path / "report.json")], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                           str(tmp_path / "report.json")], cwd=tmp_path, env=worker_env(tmp_path), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -157,12 +79,10 @@ def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(l
 def test_the_runner_hands_off_to_lmms_evals_command_line_and_reads_its_results(llava_final, tmp_path):
     """eval.lmms_eval with model_type mmtune: mmtune's launcher, lmms-eval's CLI in a
     subprocess, its results JSON parsed into an mmtune result."""
-    import os
-
     final, adapter, model = llava_final
-    _, docs = _task(tmp_path / "probe", "probe", list(COLOURS))
-    own = _own_answers(adapter, model, docs)
-    task_dir, _ = _task(tmp_path / "task", "mmtune_cli", [own[0], own[1], "not-an-answer"])
+    _, docs = write_task(tmp_path / "probe", "probe", list(COLOURS))
+    own = own_answers(adapter, model, docs)
+    task_dir, _ = write_task(tmp_path / "task", "mmtune_cli", [own[0], own[1], "not-an-answer"])
     code = f"""
 import sys
 from mmtune.evaluation.config import EvalConfig
@@ -174,9 +94,7 @@ cfg.lmms_eval.extra_args = ["--include_path", {str(task_dir)!r}]
 results = evaluate_checkpoint({str(final)!r}, cfg, output_dir={str(tmp_path / "out")!r}, run_name="r")
 print("SCORE", results["mmtune_cli"].metrics["exact_match"])
 """
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=worker_env(tmp_path), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SCORE 0.666" in proc.stdout

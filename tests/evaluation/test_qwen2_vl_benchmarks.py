@@ -104,20 +104,20 @@ def test_mmdu_mmvet_mdi_and_synthetic_run_with_the_family(checkpoint, data, tmp_
                     "pip install -e '.[lmms-eval-runtime]' (as .ci/run does)")
 def test_lmms_eval_evaluates_the_family_through_the_mmtune_model(checkpoint, tmp_path):
     from mmtune.evaluation.generation.loading import load_for_evaluation
-    from tests.evaluation.test_lmms_model import _env, _own_answers, _task
+    from tests.support.lmms_tasks import own_answers, worker_env, write_task
 
     adapter, model, _ = load_for_evaluation(str(checkpoint), ModelConfig(family="qwen2_vl"), device="cpu")
     assert adapter.family == "qwen2_vl" and adapter.model_type == "qwen2_5_vl"
-    _, docs = _task(tmp_path / "probe", "probe", ["-"] * 3)
-    own = _own_answers(adapter, model, docs)
+    _, docs = write_task(tmp_path / "probe", "probe", ["-"] * 3)
+    own = own_answers(adapter, model, docs)
     # the references are the model's own answers: lmms-eval's replies must score 1.0
-    task_dir, _ = _task(tmp_path / "qwen", "qwen_tiny", own, until="NEVER-SEEN")
+    task_dir, _ = write_task(tmp_path / "qwen", "qwen_tiny", own, until="NEVER-SEEN")
     spec = {"runs": [{"name": "qwen", "task_dir": str(task_dir), "task": "qwen_tiny",
                       "model_args": f"pretrained={checkpoint},family=qwen2_vl,device=cpu"}]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     worker = Path(__file__).with_name("lmms_worker.py")
     proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "spec.json"), str(tmp_path / "report.json")],
-                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, env=worker_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())["qwen"]
     assert report["model"] == "mmtune" and report["replies"] == own

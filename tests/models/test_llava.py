@@ -16,11 +16,6 @@ from mmtune.models.registry import build_adapter
 
 
 @pytest.fixture(scope="module")
-def adapter():
-    return build_adapter(ModelConfig(family="llava"))
-
-
-@pytest.fixture(scope="module")
 def model(adapter):
     return adapter.load_model()
 

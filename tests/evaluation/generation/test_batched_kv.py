@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image as PILImage
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.dialogue import Dialogue
 from mmtune.evaluation.generation.batched_kv import BatchedKVCache
 from mmtune.evaluation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator, read_generations
@@ -47,39 +47,14 @@ def xcomposer2():
 
 
 @pytest.fixture(scope="module")
-def dialogues(tmp_path_factory):
+def dialogues(tmp_path_factory, mixed_dialogues):
     root = tmp_path_factory.mktemp("imgs")
     paths = []
     for i, colour in enumerate(["red", "green", "blue", "yellow", "purple", "orange", "white"]):
         path = root / f"{i}.png"
         PILImage.new("RGB", (36 + 5 * i, 30 + 3 * i), colour).save(path)
         paths.append(str(path))
-
-    def make(k: int, turns: int, images: list[int], words: int = 1) -> Dialogue:
-        """``images[t]`` images in turn t (0 = text only); later turns name earlier images."""
-        out, seen = [], 0
-        for t in range(turns):
-            n = images[t] if t < len(images) else 0
-            segments: list = []
-            for _ in range(n):
-                seen += 1
-                segments += [f"Image{seen}: ", Image(paths[(k + seen) % len(paths)]), "\n"]
-            question = f"What is in Image{max(seen, 1)}?" if n else f"Compare Image1 and Image{max(seen, 1)}."
-            segments.append(" ".join([question] + ["please"] * (words * (t % 3))))
-            out += [Turn("user", tuple(segments)), Turn("assistant", (f"ref {k}-{t}",))]
-        return Dialogue(f"d{k}", "test", tuple(out))
-
-    return [
-        make(0, 1, [1]),
-        make(1, 2, [2, 0]),
-        make(2, 5, [1, 0, 1, 0, 0], words=3),
-        make(3, 3, [0, 1, 2]),
-        make(4, 4, [3, 0, 0, 1]),
-        make(5, 2, [0, 0], words=5),
-        make(6, 6, [1, 1, 1, 0, 0, 0]),
-        make(7, 3, [1, 0, 0], words=8),
-        Dialogue("long", "test", make(8, 7, [2, 1, 2, 1, 2, 1, 0], words=4).turns),
-    ]
+    return mixed_dialogues(paths)
 
 
 def _answers(records):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.dialogue import Dialogue
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.models.config import ModelConfig
@@ -24,7 +24,7 @@ WINDOW = 200
 
 
 @pytest.fixture(scope="module")
-def dialogues(tmp_path_factory):
+def dialogues(tmp_path_factory, mixed_dialogues):
     root = tmp_path_factory.mktemp("mrope_gen")
     paths = []
     rng = np.random.default_rng(0)  # fixed pixels: the workload checks below depend on the answers
@@ -32,30 +32,7 @@ def dialogues(tmp_path_factory):
         path = root / f"{i}.png"
         PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         paths.append(str(path))
-
-    def make(k: int, turns: int, images: list[int], words: int = 1) -> Dialogue:
-        out, seen = [], 0
-        for t in range(turns):
-            n = images[t] if t < len(images) else 0
-            segments: list = []
-            for _ in range(n):
-                seen += 1
-                segments += [f"Image{seen}: ", Image(paths[(k + seen) % len(paths)]), "\n"]
-            question = f"What is in Image{max(seen, 1)}?" if n else f"Compare Image1 and Image{max(seen, 1)}."
-            segments.append(" ".join([question] + ["please"] * (words * (t % 3))))
-            out += [Turn("user", tuple(segments)), Turn("assistant", (f"ref {k}-{t}",))]
-        return Dialogue(f"d{k}", "test", tuple(out))
-
-    return [
-        make(0, 1, [1]),
-        make(1, 2, [2, 0]),
-        make(2, 5, [1, 0, 1, 0, 0], words=3),
-        make(3, 3, [0, 1, 2]),
-        make(4, 4, [3, 0, 0, 1]),
-        make(5, 2, [0, 0], words=5),
-        make(6, 6, [1, 1, 1, 0, 0, 0]),
-        Dialogue("long", "test", make(8, 7, [2, 1, 2, 1, 2, 1, 0], words=4).turns),
-    ]
+    return [d for d in mixed_dialogues(paths) if d.id != "d7"]
 
 
 _MODELS: dict = {}

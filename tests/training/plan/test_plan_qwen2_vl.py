@@ -2,10 +2,9 @@
 architecture (no download, no weights read), with the merger counted as the projector."""
 
 from mmtune.training.plan import main, plan_run
-from tests.training.plan.test_plan import env, standin  # noqa: F401 (fixtures: stand-in data under MMTUNE_DATA_ROOT)
 
 
-def test_plan_sizes_the_qwen2_5_vl_7b_experiment(env, capsys):  # noqa: F811
+def test_plan_sizes_the_qwen2_5_vl_7b_experiment(env, capsys):
     p = plan_run(["experiment=mmdu45k_qwen2_5_vl_7b"], num_gpus=8, gpu="h100",
                  accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
     assert p.run_name == "mmdu45k_qwen2_5_vl_7b"
@@ -22,7 +21,7 @@ def test_plan_sizes_the_qwen2_5_vl_7b_experiment(env, capsys):  # noqa: F811
     assert "Qwen/Qwen2.5-VL-7B-Instruct" in capsys.readouterr().out
 
 
-def test_plan_sizes_qwen3_vl_8b_and_the_tiny_model(env):  # noqa: F811
+def test_plan_sizes_qwen3_vl_8b_and_the_tiny_model(env):
     p = plan_run(["experiment=mmdu45k_qwen2_5_vl_7b", "model=qwen3_vl_8b"], num_gpus=8, gpu="h100")
     assert 8.7e9 < p.params["total"] < 8.85e9 and p.params["image_tokens"] == 49  # 50176 / 32^2
     tiny = plan_run(["experiment=mmdu45k_qwen2_5_vl_7b", "model=qwen2_vl_tiny"], num_gpus=1, gpu="h100")
