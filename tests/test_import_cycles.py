@@ -216,3 +216,17 @@ def test_finder_sees_cycles_at_each_level_and_skips_type_checking(tmp_path):
     assert cycles["module level"] == [["pkg.sub.c", "pkg.sub.d"]]
     # a -> b at module level, b -> a inside a function: only the stricter graph has it
     assert cycles["with function level"] == [["pkg.a", "pkg.b"], ["pkg.sub.c", "pkg.sub.d"]]
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures live in each test area's ``conftest.py``, shared helpers in ``tests/support/``:
+    a test module importing another one would run that module's tests' imports and fixtures twice."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(tests)}: {name}" for name in names
+                      if name.startswith("tests.") and name.rpartition(".")[2].startswith("test_")]
+    assert found == []
