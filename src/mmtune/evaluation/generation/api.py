@@ -18,11 +18,14 @@ Records are those of the local generator, in the same resumable file
 (:class:`~mmtune.evaluation.generation.records.GenerationsFile`): settings (decoding,
 served model, image caps) keyed in ``<file>.settings.json`` (the base URL is recorded
 there too, not compared: a restarted server on another port serves the same model), finished turns
-skipped on resume. A turn whose call still fails after retries is recorded with
+skipped on resume. A turn whose call still fails after retries, or whose reply is larger
+than the byte cap (:func:`~mmtune.evaluation.chat_api.reply_cap`), is recorded with
 ``finish_reason: "error"`` and its ``error``; the dialogue's later turns are not asked
-(their history would lack that answer) and are recorded the same way; a re-run asks
-them again. An empty answer is recorded as given, with an ``error`` saying so. Both
-count against ``max_failed_share`` (:func:`~mmtune.evaluation.generation.records.check_failed_turns`).
+(their history would lack that answer) and are recorded the same way. An answer that is
+empty, null or not text is recorded as given (``""``), with an ``error`` naming which.
+Every record with an ``error`` says its ``kind`` and counts against ``max_failed_share``
+(:func:`~mmtune.evaluation.generation.records.check_failed_turns`); a re-run asks each such
+turn again, and the later turns of its dialogue with it (their history changes).
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ class ApiGenerator:
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if out_path is not None:
             file = GenerationsFile(out_path, self._settings(run_key), dialogues, resume_from=resume_from)
-            done = file.done
+            done = _answered_prefixes(file.done, dialogues)
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
         pending = {d.id: sum((d.id, t) not in done for t in range(len(list(d.exchanges())))) for d in dialogues}
         # Dialogues with the most turns left go first, so the last ones to run while other
@@ -240,7 +243,8 @@ class ApiGenerator:
             reference = dialogue.turns[a].text if a < len(dialogue.turns) else None
             if failed is not None:
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED,
-                                error={"status": None, "message": f"not asked: turn {failed} of this dialogue failed"}))
+                                error={"status": None, "message": f"not asked: turn {failed} of this dialogue failed",
+                                       "kind": "not_asked"}))
                 continue
             try:
                 messages = dialogue_messages(dialogue, t, answers, system_prompt=self.config.system_prompt,
@@ -251,7 +255,8 @@ class ApiGenerator:
                     self.stats.requests += 1
                 reply = self.endpoint.fail(str(err), None)
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED,
-                                error={"status": None, "message": reply.error, "cause": "an image above the size cap"}))
+                                error={"status": None, "message": reply.error, "cause": "an image above the size cap",
+                                       "kind": "image"}))
                 continue
             with self._lock:
                 self.stats.requests += 1
@@ -262,12 +267,18 @@ class ApiGenerator:
             if not reply.ok:
                 failed = t
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED, context,
-                                error={"status": reply.status, "message": reply.error, "cause": reply.cause}))
+                                error={"status": reply.status, "message": reply.error, "cause": reply.cause,
+                                       "kind": reply.kind or "call"}))
                 continue
             answer = reply.content.strip()
             answers[t] = answer
-            error = None if answer else {"status": None, "message": "the served model answered with an empty text",
-                                         "cause": "the model gave no answer (check the chat template and max_new_tokens)"}
+            error = None
+            if reply.unreadable is not None:
+                error = {"status": None, "message": reply.unreadable, "kind": reply.kind,
+                         "cause": "the server answered without text (a refusal, a tool call or a broken server)"}
+            elif not answer:
+                error = {"status": None, "message": "the served model answered with an empty text", "kind": "empty",
+                         "cause": "the model gave no answer (check the chat template and max_new_tokens)"}
             finish = "length" if reply.finish_reason == "length" else "stop"
             emit(TurnRecord(dialogue.id, t, question, answer, reference, reply.prompt_tokens,
                             reply.prompt_tokens + reply.completion_tokens, reply.completion_tokens, finish, context,
@@ -275,4 +286,18 @@ class ApiGenerator:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _answered_prefixes(done: dict[tuple[str, int], dict[str, Any]],
+                       dialogues: Sequence[Dialogue]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The finished turns a resumed run keeps: per dialogue, those before its first turn
+    that is not finished. A turn after one asked again was answered with another history
+    (the earlier answer was missing, empty or not text), so it is asked again too."""
+    kept: dict[tuple[str, int], dict[str, Any]] = {}
+    for dialogue in dialogues:
+        for t in range(len(list(dialogue.exchanges()))):
+            if (dialogue.id, t) not in done:
+                break
+            kept[(dialogue.id, t)] = done[(dialogue.id, t)]
+    return kept
 
