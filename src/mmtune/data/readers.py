@@ -370,12 +370,12 @@ class _Context:
         return resolved
 
 
-def _split(text: str, placeholder: str, images: Iterator[str]) -> tuple:
+def _split(text: str, placeholder: str, images: Iterator[Image]) -> tuple:
     parts = text.split(placeholder)
     segments: list = []
     for i, part in enumerate(parts):
         if i:
-            segments.append(Image(next(images)))
+            segments.append(next(images))
         if part:
             segments.append(part)
     return tuple(segments)
@@ -424,7 +424,7 @@ def convert_conversations(
                     turn = t
                     break
             return bad(image.detail, turn, image.problem)
-    images = iter([image.path for image in resolved])
+    images = iter([Image(image.path, image.root) for image in resolved])
     turns = []
     for msg in conv:
         value = msg["value"]
@@ -481,7 +481,7 @@ def convert_messages(obj: Any, index: int, ctx: _Context) -> tuple[Dialogue | No
                     image = ctx.resolve(url)
                     if image.problem:
                         return None, [Problem(image.problem, rid, index, t, image.detail)]
-                    segs.append(Image(image.path))
+                    segs.append(Image(image.path, image.root))
                 else:
                     return None, [Problem("malformed_record", rid, index, t, f"unknown content part {str(part)[:60]}")]
             segments = tuple(segs)

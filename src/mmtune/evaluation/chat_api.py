@@ -25,6 +25,7 @@ What is asked and what is kept is the caller's: the judge adds its cache of repl
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -41,7 +42,7 @@ from mmtune.io.deadline import deadline
 
 __all__ = ["Role", "JUDGE", "SERVED_MODEL", "TEACHER", "CONNECT_TIMEOUT_S", "CHECK_TIMEOUT_S", "EndpointCheckFailed",
            "REPLY_BYTES_PER_TOKEN", "REPLY_OVERHEAD_BYTES", "reply_cap", "likely_cause", "resolve_endpoint",
-           "CallStats", "ChatReply", "ChatEndpoint", "ImageTooLarge", "ImageOutsideRoot", "open_image",
+           "CallStats", "ChatReply", "ChatEndpoint", "ImageRefused", "ImageTooLarge", "ImageOutsideRoot", "open_image",
            "image_upload", "image_data_url"]
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ class ChatEndpoint:
         import openai
 
         from mmtune.io.deadline import install_deadline
-        from mmtune.io.secrets import Redactor, environment_secrets
+        from mmtune.io.secrets import Redactor, environment_secrets, redact_logging
 
         self.settings = settings
         self.role = role
@@ -288,6 +289,10 @@ class ChatEndpoint:
         # short), and every other secret of the environment, e.g. echoed by a proxy's error page.
         self._redactor = Redactor([api_key] if api_key != "EMPTY" else [], min_chars=1)
         self._redactor.add(environment_secrets(env, [settings.api_key_env]))
+        # The HTTP client logs every request's URL, credentials and all: every log handler
+        # writes through the redactor while this endpoint is open.
+        self._closing = contextlib.ExitStack()
+        self._closing.enter_context(redact_logging(self._redactor))
         # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
         # Connecting gets at most CONNECT_TIMEOUT_S: a host that drops packets would otherwise
         # hold every attempt for the whole timeout_s (7 x 120 s per call). timeout_s bounds the
@@ -303,10 +308,14 @@ class ChatEndpoint:
         self.lock = threading.Lock()
         self._rng = rng or random.Random()
 
+    @property
+    def shown_url(self) -> str:
+        """The base URL as every message and file shows it: credentials written in it as ``***``."""
+        return self.redact(self.base_url or "https://api.openai.com/v1")
+
     def where(self) -> str:
-        """``<url> (URL from <variable>; key from <variable>)``: never the key."""
-        url = self.base_url or "https://api.openai.com/v1"
-        return f"{url} (URL from {self.url_source}; key from {self.key_source})"
+        """``<url> (URL from <variable>; key from <variable>)``: never the key, nor the URL's credentials."""
+        return f"{self.shown_url} (URL from {self.url_source}; key from {self.key_source})"
 
     def redact(self, text: str) -> str:
         """``text`` with the key (in any of its spellings) and the environment's secrets as ``***``."""
@@ -439,7 +448,7 @@ class ChatEndpoint:
 
         from mmtune.io.deadline import ReplyTooLarge, byte_cap
 
-        url = self.base_url or "https://api.openai.com/v1"
+        url = self.shown_url
         wait = min(timeout_s, self.settings.timeout_s)
         try:
             with deadline(wait), byte_cap(reply_cap(self.settings, 1)):
@@ -468,6 +477,7 @@ class ChatEndpoint:
 
     def close(self) -> None:
         self.client.close()
+        self._closing.close()
 
 
 class EndpointCheckFailed(RuntimeError):
@@ -521,24 +531,55 @@ def _root_cause(err: BaseException) -> str:
 # ---------------------------------------------------------------------------- images
 
 
-class ImageTooLarge(ValueError):
+class ImageRefused(ValueError):
+    """An image that is not sent (see the subclasses)."""
+
+
+class ImageTooLarge(ImageRefused):
     """An image above the size cap, with the cap's policy ``refuse``."""
 
 
-def image_upload(path: str, *, setting: str, receiver: str, remedy: str) -> tuple[str, bytes]:
-    """``(mime type, bytes)`` of an image file, as it is on disk.
+class ImageOutsideRoot(ImageRefused):
+    """An image file that, when opened, lies outside its image root (or is no regular file)."""
 
-    The file must decode as an image header (PIL) whatever its name says: only image
-    files ever leave the machine, never a file an image path happens to point at.
+
+def open_image(path: str, root: Optional[str]) -> bytes:
+    """The bytes of the image file ``path``, read from one open that is checked to lie inside
+    ``root`` (:func:`mmtune.io.confined.read_inside`; ``None``: not confined).
+
+    Raises:
+        ImageOutsideRoot: the file opened is outside ``root``, or not a regular file.
+    """
+    from mmtune.io.confined import OutsideRoot, read_inside
+
+    try:
+        return read_inside(path, root)
+    except OutsideRoot as err:
+        raise ImageOutsideRoot(str(err)) from None
+
+
+def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
+                 root: Optional[str] = None) -> tuple[str, bytes]:
+    """``(mime type, bytes)`` of an image file, as it is on disk when read.
+
+    The file is opened once, inside ``root`` (:func:`open_image`), and what is checked is
+    what is sent: its bytes must decode as an image header (PIL) whatever its name says, so
+    only image files ever leave the machine, never a file an image path happens to point at.
 
     Args:
         setting, receiver, remedy: for the message (``judge.send_images``, ``the judge``,
             what to change).
+        root: the image root the file must lie in when opened (``Image.root``).
+
+    Raises:
+        ImageOutsideRoot: see :func:`open_image`.
+        ValueError: the file is not an image.
     """
     from PIL import Image as PILImage
 
+    raw = open_image(path, root)
     try:
-        with PILImage.open(path) as image:
+        with PILImage.open(io.BytesIO(raw)) as image:
             kind = image.format
     except Exception as err:  # PIL raises many types for files that are not images
         raise ValueError(
@@ -546,11 +587,11 @@ def image_upload(path: str, *, setting: str, receiver: str, remedy: str) -> tupl
             f"sent to {receiver}. {remedy}"
         ) from None
     mime = PILImage.MIME.get(kind or "", mimetypes.guess_type(path)[0] or "image/png")
-    return mime, Path(path).read_bytes()
+    return mime, raw
 
 
 def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[int], oversize: str,
-                   setting: str, receiver: str, remedy: str) -> tuple[str, Optional[str]]:
+                   setting: str, receiver: str, remedy: str, root: Optional[str] = None) -> tuple[str, Optional[str]]:
     """``(data URL, what was done)`` of an image file for a chat message.
 
     An image within the caps goes as the file's own bytes. One whose longer side exceeds
@@ -565,12 +606,13 @@ def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[in
     Raises:
         ImageTooLarge: above a cap with ``oversize="refuse"``, or still above
             ``max_bytes`` after downscaling.
+        ImageOutsideRoot: the file opened lies outside ``root`` (:func:`open_image`).
         ValueError: the file is not an image.
     """
     from PIL import Image as PILImage
 
-    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy)
-    with PILImage.open(path) as image:
+    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy, root=root)
+    with PILImage.open(io.BytesIO(raw)) as image:
         size = image.size
         too_wide = max_side is not None and max(size) > max_side
         too_big = max_bytes is not None and len(raw) > max_bytes

@@ -38,8 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from mmtune.data.dialogue import Dialogue
-from mmtune.evaluation.chat_api import SERVED_MODEL, CallStats, ChatEndpoint, ImageTooLarge, image_data_url
+from mmtune.data.dialogue import Dialogue, Image
+from mmtune.evaluation.chat_api import (SERVED_MODEL, CallStats, ChatEndpoint, ImageRefused, ImageTooLarge,
+                                       image_data_url)
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.records import FAILED, GenerationsFile, TurnRecord, question_text
 
@@ -54,7 +55,7 @@ class ApiStats(CallStats):
 
 
 def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str]], *, system_prompt: Optional[str],
-                      image_url: Callable[[str], str]) -> list[dict[str, Any]]:
+                      image_url: Callable[[Image], str]) -> list[dict[str, Any]]:
     """The chat messages that ask exchange ``t`` of ``dialogue``.
 
     Every earlier user turn with its images in place, the model's own ``answers`` to them,
@@ -64,7 +65,7 @@ def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str
     Args:
         system_prompt: ``None``: the dialogue's own system turn, if any; ``""``: none; else
             this text.
-        image_url: an image path -> the URL sent for it (a data URL).
+        image_url: an image segment -> the URL sent for it (a data URL).
     """
     messages: list[dict[str, Any]] = []
     system = system_prompt
@@ -82,7 +83,7 @@ def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str
                     if segment:
                         parts.append({"type": "text", "text": segment})
                 else:
-                    parts.append({"type": "image_url", "image_url": {"url": image_url(segment.path)}})
+                    parts.append({"type": "image_url", "image_url": {"url": image_url(segment)}})
             messages.append({"role": "user", "content": parts})
         else:
             messages.append({"role": "user", "content": turn.text})
@@ -136,7 +137,7 @@ class ApiGenerator:
                         max_image_mb=api.max_image_mb, oversize=api.oversize)
         settings.update(run_key or {})
         # the endpoint describes the run; a restarted server at another port serves the same model
-        settings["about"] = {**settings.get("about", {}), "endpoint": self.endpoint.base_url or "api.openai.com"}
+        settings["about"] = {**settings.get("about", {}), "endpoint": self.endpoint.shown_url}
         return settings
 
     def _decoding(self) -> tuple[float, dict[str, Any]]:
@@ -223,13 +224,14 @@ class ApiGenerator:
         temperature, extra = self._decoding()
         failed: Optional[int] = None
 
-        def image_url(path: str) -> str:
-            if path not in urls:
+        def image_url(image: Image) -> str:
+            path = image.path
+            if path not in urls:  # read once per dialogue, inside its root, at the moment it is read
                 max_bytes = int(api.max_image_mb * 1e6) if api.max_image_mb else None
                 urls[path], note = image_data_url(
                     path, max_side=api.max_image_side, max_bytes=max_bytes, oversize=api.oversize,
                     setting="eval.generation.api.max_image_side", receiver="the served model",
-                    remedy="Fix the image path in the benchmark data")
+                    remedy="Fix the image path in the benchmark data", root=image.root)
                 if note:
                     notes[path] = note
             return urls[path]
@@ -249,14 +251,15 @@ class ApiGenerator:
             try:
                 messages = dialogue_messages(dialogue, t, answers, system_prompt=self.config.system_prompt,
                                              image_url=image_url)
-            except ImageTooLarge as err:
+            except ImageRefused as err:
                 failed = t
                 with self._lock:
                     self.stats.requests += 1
-                reply = self.endpoint.fail(str(err), None)
+                reply = self.endpoint.fail(str(err), None, "image")
+                cause = ("an image above the size cap" if isinstance(err, ImageTooLarge)
+                         else "an image file that lies outside its image root when opened")
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED,
-                                error={"status": None, "message": reply.error, "cause": "an image above the size cap",
-                                       "kind": "image"}))
+                                error={"status": None, "message": reply.error, "cause": cause, "kind": "image"}))
                 continue
             with self._lock:
                 self.stats.requests += 1

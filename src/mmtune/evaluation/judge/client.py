@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint, Role,
-                                       EndpointCheckFailed, image_data_url, likely_cause, resolve_endpoint)
+                                       EndpointCheckFailed, image_data_url, likely_cause, open_image,
+                                       resolve_endpoint)
 from mmtune.evaluation.judge.cache import JudgeCache
 from mmtune.evaluation.judge.config import JudgeConfig
 
@@ -76,11 +77,12 @@ class JudgeFailures(RuntimeError):
 
 @dataclass(frozen=True)
 class JudgeRequest:
-    """One judge call. ``images`` are file paths, attached only when the client sends images."""
+    """One judge call. ``images`` are file paths, or image segments whose ``root`` confines
+    them (:class:`~mmtune.data.dialogue.Image`), attached only when the client sends images."""
 
     prompt: str
     system: Optional[str] = None
-    images: tuple[str, ...] = ()
+    images: tuple[Any, ...] = ()
     temperature: float = 0.0
     max_tokens: Optional[int] = None
     run_index: int = 0
@@ -122,8 +124,9 @@ class JudgeStats(CallStats):
     """Replies whose content was not text (an object, a number, null): unparsed, never cached."""
 
 
-def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def _path_and_root(image: Any) -> tuple[str, Optional[str]]:
+    """``(path, image root)`` of a request's image: a path string is not confined."""
+    return (image, None) if isinstance(image, str) else (image.path, image.root)
 
 
 class JudgeClient:
@@ -162,7 +165,8 @@ class JudgeClient:
             )
         self.stats = JudgeStats()
         self._endpoint = ChatEndpoint(config, env=env, role=role, stats=self.stats, rng=rng)
-        self.base_url, self.key_source, self.url_source = (self._endpoint.base_url, self._endpoint.key_source,
+        # base_url as shown (credentials in it as ***); the endpoint alone holds the real one
+        self.base_url, self.key_source, self.url_source = (self._endpoint.shown_url, self._endpoint.key_source,
                                                            self._endpoint.url_source)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
@@ -195,9 +199,10 @@ class JudgeClient:
             raise JudgeError(str(err), status=err.status) from None
 
     # ----------------------------------------------------------------- keys and messages
-    def _image_digest(self, path: str) -> str:
+    def _image_digest(self, image: Any) -> str:
+        path, root = _path_and_root(image)
         if path not in self._digests:
-            self._digests[path] = _file_digest(path)
+            self._digests[path] = hashlib.sha256(open_image(path, root)).hexdigest()
         return self._digests[path]
 
     def cache_key(self, request: JudgeRequest) -> str:
@@ -220,11 +225,14 @@ class JudgeClient:
             messages.append({"role": "system", "content": request.system})
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
-            for path in request.images:
+            for image in request.images:
+                path, root = _path_and_root(image)
                 _check_image_size(path, self._image_limits)  # a judge server decodes what it is sent
+                # opened once more, inside its root, at the moment it is sent
                 url, _ = image_data_url(path, max_side=None, max_bytes=None, oversize="downscale",
                                         setting="judge.send_images", receiver="the judge",
-                                        remedy="Fix the image path in the benchmark data or turn send_images off")
+                                        remedy="Fix the image path in the benchmark data or turn send_images off",
+                                        root=root)
                 content.append({"type": "image_url", "image_url": {"url": url}})
             messages.append({"role": "user", "content": content})
         else:
