@@ -355,3 +355,32 @@ def test_an_image_replaced_by_a_symlink_during_the_run_is_not_sent(tmp_path, env
     row = {(r["dialogue_id"], r["turn"]): r for r in read_generations(out / "generations" / "synthetic.jsonl")}
     error = row[(target.id, 1)]["error"]
     assert error["kind"] == "image" and "outside the image root" in error["message"] and str(secret) in error["message"]
+
+
+def test_a_base_url_with_credentials_is_written_nowhere(tmp_path, monkeypatch, capsys, caplog):
+    """The start-up line, settings.json, every output file and the log handlers (as Hydra's
+    job log: a file handler on the root logger at level INFO) show the URL as http://***@host."""
+    import logging
+
+    data, dialogues = _benchmark(tmp_path, n=2, seed=10)
+    password = "url-pass-7f3e9a"
+    log_file = tmp_path / "evaluate.log"
+    handler = logging.FileHandler(log_file)
+    logging.getLogger().addHandler(handler)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    try:
+        with CheckingModel(dialogues).serve(max_requests=50, lifetime_s=120) as server:
+            monkeypatch.setenv("MMTUNE_GEN_BASE_URL", server.base_url.replace("http://", f"http://bob:{password}@"))
+            evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(out), run_name="r")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    captured = capsys.readouterr()
+    settings = json.loads((out / "generations" / "synthetic.settings.json").read_text())
+    assert settings["about"]["endpoint"].startswith("http://***@127.0.0.1")
+    assert "served model" in captured.err and "http://***@127.0.0.1" in captured.err
+    assert "HTTP Request" in log_file.read_text()  # the client's own log line, with the URL in it
+    texts = [captured.out, captured.err, caplog.text, log_file.read_text()]
+    texts += [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix != ".sqlite"]
+    assert not [t[:200] for t in texts if password in t or "bob:" in t]
