@@ -72,10 +72,11 @@ CHECK_TIMEOUT_S = 15.0
 """Longest wait for the one-token check of :meth:`ChatEndpoint.check`."""
 
 REPLY_BYTES_PER_TOKEN = 64
-"""Bytes of reply allowed per requested token. A token of the common BPE vocabularies is a
-few bytes of text, rarely more than 16; written as JSON a character outside ASCII may take
-12 bytes (a ``\\uXXXX`` surrogate pair), and vocabularies hold long runs of spaces and
-punctuation. 64 is several times the worst legitimate reply and far below a runaway one."""
+"""Bytes of reply allowed per requested token. An English token is about 4 characters of text
+(OpenAI's rule of thumb, "What are tokens and how to count them"); written as JSON, a
+character outside ASCII takes up to 12 bytes escaped (``\\uXXXX``, twice beyond the BMP), and vocabularies
+hold tokens of long runs of spaces or punctuation. 64 leaves room for all of these and is
+still a small bound: 2 MB of reply for 32k tokens."""
 REPLY_OVERHEAD_BYTES = 64 * 1024
 """Bytes allowed besides the answer's tokens: status line, headers and the JSON envelope
 (id, model, usage, a server's extra fields), and an error's body."""

@@ -221,11 +221,12 @@ def test_config_is_checked_at_start_up(tmp_path):
     from mmtune.evaluation.generation.data_parallel import Layout, check_layout
 
     data, _ = _benchmark(tmp_path, n=1)
-    cfg = _cfg(data, tmp_path, concurrency=0, oversize="shrink", max_image_side=0)
+    cfg = _cfg(data, tmp_path, concurrency=0, oversize="shrink", max_image_side=0, max_reply_mb=-1.0)
     cfg.generation.api.model = None
     with pytest.raises(ValueError) as err:
         validate_eval_config(cfg)
-    for key in ("api.model is required", "api.concurrency=0", "api.oversize='shrink'", "api.max_image_side=0"):
+    for key in ("api.model is required", "api.concurrency=0", "api.oversize='shrink'", "api.max_image_side=0",
+                "api.max_reply_mb=-1.0"):
         assert key in str(err.value)
     assert "launched with 2 processes" in check_layout(_cfg(data, tmp_path).generation, Layout(0, 2))[0]
     with pytest.raises(ValueError, match="nothing is loaded"):
