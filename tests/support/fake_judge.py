@@ -50,7 +50,8 @@ class Scripted:
     framing: str = "length"
     """How a ``stream`` body is delimited: ``length`` (``Content-Length: declared``),
     ``chunked`` (chunked transfer encoding) or ``close`` (no length: the body ends when
-    the connection closes)."""
+    the connection closes); ``headers`` sends the chunks as header lines instead, headers
+    that never end."""
     declared: Optional[int] = None
     """The ``Content-Length`` sent with ``framing="length"``."""
 
@@ -148,6 +149,9 @@ class FakeJudgeServer:
             def _stream(self, reply: Scripted) -> None:
                 self.close_connection = True
                 self.send_response(reply.status)
+                if reply.framing == "headers":
+                    self._endless_headers(reply)
+                    return
                 self.send_header("Content-Type", "application/json")
                 if reply.framing == "length":
                     self.send_header("Content-Length", str(reply.declared))
@@ -167,6 +171,22 @@ class FakeJudgeServer:
                     if reply.framing == "chunked":
                         self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    with server._lock:
+                        server.cut_off += 1
+                finally:
+                    with server._lock:
+                        server.streamed.append(sent)
+
+            def _endless_headers(self, reply: Scripted) -> None:
+                self.flush_headers()
+                sent = 0
+                try:
+                    for chunk in reply.stream():
+                        if sent >= STREAM_LIMIT:
+                            break
+                        self.wfile.write(b"X-Padding: " + chunk[:4000] + b"\r\n")
+                        sent += len(chunk[:4000]) + 13
                 except (BrokenPipeError, ConnectionResetError):
                     with server._lock:
                         server.cut_off += 1

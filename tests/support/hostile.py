@@ -1,7 +1,7 @@
 """Replies of a hostile or broken model server, as :class:`~tests.support.fake_judge.Scripted`
 values: bodies far larger than the request allows (declared, chunked, delimited by the
 connection's close, with a Content-Length that lies), bodies that never end, error bodies
-of the same kinds, compressed bodies, and completions whose content is null, an object or
+of the same kinds, headers that never end, compressed bodies, and completions whose content is null, an object or
 empty. Each streamed body is bounded by the server (``STREAM_LIMIT``)."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ OVERSIZED = {
     "length_that_lies": lambda: Scripted(stream=endless, framing="length", declared=2000),
     "error_500_endless": lambda: Scripted(status=500, stream=endless, framing="chunked"),
     "error_400_50MB": lambda: Scripted(status=400, stream=_BIG, framing="length", declared=_BIG_LEN),
+    "endless_headers": lambda: Scripted(stream=endless, framing="headers"),
     "gzip_body": lambda: Scripted(stream=_BIG, framing="chunked", headers={"Content-Encoding": "gzip"}),
 }
 """Name -> a reply no 32-token request may cost more than its cap for."""
