@@ -560,7 +560,7 @@ def open_image(path: str, root: Optional[str]) -> bytes:
 
 
 def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
-                 root: Optional[str] = None) -> tuple[str, bytes]:
+                 root: Optional[str] = None, data: Optional[bytes] = None) -> tuple[str, bytes]:
     """``(mime type, bytes)`` of an image file, as it is on disk when read.
 
     The file is opened once, inside ``root`` (:func:`open_image`), and what is checked is
@@ -571,6 +571,7 @@ def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
         setting, receiver, remedy: for the message (``judge.send_images``, ``the judge``,
             what to change).
         root: the image root the file must lie in when opened (``Image.root``).
+        data: the file's bytes, already read by :func:`open_image` (then not read again).
 
     Raises:
         ImageOutsideRoot: see :func:`open_image`.
@@ -578,7 +579,7 @@ def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
     """
     from PIL import Image as PILImage
 
-    raw = open_image(path, root)
+    raw = open_image(path, root) if data is None else data
     try:
         with PILImage.open(io.BytesIO(raw)) as image:
             kind = image.format
@@ -592,7 +593,8 @@ def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
 
 
 def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[int], oversize: str,
-                   setting: str, receiver: str, remedy: str, root: Optional[str] = None) -> tuple[str, Optional[str]]:
+                   setting: str, receiver: str, remedy: str, root: Optional[str] = None,
+                   data: Optional[bytes] = None) -> tuple[str, Optional[str]]:
     """``(data URL, what was done)`` of an image file for a chat message.
 
     An image within the caps goes as the file's own bytes. One whose longer side exceeds
@@ -612,7 +614,7 @@ def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[in
     """
     from PIL import Image as PILImage
 
-    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy, root=root)
+    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy, root=root, data=data)
     with PILImage.open(io.BytesIO(raw)) as image:
         size = image.size
         too_wide = max_side is not None and max(size) > max_side

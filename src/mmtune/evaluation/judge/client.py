@@ -26,6 +26,7 @@ waits for its reply.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -227,12 +228,12 @@ class JudgeClient:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
             for image in request.images:
                 path, root = _path_and_root(image)
-                _check_image_size(path, self._image_limits)  # a judge server decodes what it is sent
-                # opened once more, inside its root, at the moment it is sent
+                raw = open_image(path, root)  # one open, inside its root, at the moment it is sent
+                _check_image_size(path, raw, self._image_limits)  # a judge server decodes what it is sent
                 url, _ = image_data_url(path, max_side=None, max_bytes=None, oversize="downscale",
                                         setting="judge.send_images", receiver="the judge",
                                         remedy="Fix the image path in the benchmark data or turn send_images off",
-                                        root=root)
+                                        data=raw)
                 content.append({"type": "image_url", "image_url": {"url": url}})
             messages.append({"role": "user", "content": content})
         else:
@@ -340,12 +341,19 @@ def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) ->
     )
 
 
-def _check_image_size(path: str, limits: Any) -> None:
-    """Refuse to attach an image whose header states a size above ``limits`` (``model.image_limits``)."""
-    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError
+def _check_image_size(path: str, raw: bytes, limits: Any) -> None:
+    """Refuse to attach an image (``raw``, the bytes read from ``path``) whose header states a
+    size above ``limits`` (``model.image_limits``)."""
+    from PIL import Image as PILImage
+
+    from mmtune.data.image_limits import ImageLimits, ImageTooLargeError, header_size
 
     try:
-        (limits or ImageLimits()).check_file(path)
+        try:
+            width, height = header_size(io.BytesIO(raw))
+        except PILImage.DecompressionBombError as err:  # above twice PIL.Image.MAX_IMAGE_PIXELS
+            raise ImageTooLargeError(path, None, f"PIL refuses it: {err}") from None
+        (limits or ImageLimits()).check(path, width, height)
     except ImageTooLargeError as err:
         raise ImageTooLargeError(err.path, err.size, f"{err.reason}; judge.send_images sends no such image") from None
     except Exception:  # noqa: BLE001 - not an image: image_data_url says so, naming the setting
