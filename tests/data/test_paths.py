@@ -109,3 +109,17 @@ def test_missing_image_report_shows_the_path_tried_and_how(tree, tmp_path):
     example = src.report.examples["missing_image"][0]
     assert f"tried {root / 'mmdu_pics' / 'nope.png'}" in example
     assert f"image_root {root} + rooted path '/mmdu_pics/nope.png'" in example
+
+
+def test_a_path_found_inside_the_root_carries_the_root_it_must_be_opened_in(tree, tmp_path):
+    from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+
+    root, outside = tree
+    real = os.path.realpath(root)
+    assert ImagePathRules(str(root)).resolve("pics/a.png").root == real
+    assert ImagePathRules(str(root)).resolve(str(root / "pics" / "a.png")).root == real
+    # accepted outside the root (absolute paths allowed): not confined
+    assert ImagePathRules(str(root), allow_absolute=True).resolve(str(outside / "secret.png")).root is None
+    data = _mmdu(tmp_path / "d.json", ["pics/a.png"])
+    (dialogue,) = load_mmdu_dialogues(data, image_root=str(root), source="s")
+    assert [(i.path, i.root) for i in dialogue.images] == [(str(root / "pics" / "a.png"), real)]

@@ -13,6 +13,7 @@ BAD = [
     *[("judge", "backoff_max_s", v) for v in (NAN, -0.5)],
     ("judge", "stop_after_failures", 0),
     ("judge", "max_tokens", 0),
+    *[("judge", "max_reply_mb", v) for v in (NAN, INF, 0.0, -1.0)],
     ("judge", "concurrency", 0),
     *[("judge", "max_failed_share", v) for v in (NAN, 1.5)],
     *[("generation", "repetition_penalty", v) for v in (NAN, 0.0, -1.0)],

@@ -78,3 +78,57 @@ def test_the_lock_holder_record_shows_no_secret(tmp_path, monkeypatch):
     with lock_directory(tmp_path / "out", purpose="evaluation"):
         command = read_holder(tmp_path / "out")["command"]
     assert "run_name=run-***" in command and "eval.judge.api_key=***" in command and KEY not in command
+
+
+@pytest.mark.parametrize("url", [
+    "http://user:pa55word-x@host:8000/v1",
+    "https://user:pa55word-x@api.example.com/v1/chat/completions",
+    "http://pa55word-x@host/v1",  # a token as the user name
+    "http://user:pa55%40word-x@host/v1",  # a password holding an encoded "@"
+    "HTTP://User:pa55word-x@HOST/v1",
+])
+def test_credentials_written_in_a_url_are_hidden_known_or_not(url):
+    from mmtune.io.secrets import Redactor
+
+    for text in (url, f"POST {url} \"HTTP/1.1 200 OK\"", json.dumps({"endpoint": url}), repr(url)):
+        shown = Redactor().text(text)
+        assert "pa55" not in shown and "***@" in shown, shown
+    assert Redactor().value({"about": {"endpoint": url}})["about"]["endpoint"].count("***@") == 1
+
+
+def test_a_url_variable_makes_its_password_a_secret_everywhere():
+    from mmtune.io.secrets import environment_secrets, redact_text
+
+    env = {"MMTUNE_GEN_BASE_URL": "http://alice:hunter2-long@127.0.0.1:8000/v1", "PLAIN": "http://host/v1"}
+    assert "hunter2-long" in environment_secrets(env)
+    basic = "YWxpY2U6aHVudGVyMi1sb25n"  # base64 of alice:hunter2-long, as an HTTP Basic header holds it
+    shown = redact_text(f"password hunter2-long, header Basic {basic}, plain http://host/v1", env=env)
+    assert "hunter2" not in shown and basic not in shown and "http://host/v1" in shown
+
+
+def test_redact_logging_rewrites_every_handlers_records(tmp_path):
+    import logging
+
+    from mmtune.io.secrets import Redactor, redact_logging
+
+    path = tmp_path / "job.log"
+    handler = logging.FileHandler(path)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logger = logging.getLogger("some.http.library")
+    try:
+        with redact_logging(Redactor(["sk-secret-value-1"])):
+            logger.warning("HTTP Request: POST %s", "http://bob:pw-123456@h/v1/chat")
+            try:
+                raise RuntimeError("failed with key sk-secret-value-1")
+            except RuntimeError:
+                logger.exception("call failed")
+        logger.warning("after: %s", "http://bob:pw-123456@h/v1")  # the filter is gone with the block
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+    lines = path.read_text()
+    inside, after = lines.split("after:")
+    assert "pw-123456" not in inside and "sk-secret-value-1" not in inside and "http://***@h/v1/chat" in inside
+    assert "RuntimeError" in inside  # the traceback is kept, redacted
+    assert "pw-123456" in after

@@ -6,7 +6,8 @@ Test tooling, deliberately outside the installed package. Tests import it as
 
 It implements ``POST /v1/chat/completions`` only. A ``responder`` callable maps each
 request body to a :class:`Scripted` reply (content, HTTP status, raw garbage body,
-delay), so tests can inject 429s, 500s, timeouts and malformed bodies and count calls.
+delay, a streamed body of any size with any framing), so tests can inject 429s, 500s,
+timeouts, malformed and oversized bodies and count calls and bytes sent.
 It never checks the key; it records the Authorization header only so tests can assert
 where the key did (and did not) travel. It is bounded: past ``max_requests`` requests it
 answers 503 (so a client in a retry loop cannot hammer it), and after ``lifetime_s``
@@ -25,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 __all__ = ["Scripted", "FakeJudgeServer"]
 
@@ -43,6 +44,20 @@ class Scripted:
     seconds apart: a server that never lets a single read time out. It stops when the
     response is out or the client hangs up (counted in ``FakeJudgeServer.cut_off``)."""
     finish_reason: str = "stop"
+    stream: Optional[Callable[[], Iterable[bytes]]] = None
+    """Body sent chunk by chunk from this iterable instead (a huge or endless body); the
+    server stops at :data:`STREAM_LIMIT` bytes or when the client hangs up."""
+    framing: str = "length"
+    """How a ``stream`` body is delimited: ``length`` (``Content-Length: declared``),
+    ``chunked`` (chunked transfer encoding) or ``close`` (no length: the body ends when
+    the connection closes); ``headers`` sends the chunks as header lines instead, headers
+    that never end."""
+    declared: Optional[int] = None
+    """The ``Content-Length`` sent with ``framing="length"``."""
+
+
+STREAM_LIMIT = 256 * 1024 * 1024
+"""Most bytes one streamed body sends before the server gives up (keeps tests bounded)."""
 
 
 class FakeJudgeServer:
@@ -56,7 +71,9 @@ class FakeJudgeServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.cut_off = 0
-        """Trickled responses the client hung up on before their last byte."""
+        """Trickled or streamed responses the client hung up on before their last byte."""
+        self.streamed: list[int] = []
+        """Body bytes written of each streamed response (the client may have read fewer)."""
         self._lock = threading.Lock()
         server = self
 
@@ -112,6 +129,9 @@ class FakeJudgeServer:
                     if reply.trickle_s:
                         self._trickle(reply, payload)
                         return
+                    if reply.stream is not None:
+                        self._stream(reply)
+                        return
                     self.send_response(reply.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
@@ -125,6 +145,54 @@ class FakeJudgeServer:
                 finally:
                     with server._lock:
                         server.in_flight -= 1
+
+            def _stream(self, reply: Scripted) -> None:
+                self.close_connection = True
+                self.send_response(reply.status)
+                if reply.framing == "headers":
+                    self._endless_headers(reply)
+                    return
+                self.send_header("Content-Type", "application/json")
+                if reply.framing == "length":
+                    self.send_header("Content-Length", str(reply.declared))
+                elif reply.framing == "chunked":
+                    self.send_header("Transfer-Encoding", "chunked")
+                for name, value in (reply.headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                sent = 0
+                try:
+                    for chunk in reply.stream():
+                        if sent >= STREAM_LIMIT:
+                            break
+                        framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if reply.framing == "chunked" else chunk
+                        self.wfile.write(framed)
+                        sent += len(chunk)
+                    if reply.framing == "chunked":
+                        self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    with server._lock:
+                        server.cut_off += 1
+                finally:
+                    with server._lock:
+                        server.streamed.append(sent)
+
+            def _endless_headers(self, reply: Scripted) -> None:
+                self.flush_headers()
+                sent = 0
+                try:
+                    for chunk in reply.stream():
+                        if sent >= STREAM_LIMIT:
+                            break
+                        self.wfile.write(b"X-Padding: " + chunk[:4000] + b"\r\n")
+                        sent += len(chunk[:4000]) + 13
+                except (BrokenPipeError, ConnectionResetError):
+                    with server._lock:
+                        server.cut_off += 1
+                finally:
+                    with server._lock:
+                        server.streamed.append(sent)
 
             def _trickle(self, reply: Scripted, payload: bytes) -> None:
                 head = (f"HTTP/1.1 {reply.status} Scripted\r\nContent-Type: application/json\r\n"

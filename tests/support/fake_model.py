@@ -105,9 +105,10 @@ class CheckingModel:
             self.asked.append((dialogue.id, t))
         reply = self.answer(dialogue.id, t)
         reply = reply if isinstance(reply, Scripted) else Scripted(reply)
-        if reply.status == 200 and reply.raw is None:
+        if reply.status == 200:
+            # a raw or streamed body carries no text the client can keep: its history holds ""
             with self._lock:
-                self.given[(dialogue.id, t)] = reply.content.strip()
+                self.given[(dialogue.id, t)] = reply.content.strip() if reply.raw is None and reply.stream is None else ""
         return reply
 
     def _check_user(self, dialogue_id: str, j: int, turn: Any, content: Any) -> None:

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 __all__ = ["ROLES", "Dialogue", "Image", "Segment", "Turn", "turn_label"]
 
@@ -34,6 +34,10 @@ class Image:
     """An image segment: the resolved path of the image file on disk."""
 
     path: str
+    root: Optional[str] = field(default=None, compare=False)
+    """The image root the file was found inside when the data was read; whoever sends the
+    file elsewhere opens it only inside this root (:func:`mmtune.io.confined.read_inside`).
+    ``None``: not confined (absolute paths allowed, or a path made by code)."""
 
 
 Segment = Union[str, Image]

@@ -55,6 +55,9 @@ class ResolvedImage:
     """``None``, ``"path_outside_root"`` or ``"invalid_image_path"`` (a NUL byte in it)."""
     detail: str = ""
     """What is wrong and how to fix it, when ``problem`` is set."""
+    root: Optional[str] = None
+    """The real image root ``path`` was found inside (it must stay there when opened);
+    ``None`` for a path accepted outside it (absolute paths allowed) or rejected."""
 
     def checked(self) -> str:
         """``path``, or :class:`ImagePathError` when the path was rejected."""
@@ -105,7 +108,9 @@ class ImagePathRules:
                 "fix the path in the data file or point image_root at the folder holding it",
             )
         real = os.path.realpath(joined)
-        if _inside(real, (self.real_root,)) or self.allow_absolute:
+        if _inside(real, (self.real_root,)):
+            return ResolvedImage(joined, how, root=self.real_root)
+        if self.allow_absolute:
             return ResolvedImage(joined, how)
         return ResolvedImage(
             joined, how, "path_outside_root",
@@ -131,7 +136,7 @@ class ImagePathRules:
         if not os.path.isabs(path):
             return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
         if _inside(os.path.realpath(path), (self.real_root,)):
-            return ResolvedImage(os.path.normpath(path), "absolute path inside the image root")
+            return ResolvedImage(os.path.normpath(path), "absolute path inside the image root", root=self.real_root)
         if self.join_rooted:
             joined = os.path.join(root, path.lstrip("/"))
             if os.path.exists(joined) or not os.path.exists(path):

@@ -7,7 +7,15 @@ timeouts, connection errors and malformed replies are retried with exponential b
 and full jitter, honouring ``Retry-After``; other 4xx fail at once), the key redacted from
 every message, tokens and an estimated cost counted per call (a price table in USD per
 million tokens), a one-line diagnosis of a failure, and images sent as data URLs (only
-files that decode as images ever leave the machine).
+files that decode as images, opened inside their image root, ever leave the machine).
+
+Every reply is bounded in size: a call may receive at most :func:`reply_cap` bytes (derived
+from the request's ``max_tokens``, or the settings' ``max_reply_mb``), counted as they come
+off the connection (:func:`mmtune.io.deadline.byte_cap`), so an error body, a body that never
+ends or one that declares more in its ``Content-Length`` is cut off there and the call fails
+with that reason (not retried: the same request would get the same answer). Replies are asked
+uncompressed (``Accept-Encoding: identity``) and a compressed one is refused unread: a few
+kilobytes of gzip can expand to gigabytes.
 
 What is asked and what is kept is the caller's: the judge adds its cache of replies
 (:mod:`mmtune.evaluation.judge.client`), the generator its per-turn records
@@ -17,6 +25,7 @@ What is asked and what is kept is the caller's: the judge adds its cache of repl
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -32,8 +41,9 @@ from typing import Any, Callable, ClassVar, Optional
 from mmtune.io.deadline import deadline
 
 __all__ = ["Role", "JUDGE", "SERVED_MODEL", "TEACHER", "CONNECT_TIMEOUT_S", "CHECK_TIMEOUT_S", "EndpointCheckFailed",
-           "likely_cause", "resolve_endpoint", "CallStats", "ChatReply",
-           "ChatEndpoint", "ImageTooLarge", "image_upload", "image_data_url"]
+           "REPLY_BYTES_PER_TOKEN", "REPLY_OVERHEAD_BYTES", "reply_cap", "likely_cause", "resolve_endpoint",
+           "CallStats", "ChatReply", "ChatEndpoint", "ImageRefused", "ImageTooLarge", "ImageOutsideRoot", "open_image",
+           "image_upload", "image_data_url"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,26 @@ CONNECT_TIMEOUT_S = 10.0
 CHECK_TIMEOUT_S = 15.0
 """Longest wait for the one-token check of :meth:`ChatEndpoint.check`."""
 
+REPLY_BYTES_PER_TOKEN = 64
+"""Bytes of reply allowed per requested token. An English token is about 4 characters of text
+(OpenAI's rule of thumb, "What are tokens and how to count them"); written as JSON, a
+character outside ASCII takes up to 12 bytes escaped (``\\uXXXX``, twice beyond the BMP), and vocabularies
+hold tokens of long runs of spaces or punctuation. 64 leaves room for all of these and is
+still a small bound: 2 MB of reply for 32k tokens."""
+REPLY_OVERHEAD_BYTES = 64 * 1024
+"""Bytes allowed besides the answer's tokens: status line, headers and the JSON envelope
+(id, model, usage, a server's extra fields), and an error's body."""
+
+
+def reply_cap(settings: Any, max_tokens: int) -> int:
+    """The most bytes one call may receive: ``settings.max_reply_mb`` when set, else
+    :data:`REPLY_OVERHEAD_BYTES` + :data:`REPLY_BYTES_PER_TOKEN` x ``max_tokens``
+    (a 2048-token answer: 192 KiB)."""
+    mb = getattr(settings, "max_reply_mb", None)
+    if mb:
+        return max(1, int(mb * 1e6))
+    return REPLY_OVERHEAD_BYTES + REPLY_BYTES_PER_TOKEN * max(1, int(max_tokens))
+
 #: how a failed name lookup reads (socket.gaierror on Linux, macOS, Windows)
 _DNS_FAILURES = ("gaierror", "name or service not known", "nodename nor servname", "temporary failure in name resolution",
                  "getaddrinfo failed", "no address associated with hostname", "name resolution")
@@ -79,6 +109,11 @@ def likely_cause(status: Optional[int], message: str, *, key_source: str = "the 
         return f"rate limit or quota exhausted: lower {role.section}.concurrency or check the account's quota"
     if status is not None and status >= 500:
         return f"the {role.server} failed (HTTP 5xx): retry later or check the server's log"
+    if "than the cap of" in text:
+        return (f"the {role.server} sent far more than max_tokens can produce (a runaway or broken server): check "
+                f"the server, or raise {role.section}.max_reply_mb if its replies are that large by design")
+    if "reply is compressed" in text:
+        return f"the {role.server} (or a proxy) compresses replies although none was asked: turn its compression off"
     if any(mark in text for mark in _DNS_FAILURES):
         return (f"the host name in the base URL does not resolve (DNS failure): check the host in {url_source}, "
                 "or this machine's network and DNS")
@@ -187,6 +222,10 @@ class ChatReply:
     unreadable: Optional[str] = None
     """Why a completed call has no text (its content was an object, a number or null); then
     ``content`` is ``""``. Paid for, not retried."""
+    kind: Optional[str] = None
+    """What class of failure, for records and counts: ``http_status``, ``timeout``,
+    ``connection``, ``malformed``, ``too_large``, ``compressed`` (the call failed), or
+    ``null`` / ``not_text`` (it completed without text: see :attr:`unreadable`)."""
 
     @property
     def ok(self) -> bool:
@@ -194,15 +233,33 @@ class ChatReply:
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: Optional[float] = None):
+    def __init__(self, reason: str, retry_after: Optional[float] = None, *, kind: str):
         super().__init__(reason)
         self.retry_after = retry_after
+        self.kind = kind
 
 
 class _Rejected(Exception):
-    def __init__(self, message: str, status: Optional[int]):
+    def __init__(self, message: str, status: Optional[int], *, kind: str = "http_status"):
         super().__init__(message)
         self.status = status
+        self.kind = kind
+
+
+def _check_reply_head(response: Any) -> None:
+    """An httpx response hook, run on the status line and headers before any of the body is
+    read: refuse a compressed body, and one whose ``Content-Length`` is past the call's cap."""
+    from mmtune.io.deadline import current_byte_cap
+
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _Rejected(f"the reply is compressed (Content-Encoding: {encoding[:40]}) although none was asked; "
+                        "refused unread, since a compressed body can expand without bound", None, kind="compressed")
+    cap = current_byte_cap()
+    declared = response.headers.get("content-length", "")
+    if cap is not None and declared.isdigit() and int(declared) > cap:
+        raise _Rejected(f"the reply declares {int(declared)} bytes (Content-Length), larger than the cap of {cap} "
+                        "bytes; refused unread", None, kind="too_large")
 
 
 class ChatEndpoint:
@@ -224,7 +281,7 @@ class ChatEndpoint:
         import openai
 
         from mmtune.io.deadline import install_deadline
-        from mmtune.io.secrets import Redactor, environment_secrets
+        from mmtune.io.secrets import Redactor, environment_secrets, redact_logging
 
         self.settings = settings
         self.role = role
@@ -233,12 +290,18 @@ class ChatEndpoint:
         # short), and every other secret of the environment, e.g. echoed by a proxy's error page.
         self._redactor = Redactor([api_key] if api_key != "EMPTY" else [], min_chars=1)
         self._redactor.add(environment_secrets(env, [settings.api_key_env]))
+        # The HTTP client logs every request's URL, credentials and all: every log handler
+        # writes through the redactor while this endpoint is open.
+        self._closing = contextlib.ExitStack()
+        self._closing.enter_context(redact_logging(self._redactor))
         # max_retries=0: our loop below owns retries, so backoff and counting are in one place.
         # Connecting gets at most CONNECT_TIMEOUT_S: a host that drops packets would otherwise
         # hold every attempt for the whole timeout_s (7 x 120 s per call). timeout_s bounds the
         # whole attempt (connect to last byte), not each read: see mmtune/io/deadline.py.
         timeout = httpx.Timeout(settings.timeout_s, connect=min(CONNECT_TIMEOUT_S, settings.timeout_s))
-        http_client = openai.DefaultHttpxClient(timeout=timeout)
+        # identity: a compressed reply's size says nothing of what it expands to (see _check_reply_head)
+        http_client = openai.DefaultHttpxClient(timeout=timeout, headers={"Accept-Encoding": "identity"},
+                                                event_hooks={"response": [_check_reply_head]})
         install_deadline(http_client)
         self.client = openai.OpenAI(api_key=api_key, base_url=self.base_url, timeout=timeout, max_retries=0,
                                     http_client=http_client)
@@ -246,10 +309,14 @@ class ChatEndpoint:
         self.lock = threading.Lock()
         self._rng = rng or random.Random()
 
+    @property
+    def shown_url(self) -> str:
+        """The base URL as every message and file shows it: credentials written in it as ``***``."""
+        return self.redact(self.base_url or "https://api.openai.com/v1")
+
     def where(self) -> str:
-        """``<url> (URL from <variable>; key from <variable>)``: never the key."""
-        url = self.base_url or "https://api.openai.com/v1"
-        return f"{url} (URL from {self.url_source}; key from {self.key_source})"
+        """``<url> (URL from <variable>; key from <variable>)``: never the key, nor the URL's credentials."""
+        return f"{self.shown_url} (URL from {self.url_source}; key from {self.key_source})"
 
     def redact(self, text: str) -> str:
         """``text`` with the key (in any of its spellings) and the environment's secrets as ``***``."""
@@ -271,6 +338,8 @@ class ChatEndpoint:
         import openai
         from openai.types.chat import ChatCompletion
 
+        from mmtune.io.deadline import ReplyTooLarge, byte_cap
+
         with self.lock:
             self.stats.calls += 1
         body = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens,
@@ -279,19 +348,24 @@ class ChatEndpoint:
             # The SDK's request path as ``chat.completions.create`` uses it, minus its per-field
             # transform of the body: on a long multi-turn, multi-image history that walk costs
             # more CPU than the call (the body here is plain JSON already).
-            with deadline(self.settings.timeout_s):
+            with deadline(self.settings.timeout_s), byte_cap(reply_cap(self.settings, max_tokens)):
                 completion = self.client.post("/chat/completions", body=body, cast_to=ChatCompletion)
+        except ReplyTooLarge as err:
+            # Not retried: a server that sends this much for this request will do it again.
+            raise _Rejected(f"{self.role.noun} reply larger than the cap of {err.limit} bytes for "
+                            f"max_tokens={max_tokens}: cut off after {err.received} bytes (model {model!r})", None,
+                            kind="too_large") from None
         except openai.RateLimitError as err:
-            raise _Retryable("HTTP 429 rate limited", _retry_after(err)) from None
+            raise _Retryable("HTTP 429 rate limited", _retry_after(err), kind="http_status") from None
         except openai.InternalServerError as err:
-            raise _Retryable(f"HTTP {err.status_code} server error") from None
+            raise _Retryable(f"HTTP {err.status_code} server error", kind="http_status") from None
         except openai.APITimeoutError:
-            raise _Retryable(f"timeout: no complete reply within {self.settings.timeout_s}s") from None
+            raise _Retryable(f"timeout: no complete reply within {self.settings.timeout_s}s", kind="timeout") from None
         except openai.APIConnectionError as err:
-            raise _Retryable(f"connection error: {_root_cause(err)}") from None
+            raise _Retryable(f"connection error: {_root_cause(err)}", kind="connection") from None
         except (openai.APIResponseValidationError, json.JSONDecodeError) as err:
             # Proxies and overloaded servers sometimes answer 200 with an HTML or truncated body.
-            raise _Retryable(f"malformed reply: {type(err).__name__}") from None
+            raise _Retryable(f"malformed reply: {type(err).__name__}", kind="malformed") from None
         except openai.APIStatusError as err:
             raise _Rejected(
                 f"{self.role.noun} endpoint rejected the request with HTTP {err.status_code}: "
@@ -300,16 +374,17 @@ class ChatEndpoint:
         choices = getattr(completion, "choices", None)
         message = getattr(choices[0], "message", None) if isinstance(choices, list) and choices else None
         if message is None:
-            raise _Retryable("malformed reply: no choices[0].message")
+            raise _Retryable("malformed reply: no choices[0].message", kind="malformed")
         usage = getattr(completion, "usage", None)
         content = getattr(message, "content", None)
         unreadable = _unreadable(content)
         return ChatReply("" if unreadable else self.redact(content), unreadable=unreadable,
+                         kind=None if unreadable is None else ("null" if content is None else "not_text"),
                          prompt_tokens=_count(getattr(usage, "prompt_tokens", 0)),
                          completion_tokens=_count(getattr(usage, "completion_tokens", 0)),
                          finish_reason=getattr(choices[0], "finish_reason", None))
 
-    def fail(self, message: str, status: Optional[int]) -> ChatReply:
+    def fail(self, message: str, status: Optional[int], kind: Optional[str] = None) -> ChatReply:
         """Count a failed item (message redacted, cause diagnosed) and return its reply."""
         message = self.redact(message)
         cause = likely_cause(status, message, key_source=self.key_source, url_source=self.url_source, role=self.role)
@@ -318,7 +393,7 @@ class ChatEndpoint:
             self.stats.causes[cause] = self.stats.causes.get(cause, 0) + 1
             if self.stats.first_error is None:
                 self.stats.first_error = {"status": status, "message": message, "cause": cause}
-        return ChatReply(None, error=message, status=status, cause=cause)
+        return ChatReply(None, error=message, status=status, cause=cause, kind=kind)
 
     def complete(self, model: str, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int,
                  extra: Optional[dict[str, Any]] = None, sleep: Callable[[float], None] = time.sleep) -> ChatReply:
@@ -330,12 +405,12 @@ class ChatEndpoint:
             sleep: waits between attempts (tests record them instead).
         """
         cfg = self.settings
-        last = "no attempt made"
+        last, kind = "no attempt made", None
         for attempt in range(cfg.max_retries + 1):
             try:
                 reply = self._attempt(model, messages, temperature=temperature, max_tokens=max_tokens, extra=extra)
             except _Retryable as err:
-                last = str(err)
+                last, kind = str(err), err.kind
                 if attempt == cfg.max_retries:
                     break
                 cap = min(cfg.backoff_max_s, cfg.backoff_base_s * (2**attempt))
@@ -348,7 +423,7 @@ class ChatEndpoint:
                 sleep(wait)
                 continue
             except _Rejected as err:
-                return self.fail(str(err), err.status)
+                return self.fail(str(err), err.status, err.kind)
             p_in, p_out = self.price(model)
             with self.lock:
                 self.stats.completed += 1
@@ -360,7 +435,7 @@ class ChatEndpoint:
         status = int(match.group(1)) if match else None
         message = f"{self.role.noun} call failed after {cfg.max_retries + 1} attempts; last error: {last}"
         log.warning(self.redact(message))
-        return self.fail(message, status)
+        return self.fail(message, status, kind)
 
     def check(self, model: str, timeout_s: float = CHECK_TIMEOUT_S) -> None:
         """Send one request of one token, so a wrong key, model name or URL stops the run
@@ -372,13 +447,21 @@ class ChatEndpoint:
         """
         import openai
 
-        url = self.base_url or "https://api.openai.com/v1"
+        from mmtune.io.deadline import ReplyTooLarge, byte_cap
+
+        url = self.shown_url
         wait = min(timeout_s, self.settings.timeout_s)
         try:
-            self.client.with_options(timeout=wait).chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "Reply with the word OK."}],
-                max_tokens=1, temperature=0)
+            with deadline(wait), byte_cap(reply_cap(self.settings, 1)):
+                self.client.with_options(timeout=wait).chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "Reply with the word OK."}],
+                    max_tokens=1, temperature=0)
             return
+        except ReplyTooLarge as err:
+            status, message = None, (f"{self.role.noun} reply larger than the cap of {err.limit} bytes for "
+                                     f"max_tokens=1: cut off after {err.received} bytes")
+        except _Rejected as err:
+            status, message = err.status, str(err)
         except (openai.RateLimitError, openai.InternalServerError) as err:
             log.warning("%s check: HTTP %s from %s; going on, calls will be retried", self.role.noun,
                         err.status_code, url)
@@ -395,6 +478,7 @@ class ChatEndpoint:
 
     def close(self) -> None:
         self.client.close()
+        self._closing.close()
 
 
 class EndpointCheckFailed(RuntimeError):
@@ -448,24 +532,56 @@ def _root_cause(err: BaseException) -> str:
 # ---------------------------------------------------------------------------- images
 
 
-class ImageTooLarge(ValueError):
+class ImageRefused(ValueError):
+    """An image that is not sent (see the subclasses)."""
+
+
+class ImageTooLarge(ImageRefused):
     """An image above the size cap, with the cap's policy ``refuse``."""
 
 
-def image_upload(path: str, *, setting: str, receiver: str, remedy: str) -> tuple[str, bytes]:
-    """``(mime type, bytes)`` of an image file, as it is on disk.
+class ImageOutsideRoot(ImageRefused):
+    """An image file that, when opened, lies outside its image root (or is no regular file)."""
 
-    The file must decode as an image header (PIL) whatever its name says: only image
-    files ever leave the machine, never a file an image path happens to point at.
+
+def open_image(path: str, root: Optional[str]) -> bytes:
+    """The bytes of the image file ``path``, read from one open that is checked to lie inside
+    ``root`` (:func:`mmtune.io.confined.read_inside`; ``None``: not confined).
+
+    Raises:
+        ImageOutsideRoot: the file opened is outside ``root``, or not a regular file.
+    """
+    from mmtune.io.confined import OutsideRoot, read_inside
+
+    try:
+        return read_inside(path, root)
+    except OutsideRoot as err:
+        raise ImageOutsideRoot(str(err)) from None
+
+
+def image_upload(path: str, *, setting: str, receiver: str, remedy: str,
+                 root: Optional[str] = None, data: Optional[bytes] = None) -> tuple[str, bytes]:
+    """``(mime type, bytes)`` of an image file, as it is on disk when read.
+
+    The file is opened once, inside ``root`` (:func:`open_image`), and what is checked is
+    what is sent: its bytes must decode as an image header (PIL) whatever its name says, so
+    only image files ever leave the machine, never a file an image path happens to point at.
 
     Args:
         setting, receiver, remedy: for the message (``judge.send_images``, ``the judge``,
             what to change).
+        root: the image root the file must lie in when opened (``Image.root``).
+        data: the file's bytes, already read by :func:`open_image` (then not read again).
+
+    Raises:
+        ImageOutsideRoot: see :func:`open_image`.
+        ValueError: the file is not an image.
     """
     from PIL import Image as PILImage
 
+    raw = open_image(path, root) if data is None else data
     try:
-        with PILImage.open(path) as image:
+        with PILImage.open(io.BytesIO(raw)) as image:
             kind = image.format
     except Exception as err:  # PIL raises many types for files that are not images
         raise ValueError(
@@ -473,11 +589,12 @@ def image_upload(path: str, *, setting: str, receiver: str, remedy: str) -> tupl
             f"sent to {receiver}. {remedy}"
         ) from None
     mime = PILImage.MIME.get(kind or "", mimetypes.guess_type(path)[0] or "image/png")
-    return mime, Path(path).read_bytes()
+    return mime, raw
 
 
 def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[int], oversize: str,
-                   setting: str, receiver: str, remedy: str) -> tuple[str, Optional[str]]:
+                   setting: str, receiver: str, remedy: str, root: Optional[str] = None,
+                   data: Optional[bytes] = None) -> tuple[str, Optional[str]]:
     """``(data URL, what was done)`` of an image file for a chat message.
 
     An image within the caps goes as the file's own bytes. One whose longer side exceeds
@@ -492,12 +609,13 @@ def image_data_url(path: str, *, max_side: Optional[int], max_bytes: Optional[in
     Raises:
         ImageTooLarge: above a cap with ``oversize="refuse"``, or still above
             ``max_bytes`` after downscaling.
+        ImageOutsideRoot: the file opened lies outside ``root`` (:func:`open_image`).
         ValueError: the file is not an image.
     """
     from PIL import Image as PILImage
 
-    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy)
-    with PILImage.open(path) as image:
+    mime, raw = image_upload(path, setting=setting, receiver=receiver, remedy=remedy, root=root, data=data)
+    with PILImage.open(io.BytesIO(raw)) as image:
         size = image.size
         too_wide = max_side is not None and max(size) > max_side
         too_big = max_bytes is not None and len(raw) > max_bytes

@@ -157,6 +157,9 @@ def _endpoint_problems(settings: Any, key: str) -> list[str]:
         value = getattr(settings, name)
         if not (math.isfinite(value) and value >= 0):
             problems.append(f"{key}.{name}={value}: must be a finite number of seconds >= 0")
+    cap = settings.max_reply_mb
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        problems.append(f"{key}.max_reply_mb={cap}: must be a finite number of MB > 0 (or null: from max_tokens)")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""A wall-clock deadline for a whole HTTP call, which httpx's timeouts are not.
+"""A wall-clock deadline and a byte cap for a whole HTTP call, which httpx's timeouts are not.
 
 httpx (and so the openai SDK) applies ``timeout`` to each network operation: connecting,
 each write, each read. A server that sends one byte every half second never lets a read
@@ -9,8 +9,16 @@ inside :func:`deadline` waits at most until the call's deadline: the call then f
 with httpx's own ``ReadTimeout`` (the SDK's ``APITimeoutError``), which the judge retries
 like any timeout.
 
-The deadline is per thread (the judge's worker threads each make one synchronous call at
-a time), so connections shared by the pool obey the deadline of the call using them.
+The same wrapper counts the bytes a call receives inside :func:`byte_cap`: status line,
+headers and body (an error body too), as they come off the connection, in reads of at most
+what is left. Past the cap the read raises :class:`ReplyTooLarge` and the connection is
+dropped, so a server answering a 32-token request with 50 MB, or with a body that never
+ends, costs the client the cap's bytes of memory, not the body's (the time limit alone
+would let an endless body grow for the whole ``timeout_s``).
+
+The deadline and the cap are per thread (the judge's worker threads each make one
+synchronous call at a time), so connections shared by the pool obey the limits of the
+call using them.
 The openai SDK ships with httpx or its successor httpx2 (httpcore / httpcore2 beneath);
 the wrapper raises the timeouts of whichever package the client's pool comes from.
 """
@@ -24,7 +32,7 @@ import time
 import warnings
 from typing import Any, Iterator, Optional
 
-__all__ = ["deadline", "install_deadline"]
+__all__ = ["deadline", "byte_cap", "ByteBudget", "ReplyTooLarge", "current_byte_cap", "install_deadline"]
 
 _LOCAL = threading.local()
 
@@ -38,6 +46,41 @@ def deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         _LOCAL.at = previous
+
+
+class ReplyTooLarge(Exception):
+    """A call received more bytes than its :func:`byte_cap` allows."""
+
+    def __init__(self, limit: int, received: int):
+        super().__init__(f"more than {limit} bytes received, the cap")
+        self.limit, self.received = limit, received
+
+
+class ByteBudget:
+    """What one call inside :func:`byte_cap` may still receive, and what it did."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.received = 0
+        """Bytes read from the connection so far (at most ``limit + 1``)."""
+
+
+@contextlib.contextmanager
+def byte_cap(limit: int) -> Iterator[ByteBudget]:
+    """Network reads of this thread inside the block receive at most ``limit`` bytes in all;
+    one more raises :class:`ReplyTooLarge`."""
+    previous = getattr(_LOCAL, "budget", None)
+    budget = _LOCAL.budget = ByteBudget(int(limit))
+    try:
+        yield budget
+    finally:
+        _LOCAL.budget = previous
+
+
+def current_byte_cap() -> Optional[int]:
+    """The byte cap of this thread's call, or None outside :func:`byte_cap`."""
+    budget = getattr(_LOCAL, "budget", None)
+    return None if budget is None else budget.limit
 
 
 def _remaining(timeout: Optional[float], error: type) -> Optional[float]:
@@ -60,7 +103,16 @@ class _DeadlineStream:
         self._inner, self._core = inner, core
 
     def read(self, max_bytes: int, timeout: Optional[float] = None) -> bytes:
-        return self._inner.read(max_bytes, _remaining(timeout, self._core.ReadTimeout))
+        budget: Optional[ByteBudget] = getattr(_LOCAL, "budget", None)
+        if budget is None:
+            return self._inner.read(max_bytes, _remaining(timeout, self._core.ReadTimeout))
+        # one byte past the cap is enough to know the reply is too large
+        wanted = max(1, min(max_bytes, budget.limit - budget.received + 1))
+        data = self._inner.read(wanted, _remaining(timeout, self._core.ReadTimeout))
+        budget.received += len(data)
+        if budget.received > budget.limit:
+            raise ReplyTooLarge(budget.limit, budget.received)
+        return data
 
     def write(self, buffer: bytes, timeout: Optional[float] = None) -> None:
         self._inner.write(buffer, _remaining(timeout, self._core.WriteTimeout))
@@ -99,7 +151,7 @@ class _DeadlineBackend:
 
 
 def install_deadline(client: Any) -> bool:
-    """Make every transport of the httpx ``client`` (direct and proxied) obey :func:`deadline`.
+    """Make every transport of the httpx ``client`` (direct and proxied) obey :func:`deadline` and :func:`byte_cap`.
 
     httpx has no public hook for httpcore's network backend, so this wraps the backend
     each transport's connection pool holds. Returns False, after a warning, when a
@@ -121,8 +173,9 @@ def install_deadline(client: Any) -> bool:
             continue
         pool._network_backend = _DeadlineBackend(backend, core)
     if not installed:
-        warnings.warn("this httpx version's transports cannot take a deadline: judge.timeout_s bounds each network "
-                      "read, not the whole call", RuntimeWarning, stacklevel=2)
+        warnings.warn("this httpx version's transports cannot take a deadline or a byte cap: judge.timeout_s bounds "
+                      "each network read, not the whole call, and a reply's size is bounded only by the Content-Length "
+                      "check", RuntimeWarning, stacklevel=2)
     return installed
 
 

@@ -12,7 +12,15 @@ message and W&B record mmtune writes from configs or from a judge passes through
 - every occurrence of a known secret value inside any string, also in the forms a
   message may carry it in: Python ``repr`` escapes and bytes reprs
   (``b'Bearer sk-...'``), JSON string escapes (once and twice), URL encoding, and a
-  secret cut short at the end of a truncated message (``sk-ab...``).
+  secret cut short at the end of a truncated message (``sk-ab...``);
+- the credentials of every URL written with them (``http://user:pass@host/v1`` becomes
+  ``http://***@host/v1``), known or not: a base URL may carry a proxy's password, and the
+  HTTP client logs each request's URL.
+
+A URL with credentials in any environment variable (``MMTUNE_GEN_BASE_URL``) makes its
+password, its ``user:password`` and their HTTP Basic encoding secret values too, so they
+are hidden wherever else they appear. :func:`redact_logging` puts the same redaction in
+front of every log handler (the console, Hydra's log file), for records of any library.
 
 Secret values are the values of environment variables whose names are secret keys
 (``MMTUNE_JUDGE_API_KEY``, ``OPENAI_API_KEY``, ``HF_TOKEN``) or are named explicitly
@@ -26,14 +34,17 @@ key is refused naming the variable, never the value.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import logging
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
-from urllib.parse import quote, quote_plus
+from typing import Any, Iterable, Iterator, Mapping, Optional
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 __all__ = ["MASK", "MIN_SECRET_CHARS", "SecretError", "is_secret_key", "clean_secret", "environment_secrets",
-           "Redactor", "redact", "redact_text"]
+           "url_credentials", "Redactor", "RedactingFilter", "redact", "redact_text", "redact_logging"]
 
 MASK = "***"
 MIN_SECRET_CHARS = 8
@@ -52,6 +63,8 @@ _CREDENTIAL_QUALIFIERS = frozenset({
     "license", "account", "subscription", "personal", "oauth", "id", "judge",
 })
 _TRUNCATION = re.compile(r"\.\.\.|\u2026")
+# scheme://userinfo@ : the userinfo ends at the last "@" before the host (a password may hold "@")
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/\s?#'\"<>`]*@")
 
 
 class SecretError(ValueError):
@@ -101,8 +114,27 @@ def _describe(char: str) -> str:
     return names.get(char, f"the character U+{ord(char):04X}")
 
 
+def url_credentials(value: str) -> list[str]:
+    """The secret parts of a URL written with credentials (``scheme://user:pass@host``): the
+    userinfo as written, the password (as written and decoded) and the HTTP Basic
+    credentials the client sends for them; ``[]`` for anything else."""
+    if "://" not in value or "@" not in value:
+        return []
+    try:
+        parts = urlsplit(value.strip())
+    except ValueError:
+        return []
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    if not userinfo:
+        return []
+    user, _, password = userinfo.partition(":")
+    basic = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode("utf-8")).decode("ascii")
+    return [v for v in {userinfo, password, unquote(password), basic} if v]
+
+
 def environment_secrets(env: Optional[Mapping[str, str]] = None, names: Iterable[str] = ()) -> list[str]:
-    """Secret values of the environment: the variables whose names are secret keys, and ``names``.
+    """Secret values of the environment: the variables whose names are secret keys, and
+    ``names``; and the credentials of any variable's URL (:func:`url_credentials`).
 
     Values are stripped; values shorter than :data:`MIN_SECRET_CHARS` are left out.
     """
@@ -110,10 +142,11 @@ def environment_secrets(env: Optional[Mapping[str, str]] = None, names: Iterable
     wanted = set(names)
     values = []
     for name, value in env.items():
-        if (name in wanted or is_secret_key(name)) and isinstance(value, str):
-            value = value.strip()
-            if len(value) >= MIN_SECRET_CHARS:
-                values.append(value)
+        if not isinstance(value, str):
+            continue
+        found = [value.strip()] if name in wanted or is_secret_key(name) else []
+        found += url_credentials(value)
+        values += [v for v in found if len(v) >= MIN_SECRET_CHARS]
     return values
 
 
@@ -159,8 +192,13 @@ class Redactor:
         return self._pattern is not None
 
     def text(self, text: str) -> str:
-        """``text`` with every secret (whole, or cut short before ``...`` or the end) replaced."""
-        if self._pattern is None or not isinstance(text, str) or not text:
+        """``text`` with every secret (whole, or cut short before ``...`` or the end) and the
+        credentials of every URL replaced."""
+        if not isinstance(text, str) or not text:
+            return text
+        if "://" in text:
+            text = _URL_USERINFO.sub(lambda m: m.group(1) + MASK + "@", text)
+        if self._pattern is None:
             return text
         text = self._pattern.sub(MASK, text)
         return self._truncated(text)
@@ -192,6 +230,42 @@ class Redactor:
         if isinstance(value, str):
             return self.text(value)
         return value
+
+
+class RedactingFilter(logging.Filter):
+    """A log filter that rewrites each record's message (and its traceback) through a :class:`Redactor`."""
+
+    def __init__(self, redactor: "Redactor"):
+        super().__init__()
+        self.redactor = redactor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format is left to the handler
+            return True
+        record.msg, record.args = self.redactor.text(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redactor.text(record.exc_text)
+        return True
+
+
+@contextlib.contextmanager
+def redact_logging(redactor: "Redactor") -> Iterator[RedactingFilter]:
+    """Within the block, every handler of the root logger (the console, Hydra's log file)
+    writes records only through ``redactor``: a library logging a URL with credentials or a
+    key (the HTTP client logs each request's URL) writes ``***`` in their place."""
+    shown = RedactingFilter(redactor)
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(shown)
+    try:
+        yield shown
+    finally:
+        for handler in handlers:
+            handler.removeFilter(shown)
 
 
 def redact(value: Any, *, names: Iterable[str] = (), env: Optional[Mapping[str, str]] = None) -> Any:

@@ -221,12 +221,167 @@ def test_config_is_checked_at_start_up(tmp_path):
     from mmtune.evaluation.generation.data_parallel import Layout, check_layout
 
     data, _ = _benchmark(tmp_path, n=1)
-    cfg = _cfg(data, tmp_path, concurrency=0, oversize="shrink", max_image_side=0)
+    cfg = _cfg(data, tmp_path, concurrency=0, oversize="shrink", max_image_side=0, max_reply_mb=-1.0)
     cfg.generation.api.model = None
     with pytest.raises(ValueError) as err:
         validate_eval_config(cfg)
-    for key in ("api.model is required", "api.concurrency=0", "api.oversize='shrink'", "api.max_image_side=0"):
+    for key in ("api.model is required", "api.concurrency=0", "api.oversize='shrink'", "api.max_image_side=0",
+                "api.max_reply_mb=-1.0"):
         assert key in str(err.value)
     assert "launched with 2 processes" in check_layout(_cfg(data, tmp_path).generation, Layout(0, 2))[0]
     with pytest.raises(ValueError, match="nothing is loaded"):
         evaluate_checkpoint("some/ckpt", _cfg(data, tmp_path), output_dir=str(tmp_path / "o"))
+
+
+# ----------------------------------------------------------------- hostile servers, failed turns, images
+
+
+def _sizes(folder):
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def test_every_kind_of_failed_turn_keeps_its_kind_and_is_asked_again_with_what_follows(tmp_path, env):
+    from tests.support.hostile import EMPTY_OR_NOT_TEXT, OVERSIZED
+
+    data, dialogues = _benchmark(tmp_path, n=9, seed=7)
+    hostile = {"null": EMPTY_OR_NOT_TEXT["null"][0], "object": EMPTY_OR_NOT_TEXT["object"][0],
+               "number": EMPTY_OR_NOT_TEXT["number"][0], "empty": EMPTY_OR_NOT_TEXT["blank"][0],
+               "too_large": OVERSIZED["50MB_chunked"], "endless": OVERSIZED["endless_until_close"],
+               "http_status": lambda: Scripted(status=404, content="no such model"),
+               "compressed": OVERSIZED["gzip_body"]}
+    plan = dict(zip([d.id for d in dialogues], hostile))  # first turn of each of 8 dialogues; the 9th answers
+    kinds = {"null": "null", "object": "not_text", "number": "not_text", "empty": "empty", "too_large": "too_large",
+             "endless": "too_large", "http_status": "http_status", "compressed": "compressed"}
+
+    def answer(dialogue_id, turn):
+        if turn == 0 and dialogue_id in plan:
+            return hostile[plan[dialogue_id]]()
+        return default_answer(dialogue_id, turn)
+
+    out = tmp_path / "out"
+    model = CheckingModel(dialogues, answer=answer)
+    with model.serve(max_requests=200, lifetime_s=120) as server:
+        env(server)
+        with pytest.raises(GenerationFailures):
+            evaluate_checkpoint(None, _cfg(data, tmp_path, max_retries=1), output_dir=str(out), run_name="r")
+    assert model.problems == []
+    rows = {(r["dialogue_id"], r["turn"]): r for r in read_generations(out / "generations" / "synthetic.jsonl")}
+    for dialogue_id, name in plan.items():
+        error = rows[(dialogue_id, 0)]["error"]
+        assert error["kind"] == kinds[name] and error["message"], (name, error)
+    assert "null" in rows[(dialogues[0].id, 0)]["error"]["message"]
+    assert "JSON object" in rows[(dialogues[1].id, 0)]["error"]["message"]
+    # nothing the run wrote holds the 50 MB or endless bodies: every file stays small
+    assert all(size < 1_000_000 for size in _sizes(out).values()), _sizes(out)
+
+    # a re-run asks every failed turn again, and the later turns of its dialogue (their history changes)
+    healthy = CheckingModel(dialogues)
+    with healthy.serve(max_requests=200, lifetime_s=120) as server:
+        env(server)
+        again = evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(out), run_name="r")
+    expected = sorted((d.id, t) for d in dialogues if d.id in plan for t in range(len(list(d.exchanges()))))
+    assert healthy.problems == [] and sorted(healthy.asked) == expected
+    assert again["synthetic"].metrics["exact_match"] == 100.0
+    assert not any("error" in r for r in read_generations(out / "generations" / "synthetic.jsonl"))
+
+
+_CHILD = r"""
+import json, resource, sys
+from mmtune.evaluation.benchmarks.common import load_mmdu_dialogues
+from mmtune.evaluation.config import ApiGenerationConfig, GenerationConfig
+from mmtune.evaluation.generation.api import ApiGenerator
+
+data, root, url, out = sys.argv[1:5]
+dialogues = load_mmdu_dialogues(data, image_root=root, source="synthetic")
+api = ApiGenerationConfig(model="m", concurrency=4, max_retries=1, backoff_base_s=0.001, backoff_max_s=0.001,
+                          timeout_s=60)
+generator = ApiGenerator(GenerationConfig(max_new_tokens=32, backend="api", api=api),
+                         env={"MMTUNE_GEN_BASE_URL": url})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+records = generator.generate(dialogues, out_path=out)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_kib": after - before, "failed": sum(r.error is not None for r in records)}))
+"""
+
+
+@pytest.mark.slow  # a child interpreter per server behaviour (the in-process class is in tests/evaluation/test_chat_api.py)
+@pytest.mark.parametrize("behaviour", ["50MB_declared", "50MB_chunked", "endless_until_close", "error_500_endless"])
+def test_a_child_answered_with_huge_or_endless_bodies_stays_small(tmp_path, behaviour):
+    """A 32-token request answered with 50 MB (or with no end) costs the client its byte cap,
+    measured as the peak RSS of a child process running the served-model backend."""
+    import subprocess
+    import sys
+
+    from tests.support.fake_judge import FakeJudgeServer
+    from tests.support.hostile import OVERSIZED
+
+    data, dialogues = _benchmark(tmp_path, n=6, seed=8)
+    out = tmp_path / "gen.jsonl"
+    with FakeJudgeServer(lambda body: OVERSIZED[behaviour](), max_requests=100, lifetime_s=120) as server:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(data), str(tmp_path), server.base_url, str(out)],
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["failed"] == len(_turns(dialogues))  # every turn failed: the first of each, and what follows
+    assert result["grew_kib"] < 48 * 1024, result  # 6 dialogues x 50 MB read whole would be gigabytes
+    assert out.stat().st_size < 100_000
+
+
+def test_an_image_replaced_by_a_symlink_during_the_run_is_not_sent(tmp_path, env):
+    import base64
+    import os
+
+    data, dialogues = _benchmark(tmp_path, n=3, seed=9)
+    target = next(d for d in dialogues if len(list(d.exchanges())) >= 2)
+    later = [img.path for img in target.turns[list(target.exchanges())[1][0]].images]
+    assert later
+    secret = tmp_path.parent / f"{tmp_path.name}-outside.png"
+    PILImage.new("RGB", (17, 9), "white").save(secret)
+    secret_b64 = base64.b64encode(secret.read_bytes()).decode()
+
+    def answer(dialogue_id, turn):
+        if (dialogue_id, turn) == (target.id, 0):  # the data was checked; now an image file is swapped
+            os.remove(later[0])
+            os.symlink(secret, later[0])
+        return default_answer(dialogue_id, turn)
+
+    out = tmp_path / "out"
+    model = CheckingModel(dialogues, answer=answer)
+    with model.serve(max_requests=100, lifetime_s=120) as server:
+        env(server)
+        with pytest.raises(GenerationFailures):
+            evaluate_checkpoint(None, _cfg(data, tmp_path, concurrency=1), output_dir=str(out), run_name="r")
+    assert not any(secret_b64 in json.dumps(body) for body in server.requests)
+    assert (target.id, 1) not in model.asked
+    row = {(r["dialogue_id"], r["turn"]): r for r in read_generations(out / "generations" / "synthetic.jsonl")}
+    error = row[(target.id, 1)]["error"]
+    assert error["kind"] == "image" and "outside the image root" in error["message"] and str(secret) in error["message"]
+
+
+def test_a_base_url_with_credentials_is_written_nowhere(tmp_path, monkeypatch, capsys, caplog):
+    """The start-up line, settings.json, every output file and the log handlers (as Hydra's
+    job log: a file handler on the root logger at level INFO) show the URL as http://***@host."""
+    import logging
+
+    data, dialogues = _benchmark(tmp_path, n=2, seed=10)
+    password = "url-pass-7f3e9a"
+    log_file = tmp_path / "evaluate.log"
+    handler = logging.FileHandler(log_file)
+    logging.getLogger().addHandler(handler)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    try:
+        with CheckingModel(dialogues).serve(max_requests=50, lifetime_s=120) as server:
+            monkeypatch.setenv("MMTUNE_GEN_BASE_URL", server.base_url.replace("http://", f"http://bob:{password}@"))
+            evaluate_checkpoint(None, _cfg(data, tmp_path), output_dir=str(out), run_name="r")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    captured = capsys.readouterr()
+    settings = json.loads((out / "generations" / "synthetic.settings.json").read_text())
+    assert settings["about"]["endpoint"].startswith("http://***@127.0.0.1")
+    assert "served model" in captured.err and "http://***@127.0.0.1" in captured.err
+    assert "HTTP Request" in log_file.read_text()  # the client's own log line, with the URL in it
+    texts = [captured.out, captured.err, caplog.text, log_file.read_text()]
+    texts += [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix != ".sqlite"]
+    assert not [t[:200] for t in texts if password in t or "bob:" in t]

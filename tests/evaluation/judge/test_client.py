@@ -549,3 +549,27 @@ def test_judge_failures_are_summarised_once_and_hints_name_the_cli_flags(tmp_pat
         code = main([*common, "--out", str(tmp_path / "out2"), "--max-failed-share", "1"])
         err = capsys.readouterr().err
     assert code == 0 and err.count("likely cause:") == 1 and "check --judge-model" in err
+
+
+def test_judge_images_are_opened_inside_their_root_when_sent(tmp_path):
+    """An image segment swapped for a symlink to a file outside its image root after the data
+    was read is refused when the judge call is built; nothing of it is sent."""
+    from PIL import Image as PILImage
+
+    from mmtune.data.dialogue import Image
+    from mmtune.evaluation.chat_api import ImageOutsideRoot
+
+    root = tmp_path / "root"
+    root.mkdir()
+    PILImage.new("RGB", (8, 8), "red").save(root / "a.png")
+    PILImage.new("RGB", (8, 8), "blue").save(tmp_path / "outside.png")
+    inside = Image(str(root / "a.png"), root=str(root))
+    with FakeJudgeServer(lambda body: Scripted("{'Overall Score': 7}"), max_requests=10, lifetime_s=60) as server:
+        client = make_client(server, tmp_path / "cache", send_images=True)
+        assert client.judge(JudgeRequest("score", images=(inside,))).ok
+        os.remove(root / "a.png")
+        os.symlink(tmp_path / "outside.png", root / "a.png")
+        with pytest.raises(ImageOutsideRoot, match="outside the image root"):
+            client.judge(JudgeRequest("score again", images=(inside,)))
+        client.close()
+    assert len(server.requests) == 1

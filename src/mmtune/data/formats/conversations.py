@@ -20,12 +20,12 @@ LLAVA_PLACEHOLDER = "<image>"
 MMDU_PLACEHOLDER = "<ImageHere>"
 
 
-def _split(text: str, placeholder: str, images: Iterator[str]) -> tuple:
+def _split(text: str, placeholder: str, images: Iterator[Image]) -> tuple:
     parts = text.split(placeholder)
     segments: list = []
     for i, part in enumerate(parts):
         if i:
-            segments.append(Image(next(images)))
+            segments.append(next(images))
         if part:
             segments.append(part)
     return tuple(segments)
@@ -125,7 +125,7 @@ class ConversationsFormat(DataFormat):
                         turn = t
                         break
                 return bad(image.detail, turn, image.problem)
-        images = iter([image.path for image in resolved])
+        images = iter([Image(image.path, image.root) for image in resolved])
         turns = []
         for msg in conv:
             value = msg["value"]

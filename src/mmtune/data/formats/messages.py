@@ -76,7 +76,7 @@ class Messages(DataFormat):
                         image = ctx.resolve(url)
                         if image.problem:
                             return None, [Problem(image.problem, rid, index, t, image.detail)]
-                        segs.append(Image(image.path))
+                        segs.append(Image(image.path, image.root))
                     else:
                         return None, [Problem("malformed_record", rid, index, t,
                                               f"unknown content part {str(part)[:60]}")]

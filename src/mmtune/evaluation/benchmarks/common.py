@@ -81,19 +81,21 @@ def resolve_image_path(path: str, image_root: Optional[str], data_file: Path, *,
 
 
 def checked_item_image(path: str, image_root: Optional[str], data_file: Path, checker: Any, *,
-                       allow_absolute: bool = False) -> tuple[Optional[str], list[tuple[str, str]]]:
+                       allow_absolute: bool = False) -> tuple[Optional[str], Optional[str], list[tuple[str, str]]]:
     """An item's image by :func:`resolve_image_path`, then held to ``checker`` (an
     :class:`~mmtune.data.validation.ImageChecker`: exists, opens, within the size limits).
 
     Returns:
-        The resolved file (``None`` when the path itself is refused) and the problems found
-        as ``(detail, code)``, for the loader to report against its record.
+        The resolved file (``None`` when the path itself is refused), the real image root it
+        must stay inside when opened (``None``: not confined, see
+        :attr:`~mmtune.data.paths.ResolvedImage.root`) and the problems found as
+        ``(detail, code)``, for the loader to report against its record.
     """
     resolved = resolve_image_path(path, image_root, data_file, allow_absolute=allow_absolute)
     if resolved.problem:
-        return None, [(resolved.detail, resolved.problem)]
+        return None, None, [(resolved.detail, resolved.problem)]
     found = checker.check(resolved.path)
-    return resolved.path, ([] if found is None else [(found[1], found[0])])
+    return resolved.path, resolved.root, ([] if found is None else [(found[1], found[0])])
 
 
 class BenchmarkDataError(ValueError):

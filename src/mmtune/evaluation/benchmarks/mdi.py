@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -59,6 +59,8 @@ class MDIItem:
     answer: str
     image: Optional[str] = None
     response: Optional[str] = None
+    image_root: Optional[str] = field(default=None, compare=False)
+    """The real image root ``image`` lies in (it is opened only inside it); ``None``: not confined."""
 
 
 _OPTION_MARK = r"\s*[.:)：．、]"
@@ -140,7 +142,7 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
         if image and not re.search(r"\.(png|jpe?g)$", image, re.IGNORECASE):
             image += ".png"
         if image:
-            image, found = checked_item_image(image, image_root, Path(path), checker,
+            image, root, found = checked_item_image(image, image_root, Path(path), checker,
                                               allow_absolute=allow_absolute_image_paths)
             for detail, code in found:
                 bad(detail, code)
@@ -151,7 +153,7 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
             bad(f"response must be text, not a JSON {type(response).__name__}")
         items.append(
             MDIItem(rid, int(match.group(1)), match.group(2), match.group(3), str(record.get("question", "")),
-                    options, str(record.get("option", "")), answer, image, response)
+                    options, str(record.get("option", "")), answer, image, response, root if image else None)
         )
     refuse(path, problems, "MDI-Benchmark file")
     return items[:limit] if limit is not None else items
@@ -381,7 +383,7 @@ class MDIBenchmark(Benchmark):
         from mmtune.data.dialogue import Dialogue, Image, Turn
 
         # the generator answers (user, assistant) exchanges: the reference slot stays empty
-        return [Dialogue(i.id, "mdi", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (build_prompt(i),)),
+        return [Dialogue(i.id, "mdi", (Turn("user", ((Image(i.image, i.image_root), "\n") if i.image else ()) + (build_prompt(i),)),
                                        Turn("assistant", ("",))))
                 for i in items]
 

@@ -273,7 +273,7 @@ def build_requests(
 
     keys, requests, missing = [], [], []
     for dialogue in dialogues:
-        images = tuple(image.path for image in dialogue.images)
+        images = dialogue.images  # with their roots: each is opened inside its own when sent
         for t, (u, a) in enumerate(dialogue.exchanges()):
             prediction = predictions.get((dialogue.id, t))
             if prediction is None:

@@ -33,7 +33,7 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -105,6 +105,8 @@ class MMVetItem:
     answer: str
     capability: tuple[str, ...]
     image: Optional[str] = None
+    image_root: Optional[str] = field(default=None, compare=False)
+    """The real image root ``image`` lies in (it is opened only inside it); ``None``: not confined."""
 
 
 def _subset_ids(path: str) -> set[str]:
@@ -170,13 +172,14 @@ def load_items(path: str, *, image_root: Optional[str] = None, limit: Optional[i
             bad(f"imagename must be a file name, not a JSON {type(image).__name__}")
             continue
         if image:
-            image, found = checked_item_image(image, image_root, Path(path), checker,
+            image, root, found = checked_item_image(image, image_root, Path(path), checker,
                                               allow_absolute=allow_absolute_image_paths)
             for detail, code in found:
                 bad(detail, code)
             if image is None:
                 continue
-        items.append(MMVetItem(key, value["question"], value["answer"], tuple(capability), image or None))
+        items.append(MMVetItem(key, value["question"], value["answer"], tuple(capability), image or None,
+                               root if image else None))
     refuse(path, problems, "MM-Vet file (a JSON object keyed by question id)")
     return items[:limit] if limit is not None else items
 
@@ -572,7 +575,7 @@ class MMVetBenchmark(Benchmark):
         from mmtune.data.dialogue import Dialogue, Image, Turn
 
         # the generator answers (user, assistant) exchanges: the reference slot stays empty
-        return [Dialogue(i.id, "mmvet", (Turn("user", ((Image(i.image), "\n") if i.image else ()) + (i.question,)),
+        return [Dialogue(i.id, "mmvet", (Turn("user", ((Image(i.image, i.image_root), "\n") if i.image else ()) + (i.question,)),
                                          Turn("assistant", ("",))))
                 for i in items]
 

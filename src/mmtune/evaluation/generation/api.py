@@ -18,11 +18,14 @@ Records are those of the local generator, in the same resumable file
 (:class:`~mmtune.evaluation.generation.records.GenerationsFile`): settings (decoding,
 served model, image caps) keyed in ``<file>.settings.json`` (the base URL is recorded
 there too, not compared: a restarted server on another port serves the same model), finished turns
-skipped on resume. A turn whose call still fails after retries is recorded with
+skipped on resume. A turn whose call still fails after retries, or whose reply is larger
+than the byte cap (:func:`~mmtune.evaluation.chat_api.reply_cap`), is recorded with
 ``finish_reason: "error"`` and its ``error``; the dialogue's later turns are not asked
-(their history would lack that answer) and are recorded the same way; a re-run asks
-them again. An empty answer is recorded as given, with an ``error`` saying so. Both
-count against ``max_failed_share`` (:func:`~mmtune.evaluation.generation.records.check_failed_turns`).
+(their history would lack that answer) and are recorded the same way. An answer that is
+empty, null or not text is recorded as given (``""``), with an ``error`` naming which.
+Every record with an ``error`` says its ``kind`` and counts against ``max_failed_share``
+(:func:`~mmtune.evaluation.generation.records.check_failed_turns`); a re-run asks each such
+turn again, and the later turns of its dialogue with it (their history changes).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
-from mmtune.data.dialogue import Dialogue
-from mmtune.evaluation.chat_api import SERVED_MODEL, CallStats, ChatEndpoint, ImageTooLarge, image_data_url
+from mmtune.data.dialogue import Dialogue, Image
+from mmtune.evaluation.chat_api import (SERVED_MODEL, CallStats, ChatEndpoint, ImageRefused, ImageTooLarge,
+                                       image_data_url)
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.records import FAILED, GenerationsFile, TurnRecord, question_text
 
@@ -51,7 +55,7 @@ class ApiStats(CallStats):
 
 
 def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str]], *, system_prompt: Optional[str],
-                      image_url: Callable[[str], str]) -> list[dict[str, Any]]:
+                      image_url: Callable[[Image], str]) -> list[dict[str, Any]]:
     """The chat messages that ask exchange ``t`` of ``dialogue``.
 
     Every earlier user turn with its images in place, the model's own ``answers`` to them,
@@ -61,7 +65,7 @@ def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str
     Args:
         system_prompt: ``None``: the dialogue's own system turn, if any; ``""``: none; else
             this text.
-        image_url: an image path -> the URL sent for it (a data URL).
+        image_url: an image segment -> the URL sent for it (a data URL).
     """
     messages: list[dict[str, Any]] = []
     system = system_prompt
@@ -79,7 +83,7 @@ def dialogue_messages(dialogue: Dialogue, t: int, answers: Sequence[Optional[str
                     if segment:
                         parts.append({"type": "text", "text": segment})
                 else:
-                    parts.append({"type": "image_url", "image_url": {"url": image_url(segment.path)}})
+                    parts.append({"type": "image_url", "image_url": {"url": image_url(segment)}})
             messages.append({"role": "user", "content": parts})
         else:
             messages.append({"role": "user", "content": turn.text})
@@ -133,7 +137,7 @@ class ApiGenerator:
                         max_image_mb=api.max_image_mb, oversize=api.oversize)
         settings.update(run_key or {})
         # the endpoint describes the run; a restarted server at another port serves the same model
-        settings["about"] = {**settings.get("about", {}), "endpoint": self.endpoint.base_url or "api.openai.com"}
+        settings["about"] = {**settings.get("about", {}), "endpoint": self.endpoint.shown_url}
         return settings
 
     def _decoding(self) -> tuple[float, dict[str, Any]]:
@@ -166,7 +170,7 @@ class ApiGenerator:
         done: dict[tuple[str, int], dict[str, Any]] = {}
         if out_path is not None:
             file = GenerationsFile(out_path, self._settings(run_key), dialogues, resume_from=resume_from)
-            done = file.done
+            done = _answered_prefixes(file.done, dialogues)
         records: dict[tuple[str, int], TurnRecord] = {k: TurnRecord(**v) for k, v in done.items()}
         pending = {d.id: sum((d.id, t) not in done for t in range(len(list(d.exchanges())))) for d in dialogues}
         # Dialogues with the most turns left go first, so the last ones to run while other
@@ -220,13 +224,14 @@ class ApiGenerator:
         temperature, extra = self._decoding()
         failed: Optional[int] = None
 
-        def image_url(path: str) -> str:
-            if path not in urls:
+        def image_url(image: Image) -> str:
+            path = image.path
+            if path not in urls:  # read once per dialogue, inside its root, at the moment it is read
                 max_bytes = int(api.max_image_mb * 1e6) if api.max_image_mb else None
                 urls[path], note = image_data_url(
                     path, max_side=api.max_image_side, max_bytes=max_bytes, oversize=api.oversize,
                     setting="eval.generation.api.max_image_side", receiver="the served model",
-                    remedy="Fix the image path in the benchmark data")
+                    remedy="Fix the image path in the benchmark data", root=image.root)
                 if note:
                     notes[path] = note
             return urls[path]
@@ -240,18 +245,21 @@ class ApiGenerator:
             reference = dialogue.turns[a].text if a < len(dialogue.turns) else None
             if failed is not None:
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED,
-                                error={"status": None, "message": f"not asked: turn {failed} of this dialogue failed"}))
+                                error={"status": None, "message": f"not asked: turn {failed} of this dialogue failed",
+                                       "kind": "not_asked"}))
                 continue
             try:
                 messages = dialogue_messages(dialogue, t, answers, system_prompt=self.config.system_prompt,
                                              image_url=image_url)
-            except ImageTooLarge as err:
+            except ImageRefused as err:
                 failed = t
                 with self._lock:
                     self.stats.requests += 1
-                reply = self.endpoint.fail(str(err), None)
+                reply = self.endpoint.fail(str(err), None, "image")
+                cause = ("an image above the size cap" if isinstance(err, ImageTooLarge)
+                         else "an image file that lies outside its image root when opened")
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED,
-                                error={"status": None, "message": reply.error, "cause": "an image above the size cap"}))
+                                error={"status": None, "message": reply.error, "cause": cause, "kind": "image"}))
                 continue
             with self._lock:
                 self.stats.requests += 1
@@ -262,12 +270,18 @@ class ApiGenerator:
             if not reply.ok:
                 failed = t
                 emit(TurnRecord(dialogue.id, t, question, None, reference, 0, 0, 0, FAILED, context,
-                                error={"status": reply.status, "message": reply.error, "cause": reply.cause}))
+                                error={"status": reply.status, "message": reply.error, "cause": reply.cause,
+                                       "kind": reply.kind or "call"}))
                 continue
             answer = reply.content.strip()
             answers[t] = answer
-            error = None if answer else {"status": None, "message": "the served model answered with an empty text",
-                                         "cause": "the model gave no answer (check the chat template and max_new_tokens)"}
+            error = None
+            if reply.unreadable is not None:
+                error = {"status": None, "message": reply.unreadable, "kind": reply.kind,
+                         "cause": "the server answered without text (a refusal, a tool call or a broken server)"}
+            elif not answer:
+                error = {"status": None, "message": "the served model answered with an empty text", "kind": "empty",
+                         "cause": "the model gave no answer (check the chat template and max_new_tokens)"}
             finish = "length" if reply.finish_reason == "length" else "stop"
             emit(TurnRecord(dialogue.id, t, question, answer, reference, reply.prompt_tokens,
                             reply.prompt_tokens + reply.completion_tokens, reply.completion_tokens, finish, context,
@@ -275,4 +289,18 @@ class ApiGenerator:
 
     def close(self) -> None:
         self.endpoint.close()
+
+
+def _answered_prefixes(done: dict[tuple[str, int], dict[str, Any]],
+                       dialogues: Sequence[Dialogue]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The finished turns a resumed run keeps: per dialogue, those before its first turn
+    that is not finished. A turn after one asked again was answered with another history
+    (the earlier answer was missing, empty or not text), so it is asked again too."""
+    kept: dict[tuple[str, int], dict[str, Any]] = {}
+    for dialogue in dialogues:
+        for t in range(len(list(dialogue.exchanges()))):
+            if (dialogue.id, t) not in done:
+                break
+            kept[(dialogue.id, t)] = done[(dialogue.id, t)]
+    return kept
 

@@ -43,6 +43,12 @@ class ApiGenerationConfig:
     """First backoff; attempt n waits uniform(0, min(backoff_max_s, base * 2**n)) (full jitter)."""
     backoff_max_s: float = 60.0
     """Cap of one backoff wait."""
+    max_reply_mb: Optional[float] = None
+    """Most bytes one reply may hold, in MB, counted as received (status line, headers,
+    body, an error's body too); a reply past it is cut off and the call fails with that
+    reason (not retried). ``null``: 64 KiB plus 64 bytes per requested token
+    (``mmtune.evaluation.chat_api.reply_cap``; 192 KiB for 2048 tokens), many times a
+    real answer and far below a runaway server's."""
     max_failed_share: float = 0.0
     """Largest share of turns allowed to fail (an error after retries, or an empty answer)
     before the evaluation exits with an error; results, details and the report are written

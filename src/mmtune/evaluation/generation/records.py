@@ -13,8 +13,9 @@ Every generation backend (the local model, a served model) writes the same file,
   (:class:`StaleGenerationsError`, naming the run that wrote it), also while it holds no
   answer yet (its writer may be at its first one), and every resumed record's question
   must equal the one asked now. Secrets are redacted from the settings as stored;
-* finished turns are not asked again; a turn whose call failed (``finish_reason:
-  "error"``, served models only) is asked again on the next run;
+* finished turns are not asked again; a failed turn (served models only: its call
+  failed, ``finish_reason: "error"``, or its answer was empty, null or not text; either
+  way its record has an ``error``) is asked again on the next run;
 * read-only ``resume_from`` files (other ranks' shares of a data-parallel run, or a
   previous run's shares) count as finished turns too, after the same checks;
 * when a run ends, :meth:`GenerationsFile.finish` rewrites the file in dialogue and turn
@@ -32,11 +33,17 @@ from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Turn
 
-__all__ = ["TurnRecord", "StaleGenerationsError", "GenerationFailures", "GenerationsFile", "question_text",
+__all__ = ["TurnRecord", "StaleGenerationsError", "GenerationFailures", "GenerationsFile", "question_text", "is_failed",
            "read_generations", "record_line", "settings_path", "lock_path", "write_lines", "check_failed_turns"]
 
 FAILED = "error"
 """``finish_reason`` of a turn whose call failed: it has no answer and is asked again on resume."""
+
+
+def is_failed(row: dict[str, Any]) -> bool:
+    """Whether a stored record has no usable answer: its call failed, or what came back was
+    empty, null or not text (it carries an ``error``). Such a turn is asked again on resume."""
+    return row.get("finish_reason") == FAILED or bool(row.get("error"))
 
 
 class StaleGenerationsError(ValueError):
@@ -73,8 +80,11 @@ class TurnRecord:
     context: Optional[dict[str, Any]] = None
     """Overflow handling applied to this turn: policy, dropped exchanges, carried images."""
     error: Optional[dict[str, Any]] = None
-    """A served model's failure of this turn: ``{"status", "message", "cause"}`` (key
-    redacted), also set for an empty answer. Left out of the file when ``None``."""
+    """A served model's failure of this turn: ``{"status", "message", "cause", "kind"}``
+    (key redacted), also set for an answer that is empty, null or not text; ``kind`` is the
+    class (``http_status``, ``timeout``, ``connection``, ``malformed``, ``too_large``,
+    ``compressed``, ``empty``, ``null``, ``not_text``, ``image``, ``not_asked``). Left out of
+    the file when ``None``."""
 
 
 def question_text(turn: Turn) -> str:
@@ -155,9 +165,13 @@ class GenerationsFile:
             _check_settings(self.path, settings)
             _drop_torn_line(self.path)
             for source in [*sources, self.path]:
+                latest: dict[tuple[str, int], dict[str, Any]] = {}
                 for row in read_generations(source):
-                    if row.get("finish_reason") != FAILED or _key(row) not in self.records:
-                        self.records[_key(row)] = row
+                    latest[_key(row)] = row  # within a file, a later record replaces an earlier one
+                for key, row in latest.items():
+                    # across files (ranks' shares), an answer beats another file's failure
+                    if not is_failed(row) or key not in self.records:
+                        self.records[key] = row
             _check_questions(self.path, self.done, dialogues)
             settings_path(self.path).write_text(json.dumps(settings, indent=2, default=str))
             self._handle = self.path.open("a", encoding="utf-8")
@@ -167,8 +181,8 @@ class GenerationsFile:
 
     @property
     def done(self) -> dict[tuple[str, int], dict[str, Any]]:
-        """Finished turns: every record but failed calls."""
-        return {k: r for k, r in self.records.items() if r.get("finish_reason") != FAILED}
+        """Finished turns: every record but failed ones (:func:`is_failed`)."""
+        return {k: r for k, r in self.records.items() if not is_failed(r)}
 
     def append(self, record: TurnRecord) -> None:
         line = record_line(record)
@@ -265,7 +279,8 @@ def check_failed_turns(records: Sequence[TurnRecord], max_failed_share: float, *
     raise GenerationFailures(
         f"{benchmark}: {len(failed)} of {len(records)} turns have no usable answer from the served model "
         f"(allowed: {100 * max_failed_share:g}%): {sum(r.answer is None for r in failed)} failed after retries, "
-        f"{sum(r.answer is not None for r in failed)} empty. These scores are not a measure of the model.\n"
+        f"{sum(r.answer is not None for r in failed)} empty or not text. These scores are not a measure of the "
+        "model.\n"
         f"  first: dialogue {first.dialogue_id!r}, turn {first.turn}: {status}{first.error.get('message')}\n"
         f"  likely cause: {first.error.get('cause') or 'see the message'}\n"
         "Results and per-turn errors are written (generations file, `error` field); fix the cause and re-run: "

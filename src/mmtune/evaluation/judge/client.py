@@ -26,6 +26,7 @@ waits for its reply.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint, Role,
-                                       EndpointCheckFailed, image_data_url, likely_cause, resolve_endpoint)
+                                       EndpointCheckFailed, image_data_url, likely_cause, open_image,
+                                       resolve_endpoint)
 from mmtune.evaluation.judge.cache import JudgeCache
 from mmtune.evaluation.judge.config import JudgeConfig
 
@@ -76,11 +78,12 @@ class JudgeFailures(RuntimeError):
 
 @dataclass(frozen=True)
 class JudgeRequest:
-    """One judge call. ``images`` are file paths, attached only when the client sends images."""
+    """One judge call. ``images`` are file paths, or image segments whose ``root`` confines
+    them (:class:`~mmtune.data.dialogue.Image`), attached only when the client sends images."""
 
     prompt: str
     system: Optional[str] = None
-    images: tuple[str, ...] = ()
+    images: tuple[Any, ...] = ()
     temperature: float = 0.0
     max_tokens: Optional[int] = None
     run_index: int = 0
@@ -122,8 +125,9 @@ class JudgeStats(CallStats):
     """Replies whose content was not text (an object, a number, null): unparsed, never cached."""
 
 
-def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def _path_and_root(image: Any) -> tuple[str, Optional[str]]:
+    """``(path, image root)`` of a request's image: a path string is not confined."""
+    return (image, None) if isinstance(image, str) else (image.path, image.root)
 
 
 class JudgeClient:
@@ -162,7 +166,8 @@ class JudgeClient:
             )
         self.stats = JudgeStats()
         self._endpoint = ChatEndpoint(config, env=env, role=role, stats=self.stats, rng=rng)
-        self.base_url, self.key_source, self.url_source = (self._endpoint.base_url, self._endpoint.key_source,
+        # base_url as shown (credentials in it as ***); the endpoint alone holds the real one
+        self.base_url, self.key_source, self.url_source = (self._endpoint.shown_url, self._endpoint.key_source,
                                                            self._endpoint.url_source)
         path = cache_path if cache_path is not None else config.cache_path
         self.cache = JudgeCache(path) if path else None
@@ -195,9 +200,10 @@ class JudgeClient:
             raise JudgeError(str(err), status=err.status) from None
 
     # ----------------------------------------------------------------- keys and messages
-    def _image_digest(self, path: str) -> str:
+    def _image_digest(self, image: Any) -> str:
+        path, root = _path_and_root(image)
         if path not in self._digests:
-            self._digests[path] = _file_digest(path)
+            self._digests[path] = hashlib.sha256(open_image(path, root)).hexdigest()
         return self._digests[path]
 
     def cache_key(self, request: JudgeRequest) -> str:
@@ -220,11 +226,14 @@ class JudgeClient:
             messages.append({"role": "system", "content": request.system})
         if self.config.send_images and request.images:
             content: list[dict[str, Any]] = [{"type": "text", "text": request.prompt}]
-            for path in request.images:
-                _check_image_size(path, self._image_limits)  # a judge server decodes what it is sent
+            for image in request.images:
+                path, root = _path_and_root(image)
+                raw = open_image(path, root)  # one open, inside its root, at the moment it is sent
+                _check_image_size(path, raw, self._image_limits)  # a judge server decodes what it is sent
                 url, _ = image_data_url(path, max_side=None, max_bytes=None, oversize="downscale",
                                         setting="judge.send_images", receiver="the judge",
-                                        remedy="Fix the image path in the benchmark data or turn send_images off")
+                                        remedy="Fix the image path in the benchmark data or turn send_images off",
+                                        data=raw)
                 content.append({"type": "image_url", "image_url": {"url": url}})
             messages.append({"role": "user", "content": content})
         else:
@@ -332,12 +341,19 @@ def check_failures(stats: JudgeStats, config: JudgeConfig, *, benchmark: str) ->
     )
 
 
-def _check_image_size(path: str, limits: Any) -> None:
-    """Refuse to attach an image whose header states a size above ``limits`` (``model.image_limits``)."""
-    from mmtune.core.images import ImageLimits, ImageTooLargeError
+def _check_image_size(path: str, raw: bytes, limits: Any) -> None:
+    """Refuse to attach an image (``raw``, the bytes read from ``path``) whose header states a
+    size above ``limits`` (``model.image_limits``)."""
+    from PIL import Image as PILImage
+
+    from mmtune.core.images import ImageLimits, ImageTooLargeError, header_size
 
     try:
-        (limits or ImageLimits()).check_file(path)
+        try:
+            width, height = header_size(io.BytesIO(raw))
+        except PILImage.DecompressionBombError as err:  # above twice PIL.Image.MAX_IMAGE_PIXELS
+            raise ImageTooLargeError(path, None, f"PIL refuses it: {err}") from None
+        (limits or ImageLimits()).check(path, width, height)
     except ImageTooLargeError as err:
         raise ImageTooLargeError(err.path, err.size, f"{err.reason}; judge.send_images sends no such image") from None
     except Exception:  # noqa: BLE001 - not an image: image_data_url says so, naming the setting

@@ -52,6 +52,12 @@ class JudgeConfig:
     """Cap of one backoff wait."""
     max_tokens: int = 2048
     """Max tokens of a judge reply."""
+    max_reply_mb: Optional[float] = None
+    """Most bytes one reply may hold, in MB, counted as received (status line, headers,
+    body, an error's body too); a reply past it is cut off and the call fails with that
+    reason (not retried). ``null``: 64 KiB plus 64 bytes per requested token
+    (``mmtune.evaluation.chat_api.reply_cap``; 192 KiB for 2048 tokens), many times a
+    real answer and far below a runaway server's."""
     send_images: bool = False
     """Attach the item's images to judge calls (MMDU's official judge does; VLMEvalKit's
     port does not). Off = text-only judging, which needs no image files."""
