@@ -1,15 +1,19 @@
-"""W&B sweep files and experiment files as runs to plan: grid points, the recipe each runs, its launcher."""
+"""W&B sweep files as runs to plan: grid points, the recipe each runs, its launcher.
+
+An experiment's own recipe and launcher are typed keys of its config (``recipe``,
+``launcher``: :mod:`mmtune.experiment`); ``experiment_recipe`` reads the first before
+composing, ``mmtune plan`` reads ``launcher`` from the composed run config."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from mmtune.compose import RECIPES, experiment_name, experiment_recipe
+from mmtune.compose import RECIPES, experiment_recipe
 
-__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "experiment_launcher", "sweep_accelerate_config"]
+__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "sweep_accelerate_config"]
 
 
 def sweep_grid(sweep: dict[str, Any] | str | os.PathLike) -> list[list[str]]:
@@ -47,27 +51,6 @@ def sweep_recipe(sweep: str | os.PathLike) -> str:
         if program == path:
             return name
     raise ValueError(f"program {program!r} is not one of {sorted(RECIPES.values())}")
-
-
-def experiment_launcher(overrides: Sequence[str]) -> Optional[str]:
-    """The ``--config_file`` of the ``accelerate launch`` command an ``experiment=`` file
-    starts with (every experiment file names the command that runs it), if any: the
-    launcher ``mmtune plan`` plans when none is given."""
-    import shlex
-
-    from mmtune.data.config import configs_dir
-
-    name = experiment_name(overrides)
-    path = configs_dir() / "experiment" / f"{name}.yaml"
-    if not name or not path.is_file():
-        return None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        words = shlex.split(line.lstrip("# "), comments=False, posix=True) if "--config_file" in line else []
-        if "--config_file" in words[:-1]:
-            return words[words.index("--config_file") + 1]
-    return None
 
 
 def sweep_accelerate_config(sweep: str | os.PathLike) -> Optional[str]:
