@@ -13,7 +13,7 @@ import yaml
 
 from mmtune.evaluation.config import to_evaluate_config
 from mmtune.training.config import to_sft_config
-from mmtune.training.plan import compose_run, sweep_grid, sweep_recipe
+from mmtune.training.plan import compose_run, sweep_accelerate_config, sweep_grid, sweep_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((REPO / "launch" / "sweeps").glob("*.yaml"))
@@ -61,6 +61,9 @@ def test_grid_point_composes(sweep: Path, point: list[str], monkeypatch, tmp_pat
     run = to_sft_config(cfg) if recipe == "sft" else to_evaluate_config(cfg)
     experiment = point[0].split("=", 1)[1]
     assert run.run_name == experiment, "a row's run is named after its experiment (the report matches on it)"
+    # the sweep runs each row with the recipe and the launcher the row's typed keys declare
+    assert run.recipe.value == recipe, f"{experiment} has recipe: {run.recipe.value}, the sweep runs {recipe}"
+    assert run.launcher == sweep_accelerate_config(sweep)
     if recipe == "evaluate":
         # evaluation rows name the benchmark data, and the trained ones the checkpoint they evaluate
         assert run.eval.benchmarks and "mmdu" in run.eval.benchmarks
