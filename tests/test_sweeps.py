@@ -144,3 +144,12 @@ def test_node_launcher_needs_slurm(tmp_path: Path):
     proc = subprocess.run(["bash", str(REPO / "launch/slurm/node_launch.sh"), "experiment=x"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "SLURM_NNODES" in proc.stderr
+
+
+def test_the_old_launcher_lookup_reads_the_typed_key_and_says_it_is_deprecated():
+    from mmtune.training.plan.sweeps import experiment_launcher
+
+    with pytest.deprecated_call():
+        assert experiment_launcher(["experiment=table5_sft_pool"]) == "launch/accelerate/single_node_8gpu_zero3.yaml"
+    with pytest.deprecated_call():
+        assert experiment_launcher(["training.lr=1e-4"]) is None

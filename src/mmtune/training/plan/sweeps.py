@@ -9,11 +9,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from mmtune.compose import RECIPES, experiment_recipe
 
-__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "sweep_accelerate_config"]
+__all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "experiment_launcher", "sweep_accelerate_config"]
 
 
 def sweep_grid(sweep: dict[str, Any] | str | os.PathLike) -> list[list[str]]:
@@ -51,6 +51,21 @@ def sweep_recipe(sweep: str | os.PathLike) -> str:
         if program == path:
             return name
     raise ValueError(f"program {program!r} is not one of {sorted(RECIPES.values())}")
+
+
+def experiment_launcher(overrides: Sequence[str]) -> Optional[str]:
+    """Deprecated: the ``launcher`` key of the experiment an ``experiment=`` override picks
+    (read it from the composed config: ``cfg.launcher``); ``None`` without one."""
+    import warnings
+
+    from mmtune.compose import compose_config, experiment_name
+
+    warnings.warn("experiment_launcher() is deprecated: an experiment's launcher is its typed `launcher` key; "
+                  "read cfg.launcher from the composed config", DeprecationWarning, stacklevel=2)
+    name = experiment_name(overrides)
+    if not name:
+        return None
+    return compose_config([f"experiment={name}"], "sft").launcher
 
 
 def sweep_accelerate_config(sweep: str | os.PathLike) -> Optional[str]:
