@@ -28,7 +28,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from mmtune.compose import OverrideError, compose_checked, experiment_recipe, normalize_overrides  # noqa: E402
+from mmtune.compose import OverrideError, compose_checked, normalize_overrides  # noqa: E402
+from tests.support.experiments import declared_recipe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,10 +53,11 @@ BAD_OVERRIDES = [
     (["training.lr"], "sft", "cannot read the override 'training.lr': write key=value"),
     (["experiment=table3_llava15_7b_mmdu45k_eval"], "sft",
      "experiment 'table3_llava15_7b_mmdu45k_eval' is an evaluation experiment (configs/experiment/"
-     "table3_llava15_7b_mmdu45k_eval.yaml runs recipes/evaluate.py), not one for mmtune train: run it with "
-     "`mmtune evaluate experiment=table3_llava15_7b_mmdu45k_eval`"),
+     "table3_llava15_7b_mmdu45k_eval.yaml has recipe: evaluate, run by recipes/evaluate.py), not one for mmtune "
+     "train: run it with `mmtune evaluate experiment=table3_llava15_7b_mmdu45k_eval`"),
     (["+experiment=demo"], "evaluate", "experiment 'demo' is a training experiment (configs/experiment/demo.yaml "
-     "runs recipes/sft.py), not one for mmtune evaluate: run it with `mmtune train experiment=demo`"),
+     "has recipe: sft, run by recipes/sft.py), not one for mmtune evaluate: run it with `mmtune train "
+     "experiment=demo`"),
 ]
 
 
@@ -75,7 +77,7 @@ def test_experiment_is_spelled_for_each_recipe_and_every_experiment_names_its_re
     from mmtune.data.config import configs_dir
 
     for path in sorted((configs_dir() / "experiment").glob("*.yaml")):
-        recipe = experiment_recipe([f"experiment={path.stem}"])
+        recipe = declared_recipe(path.stem)  # its typed `recipe` key (tests/test_experiment.py: as composed)
         # either entry point composes it the same way; the other refuses with the right command
         assert compose_checked([f"experiment={path.stem}"], recipe) is not None
         other = "evaluate" if recipe == "sft" else "sft"

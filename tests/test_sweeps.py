@@ -13,7 +13,7 @@ import yaml
 
 from mmtune.evaluation.config import to_evaluate_config
 from mmtune.training.config import to_sft_config
-from mmtune.training.plan import compose_run, sweep_grid, sweep_recipe
+from mmtune.training.plan import compose_run, sweep_accelerate_config, sweep_grid, sweep_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((REPO / "launch" / "sweeps").glob("*.yaml"))
@@ -61,6 +61,9 @@ def test_grid_point_composes(sweep: Path, point: list[str], monkeypatch, tmp_pat
     run = to_sft_config(cfg) if recipe == "sft" else to_evaluate_config(cfg)
     experiment = point[0].split("=", 1)[1]
     assert run.run_name == experiment, "a row's run is named after its experiment (the report matches on it)"
+    # the sweep runs each row with the recipe and the launcher the row's typed keys declare
+    assert run.recipe.value == recipe, f"{experiment} has recipe: {run.recipe.value}, the sweep runs {recipe}"
+    assert run.launcher == sweep_accelerate_config(sweep)
     if recipe == "evaluate":
         # evaluation rows name the benchmark data, and the trained ones the checkpoint they evaluate
         assert run.eval.benchmarks and "mmdu" in run.eval.benchmarks
@@ -141,3 +144,12 @@ def test_node_launcher_needs_slurm(tmp_path: Path):
     proc = subprocess.run(["bash", str(REPO / "launch/slurm/node_launch.sh"), "experiment=x"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "SLURM_NNODES" in proc.stderr
+
+
+def test_the_old_launcher_lookup_reads_the_typed_key_and_says_it_is_deprecated():
+    from mmtune.training.plan.sweeps import experiment_launcher
+
+    with pytest.deprecated_call():
+        assert experiment_launcher(["experiment=table5_sft_pool"]) == "launch/accelerate/single_node_8gpu_zero3.yaml"
+    with pytest.deprecated_call():
+        assert experiment_launcher(["training.lr=1e-4"]) is None

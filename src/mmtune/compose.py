@@ -76,20 +76,28 @@ def experiment_name(overrides: Sequence[str]) -> Optional[str]:
 
 
 def experiment_recipe(overrides: Sequence[str]) -> str:
-    """The recipe an ``experiment=`` override's file names in its leading command comment
-    (every experiment file starts with the command that runs it); ``sft`` if none."""
-    from mmtune.data.config import configs_dir
+    """The recipe (``sft`` or ``evaluate``) an ``experiment=`` override's experiment states in
+    its typed ``recipe`` key (:class:`mmtune.experiment.Recipe`); ``sft`` without an
+    experiment, or when it does not compose (composing it for its recipe then says why).
 
+    Every experiment composes into ``configs/sft.yaml`` (its schema holds every section an
+    evaluation experiment sets), so that is where the key is read, parents included.
+    """
     name = experiment_name(overrides)
-    path = configs_dir() / "experiment" / f"{name}.yaml"
-    if name and path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if not line.startswith("#"):
-                break
-            for recipe, script in RECIPES.items():
-                if script in line:
-                    return recipe
-    return "sft"
+    if not name:
+        return "sft"
+    try:
+        cfg = compose_config([f"experiment={name}"], "sft")
+    except Exception:  # an unknown name or a broken file: the recipe's own compose reports it
+        return "sft"
+    return _recipe_value(cfg)
+
+
+def _recipe_value(cfg: Any) -> str:
+    from omegaconf import OmegaConf
+
+    recipe = OmegaConf.select(cfg, "recipe", default="sft")
+    return str(getattr(recipe, "value", recipe))
 
 
 def _schema(config_name: str) -> type:
@@ -145,16 +153,12 @@ def explain_compose_error(err: BaseException, config_name: str = "sft") -> str:
     return text.splitlines()[0] if text else first
 
 
-def _recipe_mismatch(overrides: Sequence[str], config_name: str, command: str) -> Optional[str]:
-    name = experiment_name(overrides)
-    if name is None:
-        return None
-    wanted = experiment_recipe(overrides)
-    if wanted == config_name:
+def _recipe_mismatch(name: str, wanted: str, config_name: str, command: str) -> Optional[str]:
+    if wanted == config_name or wanted not in RECIPES:
         return None
     kind = "an evaluation" if wanted == "evaluate" else "a training"
-    return (f"experiment {name!r} is {kind} experiment (configs/experiment/{name}.yaml runs {RECIPES[wanted]}), "
-            f"not one for {command}: run it with `{COMMANDS[wanted]} experiment={name}`")
+    return (f"experiment {name!r} is {kind} experiment (configs/experiment/{name}.yaml has recipe: {wanted}, "
+            f"run by {RECIPES[wanted]}), not one for {command}: run it with `{COMMANDS[wanted]} experiment={name}`")
 
 
 def compose_checked(overrides: Sequence[str], config_name: str = "sft", *, command: Optional[str] = None) -> Any:
@@ -170,13 +174,18 @@ def compose_checked(overrides: Sequence[str], config_name: str = "sft", *, comma
             not parse, or an experiment written for the other recipe.
     """
     command = command or COMMANDS.get(config_name, config_name)
-    mismatch = _recipe_mismatch(overrides, config_name, command)
-    if mismatch:
-        raise OverrideError(mismatch)
+    name = experiment_name(overrides)
     try:
-        return compose_config(overrides, config_name)
+        cfg = compose_config(overrides, config_name)
     except Exception as err:  # Hydra and OmegaConf raise many types; each becomes one line
-        raise OverrideError(explain_compose_error(err, config_name)) from None
+        # a training experiment does not compose into evaluate.yaml: say so rather than why
+        mismatch = _recipe_mismatch(name, experiment_recipe(overrides), config_name, command) if name else None
+        raise OverrideError(mismatch or explain_compose_error(err, config_name)) from None
+    if name:
+        mismatch = _recipe_mismatch(name, _recipe_value(cfg), config_name, command)
+        if mismatch:
+            raise OverrideError(mismatch)
+    return cfg
 
 
 def check_recipe_overrides(argv: Sequence[str], config_name: str) -> list[str]:

@@ -23,13 +23,11 @@ from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.evaluation.runner import evaluate_checkpoint
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
+from tests.support.experiments import experiments
 from tests.support.fake_judge import FakeJudgeServer, Scripted
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = sorted(
-    p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")
-    if p.read_text().splitlines()[1].startswith("# python recipes/evaluate.py +experiment=")
-)
+EXPERIMENTS = experiments("evaluate")  # their typed `recipe` key
 #: one experiment per kind runs in the default suite; the others with the slow tests
 FAST = {"table3_xc2", "table3_llava15_7b_mmdu45k_eval", "table5_baseline_2k", "tiny_table5_long_eval_2x"}
 TINY = {"llava": "llava_tiny", "internlm_xcomposer2": "internlm_xc2_tiny"}

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from mmtune.evaluation.generation.config import BACKENDS, ApiGenerationConfig, GenerationConfig
 from mmtune.evaluation.judge.config import JudgeConfig
+from mmtune.experiment import Recipe
 from mmtune.models.config import ModelConfig
 
 __all__ = [
@@ -119,6 +120,14 @@ class EvaluateConfig:
     wandb_project: str = "mmtune"
     """W&B project when ``wandb`` is on."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    recipe: Recipe = Recipe.evaluate
+    """Which recipe runs this config: ``evaluate`` (recipes/evaluate.py, ``mmtune evaluate``) or
+    ``sft`` (recipes/sft.py, ``mmtune train``). Training experiments set ``sft``, and
+    ``mmtune evaluate`` refuses them, naming the command that runs them."""
+    launcher: Optional[str] = None
+    """The accelerate config file the experiment's command launches with (``accelerate launch
+    --config_file <launcher>``), relative to the project; ``None``: one process (or ``--gpus``
+    processes started by ``accelerate launch`` without a config file)."""
 
 
 def default_output_dir(run_name: str, checkpoint: Optional[str], model: ModelConfig,

@@ -86,6 +86,8 @@ RESUME_FREE_KEYS: dict[str, str] = {
     "logging": "where metrics go",
     "eval": "benchmarks read the model and never train it",
     "run_name": "a label",
+    "recipe": "which script runs the config (always sft for a training run)",
+    "launcher": "the launch file planned for, not what a step computes",
 }
 _ABSENT = object()
 

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional
 from mmtune.data.collator import CollatorConfig
 from mmtune.data.config import DataConfig
 from mmtune.evaluation.config import EvalConfig
+from mmtune.experiment import Recipe
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
 from mmtune.training.packed_attention import resolve_attention
@@ -264,6 +265,14 @@ class SFTConfig:
     """Synthetic data generation (the demo)."""
     run_name: Optional[str] = None
     """Name recorded in result files and ``mmtune_run.json``; ``None`` = output dir name."""
+    recipe: Recipe = Recipe.sft
+    """Which recipe runs this config: ``sft`` (recipes/sft.py, ``mmtune train``) or ``evaluate``
+    (recipes/evaluate.py, ``mmtune evaluate``). Evaluation experiments set ``evaluate``, and
+    ``mmtune train`` refuses them, naming the command that runs them."""
+    launcher: Optional[str] = None
+    """The accelerate config file the experiment's command launches with (``accelerate launch
+    --config_file <launcher>``), relative to the project; ``None``: one process or plain DDP.
+    ``mmtune plan`` plans the run for it unless ``--accelerate-config`` gives another."""
 
 
 def register_configs() -> None:

@@ -10,6 +10,7 @@ import pytest
 from mmtune.evaluation.reporting import tables as report_tables
 from mmtune.evaluation.reporting.paper_numbers import TABLE3, TABLE5, TABLES
 from mmtune.evaluation.reporting.tables import MISSING, collect_results, fill_table, main
+from tests.support.experiments import declared_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -147,7 +148,7 @@ def test_every_paper_row_is_filled_by_an_experiment():
                     continue
                 path = REPO / "configs" / "experiment" / f"{run}.yaml"
                 assert path.is_file(), f"{key} row {row.key}: no experiment {run}"
-                assert "recipes/evaluate.py" in path.read_text().splitlines()[1], f"{run} is not an evaluation run"
+                assert declared_recipe(run) == "evaluate", f"{run} is not an evaluation run"
 
 
 def test_wandb_table_offline(results_dir: Path, tmp_path: Path, monkeypatch):

@@ -23,26 +23,22 @@ from mmtune.training.plan import (
     plan_evaluation,
     plan_run,
 )
+from tests.support.experiments import declared_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("table[35]_*.yaml"))
 
 
-def _recipe(name: str) -> str:
-    # The file's command (the first line after the package header) names its recipe.
-    command = (REPO / "configs" / "experiment" / f"{name}.yaml").read_text().splitlines()[1]
-    assert "recipes/" in command, f"{name}.yaml does not start with the command that runs it"
-    return "evaluate" if "recipes/evaluate.py" in command else "sft"
 
 
 def test_every_table_row_has_an_experiment():
     assert len(EXPERIMENTS) >= 16
-    assert {_recipe(e) for e in EXPERIMENTS} == {"sft", "evaluate"}
+    assert {declared_recipe(e) for e in EXPERIMENTS} == {"sft", "evaluate"}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_plan_every_experiment(env, experiment: str):
-    if _recipe(experiment) == "sft":
+    if declared_recipe(experiment) == "sft":
         p = plan_run([f"experiment={experiment}"], num_gpus=8, gpu="a100-80g",
                      accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
         assert p.run_name == experiment
@@ -180,7 +176,7 @@ def test_tiny_model_counts_exactly(env):
 
 
 def test_cli_plans_an_evaluation_row_as_an_evaluation(env, capsys):
-    # The experiment's own command line (recipes/evaluate.py) decides, without --recipe.
+    # The experiment's typed `recipe` key decides, without --recipe.
     assert plan_mod.experiment_recipe(["experiment=table5_baseline_2k"]) == "evaluate"
     assert plan_mod.experiment_recipe(["experiment=table5_mmdu45k_8k", "training.lr=1e-4"]) == "sft"
     assert main(["experiment=table5_baseline_2k"]) == 0
@@ -228,7 +224,7 @@ def test_logits_term_follows_the_loss_implementation():
 
 
 def test_evaluation_plan_on_several_gpus_and_with_a_served_model(env):
-    experiment = next(e for e in EXPERIMENTS if _recipe(e) == "evaluate" and "mmdu" in e)
+    experiment = next(e for e in EXPERIMENTS if declared_recipe(e) == "evaluate" and "mmdu" in e)
     one = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=1)
     many = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g", num_gpus=8)
     mmdu = {p.gpus: next(e for e in p.generation if e["benchmark"] == "mmdu") for p in (one, many)}
@@ -249,9 +245,11 @@ def test_a_run_is_planned_for_its_experiments_own_launcher(env):
     given = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=8,
                      accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
     assert own.zero["stage"] == 3 and own.zero["num_gpus"] == 8  # num_processes of the launcher
-    assert "the launcher of the experiment's own command" in own.zero["origin"]
+    assert "the experiment's launcher (its `launcher` key)" in own.zero["origin"]
     assert own.cost["memory_gib"] == given.cost["memory_gib"]
-    # an experiment whose command names no launcher: plain DDP, said to be assumed
+    # an experiment without a launcher: plain DDP, said to be assumed
+    assert plan_run(["experiment=table3_llava15_7b_mmdu45k", "launcher=null"], num_gpus=None,
+                    skip_data=True).zero["stage"] == 0
     bare = plan_run(["experiment=tiny_table5_baseline"], num_gpus=None, skip_data=True)
     assert bare.zero["stage"] == 0 and "DDP assumed" in bare.zero["origin"] and bare.zero["num_gpus"] == 8
 

@@ -7,9 +7,10 @@ Examples::
     mmtune plan --sweep launch/sweeps/table5.yaml --gpu h100
     mmtune plan --sweep launch/sweeps/table5.yaml --list      # one override line per run
 
-A run is planned for the launcher its experiment's command names (``accelerate launch
---config_file ...`` at the top of the experiment file) unless ``--accelerate-config``
-gives another; the plan says which it used, or that it assumed plain DDP.
+A run is planned for the launcher its config names (the experiment's typed ``launcher``
+key: the accelerate config file of the command that runs it) unless ``--accelerate-config``
+gives another; the plan says which it used, or that it assumed plain DDP. Which recipe an
+experiment is planned as comes from its ``recipe`` key (``sft`` or ``evaluate``).
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="mmtune plan",
         description="Resolve a run or a sweep without loading weights; print model, data, steps, tokens, "
         "GPU-hours and memory per GPU. Positional arguments are Hydra overrides (experiment=...), before or after "
-        "the flags. A run is planned for the launcher its experiment's command names, unless --accelerate-config "
-        "says otherwise.",
+        "the flags. A run is planned for the launcher its experiment names (its `launcher` key), unless "
+        "--accelerate-config says otherwise.",
         epilog=plain_text("Cost model" + cost.__doc__.split("Cost model", 1)[1]) if cost.__doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=table5_mmdu45k_8k")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=None,
-                        help="which recipe the run is for: sft (default) or evaluate (evaluation-only rows); "
-                        "a sweep's `program` decides for --sweep")
+                        help="which recipe the run is for: sft or evaluate; default: the experiment's `recipe` key "
+                        "(sft without an experiment); a sweep's `program` decides for --sweep")
     parser.add_argument("--sweep", help="a W&B sweep YAML (launch/sweeps/*.yaml): plan every grid point")
     parser.add_argument("--list", action="store_true", help="with --sweep: print each grid point's overrides and exit")
     parser.add_argument("--gpus", type=int, default=None,
@@ -59,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="assumed fraction of peak bf16 FLOP/s achieved, recompute included (default 0.35)")
     parser.add_argument("--accelerate-config", help="accelerate config whose DeepSpeed settings and process count "
                         "the run uses (a relative path: from the current folder, else from the project); default: "
-                        "the one in the experiment's command")
+                        "the experiment's `launcher` key")
     parser.add_argument("--allow-skipped", action="store_true",
                         help="plan even if records would be skipped for missing or broken images")
     parser.add_argument("--json", help="also write the plans as JSON to this file")

@@ -140,12 +140,11 @@ def plan_run(
 ) -> RunPlan:
     """Resolve one run and estimate it. Raises :class:`PlanError` listing every problem.
 
-    Without ``accelerate_config``, the run is planned for the launcher its experiment file's
-    command names (``accelerate launch --config_file ...``), so the memory figure is the one
-    of the command that runs it; the plan says which launcher it used or assumed.
+    Without ``accelerate_config``, the run is planned for the config's typed ``launcher`` key
+    (the accelerate config file its experiment's command launches with), so the memory figure
+    is the one of the command that runs it; the plan says which launcher it used or assumed.
     ``num_gpus=None`` takes the launcher's process count (8 when it gives none).
     """
-    from mmtune.training.plan.sweeps import experiment_launcher
     from mmtune.training.config import ConfigError, to_sft_config
     from mmtune.training.packed_attention import resolve_attention
 
@@ -185,9 +184,9 @@ def plan_run(
             problems.append(str(err))
     launcher_note = ""
     if accelerate_config is None:
-        accelerate_config = experiment_launcher(overrides)
+        accelerate_config = cfg.launcher
         if accelerate_config:
-            launcher_note = ", the launcher of the experiment's own command"
+            launcher_note = ", the experiment's launcher (its `launcher` key)"
     try:
         stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
         if num_gpus is None:

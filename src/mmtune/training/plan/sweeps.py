@@ -1,4 +1,8 @@
-"""W&B sweep files and experiment files as runs to plan: grid points, the recipe each runs, its launcher."""
+"""W&B sweep files as runs to plan: grid points, the recipe each runs, its launcher.
+
+An experiment's own recipe and launcher are typed keys of its config (``recipe``,
+``launcher``: :mod:`mmtune.experiment`); ``experiment_recipe`` reads the first before
+composing, ``mmtune plan`` reads ``launcher`` from the composed run config."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from mmtune.compose import RECIPES, experiment_name, experiment_recipe
+from mmtune.compose import RECIPES, experiment_recipe
 
 __all__ = ["sweep_grid", "sweep_recipe", "experiment_recipe", "experiment_launcher", "sweep_accelerate_config"]
 
@@ -50,24 +54,18 @@ def sweep_recipe(sweep: str | os.PathLike) -> str:
 
 
 def experiment_launcher(overrides: Sequence[str]) -> Optional[str]:
-    """The ``--config_file`` of the ``accelerate launch`` command an ``experiment=`` file
-    starts with (every experiment file names the command that runs it), if any: the
-    launcher ``mmtune plan`` plans when none is given."""
-    import shlex
+    """Deprecated: the ``launcher`` key of the experiment an ``experiment=`` override picks
+    (read it from the composed config: ``cfg.launcher``); ``None`` without one."""
+    import warnings
 
-    from mmtune.data.config import configs_dir
+    from mmtune.compose import compose_config, experiment_name
 
+    warnings.warn("experiment_launcher() is deprecated: an experiment's launcher is its typed `launcher` key; "
+                  "read cfg.launcher from the composed config", DeprecationWarning, stacklevel=2)
     name = experiment_name(overrides)
-    path = configs_dir() / "experiment" / f"{name}.yaml"
-    if not name or not path.is_file():
+    if not name:
         return None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        words = shlex.split(line.lstrip("# "), comments=False, posix=True) if "--config_file" in line else []
-        if "--config_file" in words[:-1]:
-            return words[words.index("--config_file") + 1]
-    return None
+    return compose_config([f"experiment={name}"], "sft").launcher
 
 
 def sweep_accelerate_config(sweep: str | os.PathLike) -> Optional[str]:
