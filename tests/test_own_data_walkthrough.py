@@ -5,8 +5,9 @@ The commands come from the page itself: every fenced bash block after a
 with ``mmtune`` and ``python`` being this interpreter and this source tree. Every path
 the commands print must exist afterwards, and the evaluate and report commands the page
 shows must be the ones ``mmtune train`` prints. The 8-GPU block (``<!-- test: parse -->``)
-is checked without GPUs: its ``mmtune plan`` runs, its other commands are parsed by the
-CLIs' own parsers and config schemas.
+is checked without GPUs: its ``mmtune plan`` runs, its ``mmtune evaluate checkpoint ...
+--processes 8`` and ``mmtune report`` run on the tiny checkpoint with 2 processes, its
+other commands are parsed by the CLIs' own parsers and config schemas.
 
 The run as written trains 150 steps (about half a minute on an idle 2-core machine, more
 under load) and is marked slow; the default suite runs the same commands with
