@@ -13,9 +13,9 @@ parent such as ``data``), and then recorded with the step it takes effect from.
 Why a content hash and not size and modification time (what the Arrow cache keys on,
 :mod:`mmtune.data.cache`): the same size is exactly the case to catch, and a copy of the
 run to another machine, or a ``touch``, changes the time but not the data, which must not
-refuse a resume. Hashing reads each file once per start of a run (main process, at about
-the disk's read speed: around a second per GB); images are not covered, as the cache does
-not cover them either.
+refuse a resume. The cost: each file is read and hashed once per start of a run, by the
+main process on one core (SHA-256's speed on that core, or the disk's, whichever is lower);
+images are not covered, as the cache does not cover them either.
 """
 
 from __future__ import annotations
