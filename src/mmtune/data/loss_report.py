@@ -134,10 +134,9 @@ class DataLossReport:
         for s in self.sources:
             parts = [f"records read {s.records_read}, kept {s.records_kept}"]
             if s.skipped:
-                parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1])))
-                first = next((examples[0] for code, examples in s.skipped_records.items() if examples), None)
-                if first:
-                    parts.append(f"e.g. {first}; more in data_report.json")
+                first = next((examples[0] for examples in s.skipped_records.values() if examples), None)
+                parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1]))
+                             + (f" (e.g. {first}; each named in data_report.json)" if first else ""))
             if s.no_window:
                 parts.append(f"{s.no_window} samples fit no window (e.g. {', '.join(s.no_window_ids)})")
             if s.truncated:
