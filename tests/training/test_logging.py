@@ -84,7 +84,6 @@ class _FullDisk:
 
 
 def test_a_full_disk_while_logging_names_metrics_jsonl_and_the_last_checkpoint(tmp_path, monkeypatch):
-
     from mmtune.io.disk import DiskFullError
     from mmtune.training.checkpoint import TRAINER_STATE
 
