@@ -5,8 +5,9 @@ The commands come from the page itself: every fenced bash block after a
 with ``mmtune`` and ``python`` being this interpreter and this source tree. Every path
 the commands print must exist afterwards, and the evaluate and report commands the page
 shows must be the ones ``mmtune train`` prints. The 8-GPU block (``<!-- test: parse -->``)
-is checked without GPUs: its ``mmtune plan`` runs, its other commands are parsed by the
-CLIs' own parsers and config schemas.
+is checked without GPUs: its ``mmtune plan`` runs, its ``mmtune evaluate checkpoint ...
+--processes 8`` and ``mmtune report`` run on the tiny checkpoint with 2 processes, its
+other commands are parsed by the CLIs' own parsers and config schemas.
 
 The run as written trains 150 steps (about half a minute on an idle 2-core machine, more
 under load) and is marked slow; the default suite runs the same commands with
@@ -56,9 +57,11 @@ def shell(tmp_path):
     work, bin_dir = tmp_path / "work", tmp_path / "bin"
     work.mkdir()
     bin_dir.mkdir()
-    (bin_dir / "mmtune").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mmtune.cli "$@"\n')
-    (bin_dir / "mmtune").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    # wrappers that exec this interpreter by its own path, never symlinks to it: a virtualenv's
+    # python reached through a link elsewhere misses its pyvenv.cfg and runs without its packages
+    for name, args in (("mmtune", ' -m mmtune.cli "$@"'), ("python", ' "$@"')):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{args}\n')
+        (bin_dir / name).chmod(0o755)
     src = str(Path(mmtune.__file__).resolve().parents[1])
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
@@ -79,6 +82,15 @@ def printed(label: str, text: str) -> str:
     found = re.findall(rf"^\s*{re.escape(label)}\s+(.+?)\s*$", text, re.M)
     assert len(found) == 1, f"expected one line {label!r} in:\n{text}"
     return found[0]
+
+
+def test_the_commands_run_this_interpreter_with_its_packages(shell):
+    # a virtualenv's interpreter reached through a symlink elsewhere runs as the base interpreter
+    # (other prefix, other packages): both commands the page uses must be this one, this environment
+    probe = "import sys, mmtune; print(sys.prefix, sys.exec_prefix, mmtune.__file__)"
+    expected = f"{sys.prefix} {sys.exec_prefix} {mmtune.__file__}"
+    assert shell(f"python -c '{probe}'").strip() == expected
+    assert shell(f"python - <<'EOF'\n{probe}\nEOF").strip() == expected  # as the page's first block runs it
 
 
 def test_the_page_marks_its_blocks():
@@ -132,6 +144,17 @@ def test_the_walkthrough_runs_and_every_printed_path_exists(shell, extra):
     named = set(re.findall(r"(?<![\w/.-])((?:outputs/mine|mydata)(?:/[\w.-]+)*)", text))
     assert {"outputs/mine/final", "outputs/mine/eval/after/viewer.html", "outputs/mine/report/report.html"} <= named
     assert not [p for p in sorted(named) if not (shell.cwd / p).exists()]
+
+    # the 8-GPU section's evaluate and report commands run as written on this checkpoint, with
+    # 2 processes instead of 8 (gloo on CPU): the same scores as the one-process evaluation
+    *_, evaluate_8, report_8 = commands(page_blocks("parse")[0])
+    assert "--run mine_7b --processes 8" in evaluate_8
+    shell("mkdir -p outputs/mine_7b && cp -r outputs/mine/final outputs/mine_7b/final")
+    spread = shell("OMP_NUM_THREADS=1 " + evaluate_8.replace("--processes 8", "--processes 2"))
+    two = json.loads((shell.cwd / printed("result heldout:", spread)).read_text())
+    assert two["run"] == "mine_7b" and two["meta"]["data_parallel"]["processes"] == 2
+    assert (two["metrics"], two["counts"]) == (result["metrics"], result["counts"])
+    assert "outputs/mine_7b/report/report.html" in shell(report_8)
 
 
 def test_the_8_gpu_commands_plan_and_parse(shell, monkeypatch):

@@ -103,7 +103,13 @@ def test_start_up_report_counts_losses_per_source(adapter, data_dir):
     assert a.truncated == 2 and a.dropped_turns > 0
     assert (b.no_window, b.truncated, b.dropped_turns) == (0, 0, 0)
     text = dm.loss_report.render()
-    assert "a: records read 4, kept 3; skipped malformed_record 1; 1 samples fit no window (e.g. huge)" in text
+    assert "a: records read 4, kept 3; skipped malformed_record 1 (e.g. nope: " in text
+    assert "; 1 samples fit no window (e.g. huge)" in text
+    # the skipped records are named, not only counted, as `mmtune data check` names them
+    assert list(a.skipped_records) == ["malformed_record"] and a.skipped_records["malformed_record"][0].startswith("nope")
+    dm.loss_report.write(str(data_dir / "data_report.json"))
+    written = json.loads((data_dir / "data_report.json").read_text())["sources"][0]
+    assert written["skipped_records"] == a.skipped_records
     assert f"2 samples truncated: {a.dropped_turns} turns" in text
     assert dm.loss_report.trainable_samples == 3
 

@@ -1,6 +1,7 @@
 """`mmtune train`: your own files as the sources, formats detected, mixed by ratio; a typo is one line."""
 
 import json
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -102,3 +103,135 @@ def test_a_bad_held_out_file_stops_training_with_one_message_not_a_traceback(fil
     assert code == 2
     assert "mmtune train: eval.heldout.data_path=" in err and "cannot be evaluated" in err and "missing_image" in err
     assert "Traceback" not in err
+
+
+# -- resume safety: the data's content, incomplete checkpoints, links in the run folder ---------
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220)}
+
+
+@pytest.fixture
+def three(tmp_path):
+    """``(chat.json with three llava records, image root)``; reversing the records keeps its size."""
+    from PIL import Image
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    records = []
+    for name, rgb in COLOURS.items():
+        Image.new("RGB", (56, 56), rgb).save(imgs / f"{name}.png")
+        records.append({"id": name, "image": f"{name}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat color is the picture?"}, {"from": "gpt", "value": name}]})
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps(records))
+    return chat, imgs
+
+
+def _train_args(chat, imgs, out, *extra):
+    return ["model=llava_tiny", f"data.files=[{chat}]", f"data.image_root={imgs}", "training.epochs=10",
+            "training.max_steps=3", "training.save_every_steps=1", "training.keep_last=3",
+            f"training.output_dir={out}", "logging.progress_bar=false", *extra]
+
+
+def _changed(chat, how):
+    """Another data set under the same path: the records reversed (same size, same mtime restored)
+    or one record fewer."""
+    records, stat = json.loads(chat.read_text()), chat.stat()
+    chat.write_text(json.dumps(records[::-1] if how == "same-size-and-time" else records[:2]))
+    if how == "same-size-and-time":
+        os.utime(chat, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert chat.stat().st_size == stat.st_size and chat.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+@pytest.mark.parametrize("how", ["same-size-and-time", "a-record-fewer"])
+def test_a_data_file_changed_under_its_path_refuses_the_resume_until_allowed_and_is_then_recorded(
+        three, tmp_path, capsys, how):
+    from mmtune.data.identity import file_identity
+
+    chat, imgs = three
+    out = tmp_path / "run"
+    args = _train_args(chat, imgs, out, "training.resume=auto")
+    assert cli.main(args) == 0
+    trained_on = file_identity(chat)
+    _changed(chat, how)
+    capsys.readouterr()
+
+    assert cli.main(args) == 2  # one message, as every other refusal of the command
+    err = capsys.readouterr().err
+    key = "data.mixture.sources[0].content"
+    assert f"mmtune train: cannot resume from {out / 'checkpoints' / 'step-2'} (step 2)" in err
+    assert f"{key}: {trained_on!r} -> {file_identity(chat)!r}" in err
+    assert f"""'training.resume_config_changes=["{key}"]'""" in err and "Traceback" not in err
+
+    allowed = [*args, f'training.resume_config_changes=["{key}"]']
+    if how == "a-record-fewer":
+        # allowed, but the batch plan of other records cannot continue exactly at step 2: one message too
+        assert cli.main(allowed) == 2
+        err = capsys.readouterr().err
+        assert "cannot resume exactly: the batch plan differs" in err and "Traceback" not in err
+        return
+    assert cli.main(allowed) == 0
+    record = json.loads((out / "final" / "mmtune_run.json").read_text())
+    assert record["config_changes"] == [{"effective_from_step": 3, "resumed_from": str(out / "checkpoints" / "step-2"),
+                                         "changes": {key: {"old": trained_on, "new": file_identity(chat)}}}]
+
+
+def test_an_incomplete_checkpoint_is_refused_or_passed_over_naming_both(three, tmp_path, capsys):
+    chat, imgs = three
+    out = tmp_path / "run"
+    assert cli.main(_train_args(chat, imgs, out, "training.resume=auto")) == 0
+    step1, step2 = out / "checkpoints" / "step-1", out / "checkpoints" / "step-2"
+    (step2 / "model.safetensors").unlink()
+    (step2 / "optimizer.bin").write_bytes(b"cut")
+    capsys.readouterr()
+
+    assert cli.main(_train_args(chat, imgs, out, f"training.resume={step2}")) == 2
+    err = capsys.readouterr().err
+    assert f"mmtune train: cannot resume: {step2} is incomplete (model.safetensors: missing; optimizer.bin: 3 bytes" \
+        in err
+    assert f"the newest complete checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
+
+    assert cli.main(_train_args(chat, imgs, out)) == 2  # checkpoints there, no resume asked: one message too
+    err = capsys.readouterr().err
+    assert "already has checkpoints: set training.resume=auto" in err and "Traceback" not in err
+
+    assert cli.main(_train_args(chat, imgs, out, "training.resume=auto")) == 0
+    printed = capsys.readouterr().out
+    assert f"{step2} is incomplete (model.safetensors: missing" in printed
+    assert f"resuming from the newest complete checkpoint, {step1} (step 1), instead" in printed
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["data_report.json", ".mmtune.lock"])
+def test_a_link_planted_in_the_run_folder_is_refused_and_its_target_kept(three, tmp_path, capsys, name):
+    chat, imgs = three
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (out / name).symlink_to(victim)
+    assert cli.main(_train_args(chat, imgs, out, "training.max_steps=1")) == 2
+    err = capsys.readouterr().err
+    assert f"mmtune train: {out / name} is a symbolic link (to {victim})" in err and "Traceback" not in err
+    assert victim.read_text() == "keep me\n"
+
+
+def test_data_report_names_the_skipped_records_as_the_data_check_does(three, tmp_path, capsys):
+    chat, imgs = three
+    records = json.loads(chat.read_text())
+    bad = [
+        {"id": "no-picture", "image": "gone.png", "conversations": records[0]["conversations"]},
+        {"id": "no-answer", "image": "red.png", "conversations": records[0]["conversations"][:1]},
+        {"id": "two-placeholders", "image": "red.png", "conversations": [
+            {"from": "human", "value": "<image>\n<image>\nWhat color?"}, {"from": "gpt", "value": "red"}]},
+    ]
+    chat.write_text(json.dumps(records + bad))
+    out = tmp_path / "run"
+    assert cli.main(_train_args(chat, imgs, out, "training.max_steps=1", "training.save_final=false",
+                                "data.validation.mode=skip")) == 0
+    source = json.loads((out / "data_report.json").read_text())["sources"][0]
+    assert sum(source["skipped"].values()) == 3
+    named = [entry for entries in source["skipped_records"].values() for entry in entries]
+    assert {entry.split(" ")[0].rstrip(":") for entry in named} == {"no-picture", "no-answer", "two-placeholders"}
+    assert any(entry.startswith("no-picture") and "gone.png" in entry for entry in source["skipped_records"]["missing_image"])
+    assert "e.g. " in capsys.readouterr().out  # the start-up summary names one too

@@ -84,8 +84,6 @@ class _FullDisk:
 
 
 def test_a_full_disk_while_logging_names_metrics_jsonl_and_the_last_checkpoint(tmp_path, monkeypatch):
-    import builtins
-
     from mmtune.io.disk import DiskFullError
     from mmtune.training.checkpoint import TRAINER_STATE
 
@@ -94,13 +92,15 @@ def test_a_full_disk_while_logging_names_metrics_jsonl_and_the_last_checkpoint(t
     logger = RunLogger(LoggingConfig(progress_bar=False), output_dir=str(tmp_path), resolved_config={},
                        is_main=True, total_steps=8)
     logger.log(5, {"train/loss": 1.0, "train/lr": 1e-3})
-    real_open = builtins.open
-    def full_for_metrics(path, mode="r", *args, **kwargs):
+    from mmtune.training import logging as run_logging
+
+    real_open = run_logging.open_output  # every writer into the run folder opens through it (io/nofollow.py)
+    def full_for_metrics(path, mode="w", *args, **kwargs):
         if str(path).endswith("metrics.jsonl"):
             return _FullDisk(real_open, path, mode)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "open", full_for_metrics)
+    monkeypatch.setattr(run_logging, "open_output", full_for_metrics)
     with pytest.raises(DiskFullError) as info:
         logger.log(6, {"train/loss": 0.9, "train/lr": 1e-3})
     monkeypatch.undo()

@@ -29,6 +29,7 @@ from datasets import Dataset, Features, List, Value
 from datasets.arrow_writer import ArrowWriter
 
 from mmtune.core.dialogue import Dialogue, Image, Turn
+from mmtune.io.nofollow import open_output
 
 # Bump when the reader's output or validation rules change, so old caches are not reused.
 READER_VERSION = 3  # 3: reports number turns by question/answer exchange
@@ -97,7 +98,7 @@ class CacheWriter:
         self._writer.finalize()
         self._writer.close()
         tmp_report = f"{self.report_path}.tmp-{os.getpid()}"
-        with open(tmp_report, "w") as f:
+        with open_output(tmp_report, "w") as f:
             json.dump(report, f, indent=1)
         os.replace(self._tmp, self.arrow_path)
         os.replace(tmp_report, self.report_path)

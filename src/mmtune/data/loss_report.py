@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from mmtune.io.nofollow import open_output
+
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.lengths import LengthTable
     from mmtune.data.mixture import Mixture
@@ -39,6 +41,10 @@ class SourceLoss:
     records_kept: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     """Records left out when reading, per reason (first problem of the record)."""
+    skipped_records: dict[str, list[str]] = field(default_factory=dict)
+    """The records behind those counts, per problem: ``"<record id> <turn>: <detail>"``, as
+    ``mmtune data check`` lists them (up to ``data.validation.max_examples`` per problem;
+    a record with several problems is named under each)."""
     samples: int = 0
     """Samples (records kept, after stacking) measured against the window."""
     no_window: int = 0
@@ -75,7 +81,9 @@ class DataLossReport:
             zero = [int(i) for i in np.flatnonzero(table.lengths == 0) if int(i) not in refused]
             out.append(SourceLoss(
                 source=source.name, records_read=report.records_read, records_kept=report.records_kept,
-                skipped=dict(report.skipped), samples=int(len(table)), no_window=len(zero),
+                skipped=dict(report.skipped), skipped_records={code: list(examples) for code, examples in
+                                                               report.examples.items() if examples},
+                samples=int(len(table)), no_window=len(zero),
                 no_window_ids=[source.dialogues[i].id for i in zero[:5]],
                 truncated=int(stats.get("truncated", 0)), dropped_turns=int(stats.get("dropped_turns", 0)),
                 dropped_images=int(stats.get("dropped_images", 0)), refused_images=len(refused),
@@ -126,7 +134,9 @@ class DataLossReport:
         for s in self.sources:
             parts = [f"records read {s.records_read}, kept {s.records_kept}"]
             if s.skipped:
-                parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1])))
+                first = next((examples[0] for examples in s.skipped_records.values() if examples), None)
+                parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1]))
+                             + (f" (e.g. {first}; each named in data_report.json)" if first else ""))
             if s.no_window:
                 parts.append(f"{s.no_window} samples fit no window (e.g. {', '.join(s.no_window_ids)})")
             if s.truncated:
@@ -152,7 +162,7 @@ class DataLossReport:
                 "sources": [asdict(s) for s in self.sources]}
 
     def write(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as f:
+        with open_output(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
 
 

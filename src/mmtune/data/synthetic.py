@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmtune.io.nofollow import open_output
+
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
@@ -267,7 +269,7 @@ def _dialogue(
 
 
 def _write(path: Path, records: list) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with open_output(path, "w") as f:
         json.dump(records, f, ensure_ascii=False, indent=1)
 
 
@@ -341,7 +343,8 @@ def generate_synthetic(
     (images / "synthetic").mkdir(parents=True, exist_ok=True)
 
     def save(pic: _Picture, rel: str) -> None:
-        draw_image(pic, image_size, style=style).save(images / rel.lstrip("/"))
+        with open_output(images / rel.lstrip("/"), "wb") as handle:
+            draw_image(pic, image_size, style=style).save(handle, format="PNG")
 
     def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
         records = []

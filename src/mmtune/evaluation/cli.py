@@ -378,14 +378,31 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _launch(processes: int, argv: list[str]) -> int:
-    """Run ``mmtune evaluate <argv>`` in ``processes`` processes through torchrun (on this
-    machine, a free rendezvous port); its exit status is theirs (non-zero when a rank failed)."""
-    import subprocess
+    """Run ``mmtune evaluate <argv>`` in ``processes`` processes through torchrun's own launcher
+    (on this machine, a free rendezvous port); its exit status is theirs (non-zero when a rank
+    failed).
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-           "-m", "mmtune.cli", "evaluate", *argv]
-    print(f"mmtune evaluate: launching {processes} processes: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.run(cmd).returncode
+    torchrun's parser sees only its own options: ``argv`` is handed to the processes after
+    parsing, because argparse scans every word of a command line for option prefixes, even
+    after the script name, and would read mmtune's ``--run`` as an ambiguous prefix of
+    torchrun's ``--run-path`` (exit 2 before any process starts).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    launcher = ["--standalone", "--nproc_per_node", str(processes), "-m", "mmtune.cli"]
+    args = get_args_parser().parse_args(launcher)
+    args.training_script_args = ["evaluate", *argv]
+    shown = shlex.join(["torchrun", *launcher, *args.training_script_args])
+    print(f"mmtune evaluate: launching {processes} processes: {shown}", file=sys.stderr, flush=True)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        codes = [failure.exitcode for failure in err.failures.values()]
+        print(f"mmtune evaluate: {len(codes)} of {processes} processes failed (exit status {codes}); "
+              "their errors are above", file=sys.stderr, flush=True)
+        return next((code for code in codes if code > 0), 1)
+    return 0
 
 
 if __name__ == "__main__":

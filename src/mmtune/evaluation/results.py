@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mmtune.io.nofollow import write_output_text
+
 __all__ = ["BenchmarkResult", "write_result", "read_result", "result_filename"]
 
 
@@ -89,7 +91,7 @@ def write_result(result: BenchmarkResult, out_dir: str | os.PathLike) -> Path:
     tmp = path.with_suffix(".json.tmp")
     data = result.to_dict()
     data["metrics"] = {k: (v if math.isfinite(v) else None) for k, v in data["metrics"].items()}
-    tmp.write_text(json.dumps(_finite(data), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_output_text(tmp, json.dumps(_finite(data), indent=2, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mmtune.io.disk import disk_full_guard
+from mmtune.io.nofollow import open_output_fd
 
 __all__ = ["LOCK_FILE", "DirectoryLockedError", "DirectoryLock", "lock_directory", "read_holder", "pid_alive"]
 
@@ -225,7 +226,7 @@ def lock_directory(directory: str | os.PathLike, *, purpose: str = "", hint: str
         if key in _HELD:
             _HELD[key].count += 1
             return DirectoryLock(directory, path, _key=key)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_output_fd(path, "r+", 0o644)  # a planted link must not make us write its target
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

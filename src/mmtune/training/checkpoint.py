@@ -36,15 +36,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mmtune.io.disk import disk_full_guard
+from mmtune.io.nofollow import open_output
 from mmtune.io.permissions import restore_default_modes
 from mmtune.schema_keys import flatten_config, key_covers
+from mmtune.training.manifest import write_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
 __all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
-           "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "intact_note",
+           "ResumeConfigError", "check_resume_config", "complete_checkpoints", "config_differences", "flatten_config", "intact_note",
            "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
            "write_json_atomic"]
 
@@ -147,7 +149,7 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     """Write JSON to ``path`` via a temporary file and ``os.replace`` (never half-written)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with open_output(tmp, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True, default=str)
         f.flush()
         os.fsync(f.fileno())
@@ -226,6 +228,11 @@ def _complete_checkpoints(checkpoints_dir: Path, *, aside: bool = False) -> list
     return sorted(found.items())
 
 
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint of a run, oldest first (as :func:`latest_checkpoint` finds them)."""
+    return [path for _, path in _complete_checkpoints(Path(output_dir) / "checkpoints", aside=True)]
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Optional[Path]:
     """The complete checkpoint with the highest step, or ``None``.
 
@@ -279,6 +286,7 @@ class CheckpointManager:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 restore_default_modes(tmp)  # safetensors writes 0600 whatever the umask (io/permissions.py)
+                write_manifest(tmp, written_after=[TRAINER_STATE])  # what a resume checks (training/manifest.py)
                 write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
         if accelerator.is_main_process:
             _swap_into_place(tmp, final, self.on_save_point)

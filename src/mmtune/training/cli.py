@@ -100,15 +100,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     from mmtune.data.validation import DataValidationError
     from mmtune.evaluation.benchmarks.common import BenchmarkDataError
     from mmtune.io.locks import DirectoryLockedError
+    from mmtune.io.nofollow import OutputLinkError
+    from mmtune.training.checkpoint import ResumeConfigError
 
     started = time.perf_counter()
     recipe = SFTRecipe(cfg, resolved_config=OmegaConf.to_container(raw, resolve=True))
     # Problems of the user's files or folders (not of mmtune) are one message, not a traceback:
     # found at set-up, or by the evaluation before training (a held-out file with bad records).
+    # Resume refusals too: a changed config or data file (ResumeConfigError), checkpoints in a
+    # folder not resumed (FileExistsError), an incomplete checkpoint (a FileNotFoundError), and
+    # a symbolic link where an output file goes (OutputLinkError).
     try:
         recipe.setup()
         recipe.train()
-    except (DataValidationError, BenchmarkDataError, DirectoryLockedError, FileNotFoundError) as err:
+    except (DataValidationError, BenchmarkDataError, DirectoryLockedError, FileNotFoundError, FileExistsError,
+            ResumeConfigError, OutputLinkError) as err:
         print(f"mmtune train: {err}", file=sys.stderr)
         return 2
     final_dir = recipe.save()

@@ -136,7 +136,9 @@ class TrainingConfig:
     the first step it applies to (``config_changes`` in later checkpoints'
     ``trainer_state.json`` and in ``final/mmtune_run.json``). Keys that never change what
     is trained (logging, eval, checkpoint cadence, caches, ...) may differ without being
-    named: :data:`mmtune.training.checkpoint.RESUME_FREE_KEYS` lists them with reasons."""
+    named: :data:`mmtune.training.checkpoint.RESUME_FREE_KEYS` lists them with reasons.
+    A data file whose content changed under the same path is a change of
+    ``data.mixture.sources[<i>].content`` (its SHA-256 and size, :mod:`mmtune.data.identity`)."""
     save_final: bool = True
     """Write ``final/`` (a normal HF checkpoint, plus the LoRA adapter for LoRA runs)."""
     num_workers: int = 0
@@ -403,9 +405,11 @@ def validate(cfg: SFTConfig) -> None:
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.resume_config_changes:
+        from mmtune.data.identity import content_keys
         from mmtune.schema_keys import flatten_config, key_covers
 
-        keys = flatten_config(dataclasses.asdict(cfg))
+        # and each source's file content, which checkpoints record beside the config (data/identity.py)
+        keys = [*flatten_config(dataclasses.asdict(cfg)), *content_keys(cfg.data.mixture.sources)]
         for entry in t.resume_config_changes:
             if not any(key_covers(entry, key) for key in keys):
                 problems.append(f"training.resume_config_changes: {entry!r} names no config key (write dotted keys "

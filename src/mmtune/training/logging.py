@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from mmtune.io.nofollow import open_output, write_output_text
 from mmtune.io.secrets import is_secret_key, redact
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +84,7 @@ def cut_jsonl_after(path: str | os.PathLike, step: int) -> int:
             kept.append(line)
     if dropped:
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        write_output_text(tmp, "".join(line + "\n" for line in kept))
         os.replace(tmp, path)
     return dropped
 
@@ -132,7 +133,7 @@ class RunLogger:
 
             # A line torn by a full disk is dropped on resume (cut_jsonl_after).
             with disk_full_guard(self.metrics_path, "metrics.jsonl", intact=lambda: intact_note(self.output_dir)):
-                with open(self.metrics_path, "a") as f:
+                with open_output(self.metrics_path, "a") as f:
                     f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)

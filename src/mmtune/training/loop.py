@@ -46,10 +46,13 @@ import numpy as np
 import torch
 
 from mmtune.io.disk import disk_full_guard
-from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, intact_note, latest_checkpoint,
-                                       read_trainer_state, recover_interrupted_saves, save_final)
+from mmtune.io.nofollow import open_output
+from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, complete_checkpoints,
+                                       intact_note, latest_checkpoint, read_trainer_state, recover_interrupted_saves,
+                                       save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
+from mmtune.training.manifest import choose_resume_checkpoint
 from mmtune.training.loss import TrainingLoss
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
@@ -171,11 +174,18 @@ class SFTRecipe:
             recover_interrupted_saves(self.output_dir)  # a save killed between its renames
         acc.wait_for_everyone()
         self._check_output_dir()
+        # The data files first (generated when synthetic), so that a resume compares their content too.
+        if cfg.synthetic.enabled:
+            if acc.is_main_process:
+                generate_synthetic_data(cfg.synthetic)
+            acc.wait_for_everyone()
+        self.data_identities = self._data_identities()
         # Before building anything: a resume with a changed config is refused at once.
-        if t.resume == "auto":
-            self.resume_from = latest_checkpoint(self.output_dir)
-        else:
-            self.resume_from = Path(t.resume) if t.resume else None
+        # The newest checkpoint whose files are all there (training/manifest.py).
+        self.resume_from, passed_over = choose_resume_checkpoint(
+            t.resume, lambda: complete_checkpoints(self.output_dir), lambda c: read_trainer_state(c).get("step"))
+        if passed_over:
+            acc.print(passed_over)
         self.config_changes = self._check_resume_config() if self.resume_from is not None else []
 
         # Model. Random-weight models are seeded identically on every rank.
@@ -217,10 +227,6 @@ class SFTRecipe:
         # Data: every epoch has its own plan (packing and token budgets differ from epoch to
         # epoch), padded per rank to whole optimizer steps, so no step straddles two epochs
         # and every rank runs the same micro-batches per step and the same steps.
-        if cfg.synthetic.enabled:
-            if acc.is_main_process:
-                generate_synthetic_data(cfg.synthetic)
-            acc.wait_for_everyone()
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
         self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index,
                           world_size=acc.num_processes, gradient_accumulation_steps=t.gradient_accumulation_steps)
@@ -258,7 +264,10 @@ class SFTRecipe:
                 self._apply_allowed_changes(*fresh)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
             self.micro_batches_done = int(state["micro_batches_done"])
-            self.data.check_state(state["data"])
+            try:
+                self.data.check_state(state["data"])
+            except ValueError as err:  # a resume refusal like a changed config: one message, no traceback
+                raise ResumeConfigError(f"cannot resume from {resume_from} (step {state['step']}): {err}") from None
             if acc.is_main_process:
                 # Steps after the checkpoint were logged by the interrupted attempt and are
                 # about to be trained again: drop their rows so each step appears once.
@@ -353,6 +362,7 @@ class SFTRecipe:
         record of earlier changes plus this resume's, if any: ``{"effective_from_step",
         "resumed_from", "changes": {key: {"old", "new"}}}``.
         """
+        from mmtune.data.identity import comparable_record
         from mmtune.training.checkpoint import check_resume_config
 
         if not (Path(self.resume_from) / TRAINER_STATE).is_file():
@@ -365,8 +375,10 @@ class SFTRecipe:
             self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
                                    "mmtune), so changes to it cannot be checked")
             return history
-        changes = check_resume_config(self.resume_from, state, self.config_record(),
-                                      list(self.cfg.training.resume_config_changes))
+        current, unchecked = comparable_record(state["config"], self.config_record())
+        if unchecked:
+            self.accelerator.print(f"{self.resume_from}: {unchecked}")
+        changes = check_resume_config(self.resume_from, state, current, list(self.cfg.training.resume_config_changes))
         self.resume_changes = changes
         if changes:
             step = int(state["step"])
@@ -403,7 +415,23 @@ class SFTRecipe:
         """This run's typed config, secrets redacted, as JSON would give it back: what checkpoints record."""
         from mmtune.io.secrets import redact
 
-        return json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
+        from mmtune.data.identity import with_identities
+
+        record = json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
+        return with_identities(record, getattr(self, "data_identities", None))
+
+    def _data_identities(self) -> list[str]:
+        """Each data source's content identity (:mod:`mmtune.data.identity`): read once, by the main
+        process, and given to every rank."""
+        from accelerate.utils import broadcast_object_list
+
+        from mmtune.data.identity import source_identities
+
+        acc = self.accelerator
+        identities = source_identities(self.cfg.data.mixture.sources) if acc.is_main_process else None
+        if acc.num_processes > 1:
+            identities = broadcast_object_list([identities])[0]
+        return identities
 
     def _check_output_dir(self) -> None:
         t = self.cfg.training
@@ -547,7 +575,7 @@ class SFTRecipe:
         if self.accelerator.is_main_process:
             path = self.output_dir / "sample_ids.jsonl"
             with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(self.output_dir)):
-                with open(path, "a") as f:
+                with open_output(path, "a") as f:
                     f.write(json.dumps({"step": self.step, "epoch": epoch,
                                         "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 

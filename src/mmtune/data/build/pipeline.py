@@ -43,6 +43,7 @@ from mmtune.data.build.parsing import QA, parse_reply, renumber
 from mmtune.data.build.sets import ImageSet, form_sets
 from mmtune.data.build.teacher import Prompts, request, teacher_client
 from mmtune.data.validation import ImageChecker
+from mmtune.io.nofollow import open_output, write_output_text
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,9 @@ def load_or_make_plan(cfg: BuildConfig, embedder: Optional[Embedder] = None) -> 
     # Written to temporary names and renamed: shards that plan at the same time write
     # identical content, and a reader never sees half a file.
     tmp = f".tmp-{os.getpid()}"
-    (plan_dir / f"sets.jsonl{tmp}").write_text("".join(json.dumps(s.to_dict()) + "\n" for s in plan.sets))
+    write_output_text(plan_dir / f"sets.jsonl{tmp}", "".join(json.dumps(s.to_dict()) + "\n" for s in plan.sets))
     os.replace(plan_dir / f"sets.jsonl{tmp}", sets_path)
-    (plan_dir / f"plan.json{tmp}").write_text(json.dumps(plan.info, indent=1))
+    write_output_text(plan_dir / f"plan.json{tmp}", json.dumps(plan.info, indent=1))
     os.replace(plan_dir / f"plan.json{tmp}", info_path)
     return plan
 
@@ -184,7 +185,7 @@ def read_jsonl_tolerant(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             log.warning("%s: dropping a partly written line (the run was interrupted)", path)
     if len(good) != sum(1 for line in lines if line.strip()):
-        path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+        write_output_text(path, "".join(g + "\n" for g in good))
     return out
 
 
@@ -330,7 +331,7 @@ def generate_shard(
     from tqdm.auto import tqdm
 
     try:
-        with open(done_path, "a", encoding="utf-8") as ok_f, open(rejected_path, "a", encoding="utf-8") as bad_f, tqdm(
+        with open_output(done_path, "a") as ok_f, open_output(rejected_path, "a") as bad_f, tqdm(
             total=len(todo), desc=f"shard {i}/{n}", disable=not progress
         ) as bar:
             for outcome in _bounded_map(generator, todo, cfg.teacher.concurrency):
@@ -358,7 +359,7 @@ def generate_shard(
     # reports every call it paid for.
     path = folder / "stats.json"
     runs = json.loads(path.read_text()).get("runs", []) if path.is_file() else []
-    path.write_text(json.dumps({"runs": runs + [stats]}, indent=1))
+    write_output_text(path, json.dumps({"runs": runs + [stats]}, indent=1))
     return stats
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from mmtune.data.build.config import BuildConfig
 from mmtune.data.build.pipeline import BuildError, shard_of
 from mmtune.data.readers import MMDU_PLACEHOLDER
+from mmtune.io.nofollow import open_output, save_figure, write_output_text
 
 
 def _image_name(path: str) -> str:
@@ -29,7 +30,9 @@ def _image_name(path: str) -> str:
 
 
 def _place_image(src: str, dst: Path, mode: str) -> None:
-    if dst.exists():
+    # a link in images/ is ours only in symlink mode; in the other modes copying onto it
+    # would write its target, so the copy refuses it (io/nofollow.py)
+    if os.path.lexists(dst) and (mode == "symlink" or not dst.is_symlink()):
         return
     if mode == "symlink":
         os.symlink(os.path.abspath(src), dst)
@@ -37,9 +40,16 @@ def _place_image(src: str, dst: Path, mode: str) -> None:
         try:
             os.link(src, dst)
         except OSError:  # another file system: copy instead
-            shutil.copy2(src, dst)
+            _copy(src, dst)
     else:
-        shutil.copy2(src, dst)
+        _copy(src, dst)
+
+
+def _copy(src: str, dst: Path) -> None:
+    """``shutil.copy2`` that never writes through a link at ``dst``."""
+    with open(src, "rb") as source, open_output(dst, "wb") as target:
+        shutil.copyfileobj(source, target)
+    shutil.copystat(src, dst)
 
 
 def _scan_jsonl(path: Path):
@@ -83,7 +93,7 @@ def _plot_tokens(tokens: list[int], path: Path) -> None:
     ax.set_xlabel("estimated tokens per dialogue (text chars / 4 + tokens per image)")
     ax.set_ylabel("dialogues")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -142,7 +152,7 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
             cluster_of[d["id"]] = d["cluster"]
     handles: dict[Path, Any] = {}
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open_output(tmp, "w") as f:
             f.write("[")
             for k, sid in enumerate(ids):
                 path, offset = where[sid]
@@ -166,7 +176,7 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         for h in handles.values():
             h.close()
     os.replace(tmp, out / "mmdu.json")
-    (out / "data.yaml").write_text(
+    write_output_text(out / "data.yaml", 
         "# mmtune data check " + str(out / "data.yaml") + " --strict\n"
         "# The dataset written by `mmtune data build`: MMDU format, images under images/.\n"
         "mixture:\n  sources:\n"
@@ -198,8 +208,8 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         "dropped_pairs": dict(dropped),
         "teacher": dict(teacher),
     }
-    (out / "stats.json").write_text(json.dumps(stats, indent=1))
-    (out / "stats.md").write_text(render_stats(stats))
+    write_output_text(out / "stats.json", json.dumps(stats, indent=1))
+    write_output_text(out / "stats.md", render_stats(stats))
     if tokens:
         _plot_tokens(tokens, out / "tokens_per_dialogue.png")
     return stats

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
+from mmtune.io.nofollow import open_output
 
 __all__ = ["Benchmark", "DialogueBenchmark", "RunContext", "BenchmarkWork", "count_image_items"]
 
@@ -173,7 +174,7 @@ class RunContext:
     def write_details(self, name: str, rows: Sequence[Any]) -> Path:
         path = self.out / "details" / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as handle:
+        with open_output(path, "w") as handle:
             for row in rows:
                 handle.write(json.dumps(_row(row), ensure_ascii=False, default=str) + "\n")
         return path

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunContext
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
+from mmtune.io.nofollow import write_output_text
 
 __all__ = ["LmmsEvalConfig", "MODEL_TYPES", "HEADLINE", "build_command", "parse_results", "find_results_file", "run_lmms_eval",
            "LmmsEvalBenchmark"]
@@ -236,7 +237,7 @@ class LmmsEvalBenchmark(Benchmark):
         if ctx.model_config is not None:
             config_file = ctx.out / "lmms_eval" / "mmtune_model.json"
             config_file.parent.mkdir(parents=True, exist_ok=True)
-            config_file.write_text(json.dumps(dataclasses.asdict(ctx.model_config), indent=2, default=str))
+            write_output_text(config_file, json.dumps(dataclasses.asdict(ctx.model_config), indent=2, default=str))
         return run_lmms_eval(ctx.lmms_pretrained or "", sub, family=ctx.family or "llava",
                              output_path=str(ctx.out / "lmms_eval"), run=ctx.run, model=ctx.model,
                              model_config_file=str(config_file) if config_file else None, runner=ctx.command_runner)

@@ -41,6 +41,7 @@ from mmtune.evaluation.benchmarks.base import Benchmark, BenchmarkWork, RunConte
 from mmtune.evaluation.benchmarks.common import PROMPT_DIR, fill_prompt
 from mmtune.evaluation.benchmarks.registry import register
 from mmtune.evaluation.results import BenchmarkResult
+from mmtune.io.nofollow import open_output, write_output_text
 
 __all__ = [
     "MMVetConfig",
@@ -525,7 +526,7 @@ def write_official_files(
         ("cap_int", [set_names[k] for k in sets], [lambda i, k=k: frozenset(i.capability) == k for k in sets]),
     ):
         path = out / names[kind]
-        with path.open("w", newline="", encoding="utf-8") as handle:
+        with open_output(path, "w", newline="") as handle:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(["", *columns, "total", "std", "runs"])
             writer.writerow([model, *[column(sel) for sel in selectors], _fmt(mean_total), _fmt(std_total), runs_cell])
@@ -536,7 +537,7 @@ def write_official_files(
         for i in items
     }
     paths["grade"] = out / names["grade"]
-    paths["grade"].write_text(json.dumps(grades, indent=4, ensure_ascii=False), encoding="utf-8")
+    write_output_text(paths["grade"], json.dumps(grades, indent=4, ensure_ascii=False))
     return paths
 
 
@@ -592,7 +593,7 @@ class MMVetBenchmark(Benchmark):
 
     def write_files(self, result, rows, items, predictions, ctx, sub):
         if not sub.predictions:  # generated answers, in MM-Vet's results format for other graders
-            (ctx.out / "mmvet_results.json").write_text(json.dumps(predictions, indent=2, ensure_ascii=False))
+            write_output_text(ctx.out / "mmvet_results.json", json.dumps(predictions, indent=2, ensure_ascii=False))
         runs = [[s for s in rows if s.run == r] for r in range(sub.runs)]
         paths = write_official_files(items, runs, str(ctx.out), model=ctx.model,
                                      judge_model=result.meta.get("judge_model") or "judge", bard_subset=bool(sub.bard_subset))

@@ -43,6 +43,7 @@ from mmtune.evaluation.generation.records import (
     settings_path,
     write_lines,
 )
+from mmtune.io.nofollow import write_output_text
 
 __all__ = ["Layout", "RankFailed", "current_layout", "split_by_tokens", "shard_path", "shard_files", "generate_shared",
            "check_layout", "rank_device", "lock_run_folder", "close_layout"]
@@ -273,7 +274,7 @@ def generate_shared(generator: Any, dialogues: Sequence[Any], out_path: str | os
     rows = [by_key[k] for k in order if k in by_key]
     if layout.is_main:
         write_lines(out_path, [record_line(TurnRecord(**r)) for r in rows])
-        settings_path(out_path).write_text(settings_path(mine).read_text())
+        write_output_text(settings_path(out_path), settings_path(mine).read_text())
         _remove(shard_files(out_path))
     return [TurnRecord(**r) for r in rows], [r["work"] for r in sorted(reports, key=lambda r: r["rank"])]
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mmtune.data.dialogue import Dialogue, Turn
+from mmtune.io.nofollow import open_output, write_output_text
 
 __all__ = ["TurnRecord", "StaleGenerationsError", "GenerationFailures", "GenerationsFile", "question_text", "is_failed",
            "read_generations", "record_line", "settings_path", "lock_path", "write_lines", "check_failed_turns"]
@@ -173,8 +174,8 @@ class GenerationsFile:
                     if not is_failed(row) or key not in self.records:
                         self.records[key] = row
             _check_questions(self.path, self.done, dialogues)
-            settings_path(self.path).write_text(json.dumps(settings, indent=2, default=str))
-            self._handle = self.path.open("a", encoding="utf-8")
+            write_output_text(settings_path(self.path), json.dumps(settings, indent=2, default=str))
+            self._handle = open_output(self.path, "a")
         except BaseException:
             self._lock.release()
             raise
@@ -213,7 +214,7 @@ class GenerationsFile:
 def write_lines(path: Path, lines: Sequence[str]) -> None:
     """Write ``lines`` as the JSONL file ``path`` at once (a temporary file, then a rename)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
+    with open_output(tmp, "w") as handle:
         for line in lines:
             handle.write(line + "\n")
     os.replace(tmp, path)

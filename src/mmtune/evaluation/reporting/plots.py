@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mmtune.io.nofollow import save_figure
+
 __all__ = ["plot_bars", "plot_line", "plot_curves"]
 
 
@@ -32,7 +34,7 @@ def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabe
     if len(groups) > 1:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -60,7 +62,7 @@ def plot_line(path: Path, title: str, xs: list[int], ys: list[float], ylabel: st
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -86,6 +88,6 @@ def plot_curves(path: Path, title: str, steps: list[float], series: dict[str, li
     if len(series) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from mmtune.evaluation.results import BenchmarkResult
+from mmtune.io.nofollow import write_output_text
 
 __all__ = ["write_report", "markdown_table", "metrics_section", "markdown_to_html", "write_html"]
 
@@ -75,7 +76,7 @@ def write_report(results: Sequence[BenchmarkResult], out_dir: str | Path, *, tit
     for plot in plots:
         parts.append(f"![{plot.stem}]({plot.name})")
     path = out / "report.md"
-    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    write_output_text(path, "\n".join(parts) + "\n")
     write_html(path)
     return path, plots
 
@@ -162,5 +163,5 @@ def write_html(markdown_path: str | Path) -> Path:
     text = path.read_text(encoding="utf-8")
     first = next((line[2:] for line in text.splitlines() if line.startswith("# ")), "Report")
     target = path.with_suffix(".html")
-    target.write_text(markdown_to_html(text, path.parent, title=first), encoding="utf-8")
+    write_output_text(target, markdown_to_html(text, path.parent, title=first))
     return target

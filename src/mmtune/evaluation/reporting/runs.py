@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from mmtune.io.nofollow import save_figure
+
 __all__ = ["RunSummary", "find_runs", "runs_markdown", "runs_html", "plot_runs"]
 
 
@@ -131,7 +133,7 @@ def plot_runs(runs: Sequence[RunSummary], out_dir: Path) -> None:
         fig.suptitle(run.name, fontsize=10)
         fig.tight_layout()
         run.curves = out_dir / f"run{index + 1}_{_slug(run.name)}_curves.png"
-        fig.savefig(run.curves, dpi=100)
+        save_figure(fig, run.curves, dpi=100)
         plt.close(fig)
 
 

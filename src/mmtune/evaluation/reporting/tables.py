@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from mmtune.evaluation.reporting.paper_numbers import TABLES, Column, Row, TableSpec
+from mmtune.io.nofollow import save_figure, write_output_text
 
 __all__ = [
     "ResultRecord",
@@ -436,7 +437,7 @@ def plot_table(table: FilledTable, path: str | os.PathLike) -> Path:
     fig.suptitle(spec.title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -522,11 +523,11 @@ def write_report(
         images[t.spec.key] = png.name
         paths[t.spec.key] = png
     paths["markdown"] = out / "report.md"
-    paths["markdown"].write_text(render_markdown(tables, results, images, runs_markdown(runs, out)), encoding="utf-8")
+    write_output_text(paths["markdown"], render_markdown(tables, results, images, runs_markdown(runs, out)))
     paths["html"] = out / "report.html"
-    paths["html"].write_text(render_html(tables, results, images, runs_html(runs, out)), encoding="utf-8")
+    write_output_text(paths["html"], render_html(tables, results, images, runs_html(runs, out)))
     paths["json"] = out / "report.json"
-    paths["json"].write_text(json.dumps(_as_json(tables), indent=2), encoding="utf-8")
+    write_output_text(paths["json"], json.dumps(_as_json(tables), indent=2))
     return paths
 
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mmtune.io.nofollow import write_output_text
+
 __all__ = ["THUMBNAIL_PX", "EMBED_BUDGET_BYTES", "ViewerEntry", "ViewerSection", "read_jsonl", "finite_mean",
            "write_viewer"]
 
@@ -252,7 +254,7 @@ def write_viewer(
     }
     path = out / "viewer.html"
     tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(_render(payload), encoding="utf-8")
+    write_output_text(tmp, _render(payload))
     os.replace(tmp, path)
     _link_from_report(out / "report.md")
     return path
@@ -270,7 +272,7 @@ def _link_from_report(report: Path) -> None:
         return
     at = 2 if lines and lines[0].startswith("# ") else 0
     lines[at:at] = [_REPORT_LINK, ""]
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_output_text(report, "\n".join(lines) + "\n")
     from mmtune.evaluation.reporting.report import write_html
 
     write_html(report)  # report.html carries the link too

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mmtune.compose import RECIPES
+from mmtune.io.nofollow import write_output_text
 from mmtune.training.plan import cost
 from mmtune.training.plan.common import PlanError
 from mmtune.training.plan.evaluation import plan_evaluation
@@ -109,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"== {len(plans)} runs planned, {len(failures)} cannot start"
               + (f"; ~{total:.1f} GPU-hours of training in total" if recipe == "sft" else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(p) for p in plans], indent=2, default=str))
+        write_output_text(args.json, json.dumps([asdict(p) for p in plans], indent=2, default=str))
     return 1 if failures else 0
 
 
