@@ -195,7 +195,7 @@ def test_save_and_reload_roundtrip(adapter, model, images, tmp_path):
 
 def test_bad_configs_raise_clear_errors():
     with pytest.raises(ValueError, match="image_aspect_ratio"):
-        LlavaAdapter(ModelConfig(family="llava", image_aspect_ratio="anyres"))
+        LlavaAdapter(ModelConfig(family="llava", llava={"image_aspect_ratio": "anyres"}))
     adapter = build_adapter(ModelConfig(family="llava"))
     bad = Dialogue("bad", "t", (Turn("user", ("q",)), Turn("assistant", ("a", Image("/x.png")))))
     with pytest.raises(ValueError, match="'bad', turn 1"):
@@ -208,7 +208,7 @@ def test_model_yamls_load_into_model_config():
     from omegaconf import OmegaConf
 
     root = Path(__file__).resolve().parents[2] / "configs" / "model"
-    schema = OmegaConf.structured(ModelConfig)
+    schema = OmegaConf.structured(ModelConfig())
     configs = {p.stem: OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(p))) for p in root.glob("*.yaml")}
     assert {"llava_tiny", "llava_100m", "llava_1_5_7b", "llava_1_5_13b", "auto_example"} <= set(configs)
     tiny = build_adapter(configs["llava_tiny"])
@@ -287,7 +287,7 @@ def test_sentencepiece_style_tokenizer_checkpoint(tmp_path, images, caplog):
 def test_uint8_pixels_equal_the_image_processor_bit_for_bit(tmp_path, image_size):
     import numpy as np
 
-    adapter = build_adapter(ModelConfig(family="llava", image_size=image_size))
+    adapter = build_adapter(ModelConfig(family="llava", llava={"image_size": image_size}))
     for k, size in enumerate([(800, 600), (801, 599), (200, 57), (60, 80), (333, 500), (64, 64)]):
         path = tmp_path / f"n{k}.png"
         PILImage.effect_noise(size, 70).convert("RGB").save(path)
