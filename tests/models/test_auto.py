@@ -193,3 +193,35 @@ def test_a_checkpoint_without_chat_template_is_refused(llava, tmp_path):
             (tmp_path / name).write_text(json.dumps(values))
     with pytest.raises(UnsupportedProcessorError, match="has no chat template"):
         build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def glm4v(tmp_path_factory):
+    """A tiny GLM-4.1V checkpoint whose image limits let through what its processor refuses."""
+    from mmtune.data.image_limits import ImageLimits
+    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+
+    directory = save_tiny_checkpoint(str(tmp_path_factory.mktemp("glm4v")), "glm4v", weights=False)
+    return build_adapter(ModelConfig(family="auto", path=directory, image_limits=ImageLimits(max_aspect_ratio=1e5)))
+
+
+def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, tmp_path):
+    from mmtune.data.lengths import compute_lengths
+    from mmtune.models.auto import UnsupportedImageError
+
+    good, bad = str(tmp_path / "good.png"), str(tmp_path / "bad.png")
+    PILImage.new("RGB", (60, 40)).save(good)
+    PILImage.new("RGB", (1, 250)).save(bad)  # GLM-4.1V's processor refuses aspect ratios above 200
+    fine = Dialogue("rec1", "train.jsonl", (Turn("user", ("a", Image(good))), Turn("assistant", ("b",))))
+    refused = Dialogue("rec7", "train.jsonl", (Turn("user", ("a", Image(good))), Turn("assistant", ("b",)),
+                                               Turn("user", (Image(bad), "c")), Turn("assistant", ("d",))))
+    with pytest.raises(UnsupportedImageError, match=r"bad\.png.*dialogue 'rec7', turn 2 \(question\).*aspect ratio must be") as err:
+        encode_example(glm4v, refused, max_length=None)
+    assert err.value.code == "unsupported_image" and err.value.turn == 2
+    table = compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="skip")
+    assert table.lengths[0] > 0 and table.lengths[1] == 0
+    [skipped] = table.image_skipped
+    assert skipped["dialogue_id"] == "rec7" and skipped["reason"] == "unsupported_image"
+    assert "bad.png" in skipped["detail"] and "turn 2" in skipped["detail"]
+    with pytest.raises(UnsupportedImageError, match="rec7"):
+        compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="strict")
