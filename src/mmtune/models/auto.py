@@ -287,9 +287,14 @@ class AutoAdapter(ModelAdapter):
 
     # -- rendering -------------------------------------------------------------------------------
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.processor.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template
-        )
+        # what processor.apply_chat_template(tokenize=False) renders, without its per-call set-up
+        # (the length pass renders every prefix of every dialogue)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        prompts, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **self.tokenizer.special_tokens_map)
+        return prompts[0]
 
     @staticmethod
     def _message(role: str, segments: Sequence[Any]) -> dict:
@@ -314,6 +319,31 @@ class AutoAdapter(ModelAdapter):
         return not (bos is not None and text.startswith(bos))
 
     @functools.lru_cache(maxsize=65536)
+    def _replacement_ids(self, replacement: str) -> tuple[tuple[int, ...], bool]:
+        """The replacement's tokens alone, and whether they are its tokens in any text: it starts
+        and ends with added special tokens, where the tokenizer splits whatever surrounds them."""
+        ids = tuple(self.tokenizer(replacement, add_special_tokens=False)["input_ids"])
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
+        tokens = self.tokenizer.convert_ids_to_tokens([ids[0], ids[-1]]) if ids else []
+        bounded = bool(ids) and ids[0] in special and ids[-1] in special and replacement.startswith(
+            tokens[0]) and replacement.endswith(tokens[1])  # fmt: skip
+        return ids, bounded
+
+    @functools.cached_property
+    def _placeholder_splits(self) -> bool:
+        """The placeholder is one added special token: text around it tokenizes on its own."""
+        special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        return self.image_token in special
+
+    @functools.lru_cache(maxsize=65536)
+    def _size(self, path: str) -> tuple[int, int]:
+        from mmtune.models.qwen2_vl.images import oriented_size
+
+        self.config.image_limits.check_file(path)
+        return oriented_size(path)  # header only
+
+    @functools.lru_cache(maxsize=65536)
     def _replacement(self, height: int, width: int) -> str:
         """The text the processor puts in place of an image of this size."""
         from PIL import Image as PILImage
@@ -323,11 +353,8 @@ class AutoAdapter(ModelAdapter):
 
     def _image_text(self, image: Image, dialogue_id: str | None = None, turn: int | None = None,
                     system_first: bool = False) -> str:
-        from mmtune.models.qwen2_vl.images import oriented_size
-
         try:
-            self.config.image_limits.check_file(image.path)
-            width, height = oriented_size(image.path)  # header only
+            width, height = self._size(image.path)
         except CorruptImageError:
             raise
         except Exception as err:  # noqa: BLE001 - PIL raises many types
@@ -423,13 +450,45 @@ class AutoAdapter(ModelAdapter):
             )
         return "".join(pieces), out
 
+    def _tokens(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int):
+        """Token ids of the expanded text, each token's character offsets and the spans they fall in.
+
+        Where every image's text is bounded by special tokens and the placeholder is one (all
+        tested classes but Gemma 3), the short unexpanded text is tokenized and each placeholder
+        token becomes the image's own tokens (tokenized once per distinct text): the same ids as
+        tokenizing the expanded text, since the tokenizer splits at special tokens. Otherwise the
+        expanded text is tokenized as a whole."""
+        expanded, moved = self._expand(dialogue, text, spans, offset)
+        images = [s for s in moved if s.image is not None]
+        replacements = [expanded[s.start:s.end] for s in images]
+        pieces = [self._replacement_ids(r) for r in replacements]
+        if not (self._placeholder_splits and all(bounded for _, bounded in pieces)):
+            encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
+                                      return_offsets_mapping=True)
+            return encoding["input_ids"], encoding["offset_mapping"], moved
+        encoding = self.tokenizer(text, add_special_tokens=self._add_special_tokens(text),
+                                  return_offsets_mapping=True)
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        k = 0
+        shift = 0  # expanded minus unexpanded position
+        for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+            if token == self.image_token_id and k < len(images) and start + shift == images[k].start:
+                ids.extend(pieces[k][0])
+                offsets.extend([(images[k].start, images[k].start + 1)] * len(pieces[k][0]))
+                shift += len(replacements[k]) - len(self.image_token)
+                k += 1
+                continue
+            ids.append(token)
+            offsets.append((start + shift, end + shift) if end > start else (start, end))
+        if k != len(images):  # pragma: no cover - the placeholder is one special token, so never
+            raise UnsupportedProcessorError(f"dialogue {dialogue.id!r}: image placeholders were not tokenized alone")
+        return ids, offsets, moved
+
     def _encode(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
                 add_generation_prompt: bool) -> EncodedDialogue:
         text, spans, offset = self._spans(dialogue, system_prompt, train_on, add_generation_prompt)
-        expanded, spans = self._expand(dialogue, text, spans, offset)
-        encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
-                                  return_offsets_mapping=True)
-        ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        ids, offsets, spans = self._tokens(dialogue, text, spans, offset)
         # each token goes to the span its first character is in (added special tokens: the first)
         owner: list[int] = []
         k = 0

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "TinyKind", "save_tiny_checkpoint", "tiny_processor", "tiny_model_config"]
+__all__ = ["KINDS", "RELEASED_IMAGE_SETTINGS", "TinyKind", "save_tiny_checkpoint", "tiny_processor", "tiny_model_config"]
 
 _CHATML_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "max_position_embeddings": 4096}  # fmt: skip
@@ -165,11 +165,27 @@ def tiny_tokenizer(kind: str):
     return tokenizer
 
 
-def tiny_processor(kind: str, tokenizer=None):
-    """The class's transformers processor with tiny image sizes and :data:`KINDS`' template."""
+#: image settings of the released checkpoints' processors (token counts and pixel work of real
+#: use), for benchmarks of the text and image pipeline; the tiny models cannot run on them
+RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
+    "internvl": {"size": 448, "max_patches": 12, "image_seq_length": 256},
+    "llava_onevision": {"size": 384, "num_image_tokens": 729},
+    "gemma3": {"size": 896, "image_seq_length": 256},
+    "idefics3": {"longest_edge": 1456, "tile": 364, "image_seq_len": 169},
+    "mistral3": {"longest_edge": 1540},
+    "glm4v": {"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 4096},
+}
+
+
+def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
+    """The class's transformers processor with tiny image sizes and :data:`KINDS`' template;
+    ``released_sizes``: the image settings of the released checkpoint instead
+    (:data:`RELEASED_IMAGE_SETTINGS`)."""
     spec = _check_kind(kind)
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(kind)
     template = spec.template
+    if released_sizes:
+        return _released_processor(kind, tokenizer, template)
     if kind == "internvl":
         from transformers import GotOcr2ImageProcessor, InternVLProcessor
         from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
@@ -213,6 +229,55 @@ def tiny_processor(kind: str, tokenizer=None):
 
 
 _PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+
+
+def _released_processor(kind: str, tokenizer, template: str):
+    values = RELEASED_IMAGE_SETTINGS[kind]
+    if kind == "internvl":
+        from transformers import GotOcr2ImageProcessor, InternVLProcessor
+        from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+        size = values["size"]
+        image = GotOcr2ImageProcessor(size={"height": size, "width": size}, crop_to_patches=True, min_patches=1,
+                                      max_patches=values["max_patches"])
+        return InternVLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=InternVLVideoProcessor(),
+                                 image_seq_length=values["image_seq_length"], chat_template=template)  # fmt: skip
+    if kind == "llava_onevision":
+        from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
+
+        size = values["size"]
+        pinpoints = [[size * h, size * w] for h in range(1, 7) for w in range(1, 7)]
+        image = LlavaOnevisionImageProcessor(size={"height": size, "width": size}, image_grid_pinpoints=pinpoints)
+        return LlavaOnevisionProcessor(image_processor=image, tokenizer=tokenizer,
+                                       video_processor=LlavaOnevisionVideoProcessor(),
+                                       num_image_tokens=values["num_image_tokens"],
+                                       vision_feature_select_strategy="full", chat_template=template)  # fmt: skip
+    if kind == "gemma3":
+        from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+        size = values["size"]
+        return Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": size, "width": size}),
+                               tokenizer=tokenizer, image_seq_length=values["image_seq_length"],
+                               chat_template=template)  # fmt: skip
+    if kind == "idefics3":
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        image = Idefics3ImageProcessor(size={"longest_edge": values["longest_edge"]},
+                                       max_image_size={"longest_edge": values["tile"]}, do_image_splitting=True)
+        return Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=values["image_seq_len"],
+                                 chat_template=template)  # fmt: skip
+    if kind == "mistral3":
+        from transformers import PixtralImageProcessor, PixtralProcessor
+
+        image = PixtralImageProcessor(size={"longest_edge": values["longest_edge"]}, patch_size=14)
+        return PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, spatial_merge_size=2,
+                                chat_template=template)  # fmt: skip
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    image = Glm4vImageProcessor(size={"shortest_edge": values["min_pixels"], "longest_edge": values["max_pixels"]},
+                                patch_size=14, temporal_patch_size=2, merge_size=2)
+    return Glm4vProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Glm4vVideoProcessor(),
+                          chat_template=template)  # fmt: skip
 
 
 def tiny_model_config(kind: str, tokenizer):
@@ -263,21 +328,28 @@ def tiny_model_config(kind: str, tokenizer):
 
 
 def save_tiny_checkpoint(directory: str, kind: str, *, weights: bool = True, seed: int = 0,
-                         template: bool = True) -> str:
+                         template: bool = True, released_sizes: bool = False) -> str:
     """Write a tiny checkpoint directory of ``kind`` (one of :data:`KINDS`); returns ``directory``.
 
     Args:
         weights: also write random weights, seeded by ``seed``.
         template: save the chat template with the processor; ``False`` writes a checkpoint
             without one (what the ``auto`` family refuses).
+        released_sizes: the processor with the released checkpoint's image settings (for
+            benchmarks of data preparation; the tiny model does not match them, so no weights).
+
+    Raises:
+        ValueError: ``released_sizes`` with ``weights``.
     """
+    if released_sizes and weights:
+        raise ValueError("released_sizes=True writes a processor the tiny model cannot run: pass weights=False")
     from transformers import AutoModelForImageTextToText
 
     from mmtune.models._utils import build_random_model
 
     os.makedirs(directory, exist_ok=True)
     tokenizer = tiny_tokenizer(kind)
-    processor = tiny_processor(kind, tokenizer)
+    processor = tiny_processor(kind, tokenizer, released_sizes=released_sizes)
     if not template:
         processor.chat_template = None
     processor.save_pretrained(directory)
