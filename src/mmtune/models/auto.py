@@ -541,8 +541,11 @@ class AutoAdapter(ModelAdapter):
     def _count(self, replacement: str) -> int:
         return len(self.tokenizer(replacement, add_special_tokens=False)["input_ids"])
 
-    def planned_image_tokens(self, config: ModelConfig, model_config: Any) -> int | None:  # type: ignore[override]
-        return None  # counts depend on each image's size
+    @classmethod
+    def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
+        """``None``: counts depend on each image's size (``mmtune plan`` asks the class, before any
+        adapter is built, and then uses ``data.mixture.tokens_per_image``)."""
+        return None
 
     def fingerprint(self) -> str:
         state = {
