@@ -10,7 +10,8 @@ processor itself: ``processor(text=processor.apply_chat_template(messages), imag
 does), with the messages as the record writes them (image and text items in order, every text
 piece kept, empty ones dropped). Compared, for the whole dialogue:
 
-- ``input_ids`` and every image input tensor, bit for bit (one by one through the pixel cache
+- ``input_ids``, every image input tensor and the text-aligned ones (Gemma 3's
+  ``token_type_ids``), bit for bit (one by one through the pixel cache
   and joined as the adapter declares, vs the processor's one call);
 - position ids: 0..L-1, or for M-RoPE models the model's own ``get_rope_index`` on the
   processor's ids and ``mm_token_type_ids``;
@@ -203,6 +204,8 @@ def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
         else:
             checks["image_inputs"] = sorted(inputs) == sorted(n for n in out if n in adapter.image_input_names) and all(
                 inputs[n].dtype == out[n].dtype and torch.equal(inputs[n], out[n]) for n in inputs)  # fmt: skip
+        for name, value in adapter.token_inputs(ids[None]).items():  # Gemma 3's token_type_ids
+            checks["image_inputs"] = checks["image_inputs"] and checks["input_ids"] and torch.equal(value, out[name])
         checks["position_ids"] = checks["input_ids"] and torch.equal(adapter.position_ids(ids, inputs),
                                                                      reference.positions(out))  # fmt: skip
         want = reference.labels(messages, out, text)

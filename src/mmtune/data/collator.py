@@ -15,6 +15,8 @@ adapter's (:mod:`mmtune.models.base`, "The batch")::
                      along an axis or stacked, padded); ``None`` when the batch has no image. LLaVA-1.5 and
                      XComposer2: ``pixel_values [N_img, 3, H, W]`` float; Qwen2-VL:
                      ``pixel_values [sum of patches, D]`` and ``image_grid_thw [N_img, 3]``
+    <token inputs>   [B, L] what ``adapter.token_inputs(input_ids)`` gives (Gemma 3 through the
+                     ``auto`` family: ``token_type_ids``, 1 on image tokens); none by default
     num_loss_tokens  long scalar   count of labels != -100 (for token-weighted losses)
 
 (:data:`BATCH_KEYS` is that list for a family whose only image input is ``pixel_values``;
@@ -293,12 +295,14 @@ class MultiImageCollator:
                 image_inputs = join(images)
             else:
                 image_inputs = {name: torch.cat([one[name] for one in images], dim=0) for name in self.image_input_names}
+        token_inputs = getattr(self.adapter, "token_inputs", None)
         return {
             "input_ids": input_ids,
             "labels": labels,
             "attention_mask": None if self.packed else attention_mask,
             "position_ids": position_ids,
             **image_inputs,
+            **(token_inputs(input_ids) if token_inputs is not None else {}),
             "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
         }
 

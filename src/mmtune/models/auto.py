@@ -25,6 +25,8 @@ and labels the assistant turns as the template renders them:
   for every input, the concatenation axis or stack (with padding) that reproduces the joint
   call (:class:`~mmtune.models.base.InputJoin`); an input no join reproduces, or expansion
   text that depends on the other images, is refused then (:class:`UnsupportedProcessorError`).
+- **token inputs**: the processor's text-aligned inputs (Gemma 3's ``token_type_ids``), 1 on
+  the token ids the processor marks (found at start-up), computed per batch from the ids.
 - **positions**: one running position, or, for a model whose transformers class has its own
   ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample.
 
@@ -241,6 +243,14 @@ class AutoAdapter(ModelAdapter):
         one_by_one = [a["text_replacement_offsets"][0][0]["replacement"] for a in alone]
         if replaced != one_by_one:
             problems.append("the text that replaces an image depends on the other images of the call")
+        self._token_marks = {}
+        ids = joint["input_ids"]
+        for name in ("token_type_ids", "mm_token_type_ids"):  # text-aligned inputs the processor returns
+            if name in joint:
+                marked = ids[joint[name] == 1].unique()
+                if not torch.equal(joint[name], torch.isin(ids, marked).to(joint[name].dtype)):
+                    problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
+                self._token_marks[name] = marked.tolist()
         joins: dict[str, InputJoin] = {}
         for name in [k for k in joint if k not in _TEXT_KEYS]:
             value = joint[name]
@@ -604,6 +614,14 @@ class AutoAdapter(ModelAdapter):
                 "alone: use adapter.image_inputs(paths)"
             )
         return inputs["pixel_values"]
+
+    def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image
+        tokens), computed from ``input_ids`` as the processor marks them."""
+        import torch
+
+        return {name: torch.isin(input_ids, torch.tensor(marked, dtype=input_ids.dtype)).long()
+                for name, marked in self._token_marks.items()}
 
     # -- the batch: position ids -----------------------------------------------------------------
     def position_ids(

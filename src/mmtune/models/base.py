@@ -396,6 +396,12 @@ class ModelAdapter(ABC):
         settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)
         return {"settings": settings, "uint8": False}
 
+    def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """Model inputs aligned with the tokens, computed from ``input_ids`` (any shape, e.g. a
+        batch [B, L], packed rows included) and passed beside them (Gemma 3's ``token_type_ids``,
+        1 on image tokens). Default: none."""
+        return {}
+
     # -- the batch: position ids -----------------------------------------------------------------
     #: rows of position ids per token: 1 (a running position) or M-RoPE's 3 (temporal, height, width)
     position_id_rows: ClassVar[int] = 1
