@@ -127,9 +127,10 @@ def _noise_image(width: int, height: int, seed: int):
     return PILImage.fromarray(pixels, "RGB")
 
 
-def _common_prefix(a: str, b: str) -> int:
+def _common_prefix(a: str, b: str, start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, known to be at least ``start``."""
     n = min(len(a), len(b))
-    k = 0
+    k = start
     while k < n and a[k] == b[k]:
         k += 1
     return k
@@ -402,7 +403,7 @@ class AutoAdapter(ModelAdapter):
             if turn.role == "assistant":
                 header = self._render(messages[: head + index], add_generation_prompt=True)
                 self._extends(dialogue.id, where, text, header, "the generation prompt")
-                body = max(_common_prefix(header, full), len(text))
+                body = _common_prefix(header, full, len(text))
                 trainable = train_on == "all_assistant" or index == last_assistant
                 spans += [_Span(len(text), body, index), _Span(body, len(full), index, trainable)]
             else:
@@ -461,7 +462,8 @@ class AutoAdapter(ModelAdapter):
         return "".join(pieces), out
 
     def _tokens(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int):
-        """Token ids of the expanded text, each token's character offsets and the spans they fall in.
+        """The tokens of the expanded text as units ``(ids, start, end)`` (one token, or a spliced
+        image's tokens at once) with their character offsets, and the spans they fall in.
 
         Where every image's text is bounded by special tokens and the placeholder is one (all
         tested classes but Gemma 3), the short unexpanded text is tokenized and each placeholder
@@ -475,59 +477,49 @@ class AutoAdapter(ModelAdapter):
         if not (self._placeholder_splits and all(bounded for _, bounded in pieces)):
             encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
                                       return_offsets_mapping=True)
-            return encoding["input_ids"], encoding["offset_mapping"], moved
+            return [((token,), start, end) for token, (start, end) in
+                    zip(encoding["input_ids"], encoding["offset_mapping"])], moved
         encoding = self.tokenizer(text, add_special_tokens=self._add_special_tokens(text),
                                   return_offsets_mapping=True)
-        ids: list[int] = []
-        offsets: list[tuple[int, int]] = []
+        units: list[tuple[tuple[int, ...], int, int]] = []  # (ids, start, end): a token or a whole image
         k = 0
         shift = 0  # expanded minus unexpanded position
         for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
             if token == self.image_token_id and k < len(images) and start + shift == images[k].start:
-                ids.extend(pieces[k][0])
-                offsets.extend([(images[k].start, images[k].start + 1)] * len(pieces[k][0]))
+                units.append((pieces[k][0], images[k].start, images[k].start + 1))
                 shift += len(replacements[k]) - len(self.image_token)
                 k += 1
                 continue
-            ids.append(token)
-            offsets.append((start + shift, end + shift) if end > start else (start, end))
+            units.append(((token,), start + shift, end + shift) if end > start else ((token,), start, end))
         if k != len(images):  # pragma: no cover - the placeholder is one special token, so never
             raise UnsupportedProcessorError(f"dialogue {dialogue.id!r}: image placeholders were not tokenized alone")
-        return ids, offsets, moved
+        return units, moved
 
     def _encode(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
                 add_generation_prompt: bool) -> EncodedDialogue:
         text, spans, offset = self._spans(dialogue, system_prompt, train_on, add_generation_prompt)
-        ids, offsets, spans = self._tokens(dialogue, text, spans, offset)
-        # each token goes to the span its first character is in (added special tokens: the first)
-        owner: list[int] = []
-        k = 0
-        for start, end in offsets:
-            if start == end == 0:
-                owner.append(k)
-                continue
-            while spans[k].end <= start and k + 1 < len(spans):
-                k += 1
-            owner.append(k)
-        turns: list[EncodedTurn] = []
-        roles = [t.role for t in dialogue.turns[offset:]]
-        suffix: list = []
+        units, spans = self._tokens(dialogue, text, spans, offset)
+        # each unit goes to the span its first character is in (added special tokens: the first)
         chunks_of: dict[int, list] = {}
+        k = 0
         run: list[int] = []
-        for position, token in enumerate(ids):
-            run.append(position)
-            if position + 1 < len(ids) and owner[position + 1] == owner[position]:
-                continue
-            span = spans[owner[position]]
-            piece = tuple(ids[p] for p in run)
+        for position, (ids, start, end) in enumerate(units):
+            if not start == end == 0:
+                while spans[k].end <= start and k + 1 < len(spans):
+                    k += 1
+            run.extend(ids)
+            following = units[position + 1] if position + 1 < len(units) else None
+            if following is not None and not (following[1] == following[2] == 0) and spans[k].end > following[1]:
+                continue  # the next unit is in the same span
+            span = spans[k]
+            piece = tuple(run)
             chunk = (ImageChunk(span.image, len(piece), piece) if span.image is not None
                      else TokenChunk(piece, span.trainable))
             chunks_of.setdefault(span.turn, []).append(chunk)
             run = []
-        for index, role in enumerate(roles):
-            turns.append(EncodedTurn(role, chunks_of.get(index, [])))
-        suffix = chunks_of.get(-1, [])
-        return EncodedDialogue(dialogue.id, [], turns, suffix)
+        roles = [t.role for t in dialogue.turns[offset:]]
+        turns = [EncodedTurn(role, chunks_of.get(index, [])) for index, role in enumerate(roles)]
+        return EncodedDialogue(dialogue.id, [], turns, chunks_of.get(-1, []))
 
     # -- contract ---------------------------------------------------------------------------------
     def encode_dialogue(
