@@ -183,8 +183,14 @@ class AutoAdapter(ModelAdapter):
             )
         self.chat_template = template
         self.image_token = image_token
-        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(image_token))
+        self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(image_token))
         self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
+        # not the <start_of_image> placeholder its template renders)
+        feature_id = getattr(self.model_config, "image_token_id", None)
+        if feature_id is None:
+            feature_id = getattr(self.model_config, "image_token_index", None)
+        self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
         eos = [self.tokenizer.eos_token_id]
         generation_eos = getattr(self.model_config, "eos_token_id", None)
         for value in generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]:
@@ -330,16 +336,20 @@ class AutoAdapter(ModelAdapter):
         return not (bos is not None and text.startswith(bos))
 
     @functools.lru_cache(maxsize=65536)
-    def _replacement_ids(self, replacement: str) -> tuple[tuple[int, ...], bool]:
-        """The replacement's tokens alone, and whether they are its tokens in any text: it starts
-        and ends with added special tokens, where the tokenizer splits whatever surrounds them."""
-        ids = tuple(self.tokenizer(replacement, add_special_tokens=False)["input_ids"])
-        special = set(self.tokenizer.all_special_ids) | {
-            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
-        tokens = self.tokenizer.convert_ids_to_tokens([ids[0], ids[-1]]) if ids else []
-        bounded = bool(ids) and ids[0] in special and ids[-1] in special and replacement.startswith(
-            tokens[0]) and replacement.endswith(tokens[1])  # fmt: skip
-        return ids, bounded
+    def _replacement_ids(self, replacement: str) -> tuple[str, tuple[int, ...], str] | None:
+        """``(lead, core ids, trail)``: the replacement's text before its first and after its last
+        special token, and the tokens of the part between (inclusive), which are its tokens in any
+        text since the tokenizer splits at special tokens; ``None`` without a special token."""
+        special = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
+                         key=len, reverse=True)
+        found = [(replacement.find(t), t) for t in special if t in replacement]
+        if not found:
+            return None
+        first = min(at for at, _ in found)
+        last = max(replacement.rfind(t) + len(t) for _, t in found)
+        core = replacement[first:last]
+        ids = tuple(self.tokenizer(core, add_special_tokens=False)["input_ids"])
+        return replacement[:first], ids, replacement[last:]
 
     @functools.cached_property
     def _placeholder_splits(self) -> bool:
@@ -465,29 +475,40 @@ class AutoAdapter(ModelAdapter):
         """The tokens of the expanded text as units ``(ids, start, end)`` (one token, or a spliced
         image's tokens at once) with their character offsets, and the spans they fall in.
 
-        Where every image's text is bounded by special tokens and the placeholder is one (all
-        tested classes but Gemma 3), the short unexpanded text is tokenized and each placeholder
-        token becomes the image's own tokens (tokenized once per distinct text): the same ids as
-        tokenizing the expanded text, since the tokenizer splits at special tokens. Otherwise the
-        expanded text is tokenized as a whole."""
+        Where the placeholder is a special token and every image's text holds one, each image's
+        text from its first to its last special token (its core) is tokenized once per distinct
+        text and spliced in for a placeholder in the text tokenized around it (Gemma 3's
+        ``\\n\\n`` before and after the core stay in that text): the same ids as tokenizing the whole
+        expanded text, since the tokenizer splits at special tokens. Otherwise the expanded text
+        is tokenized as a whole."""
         expanded, moved = self._expand(dialogue, text, spans, offset)
         images = [s for s in moved if s.image is not None]
-        replacements = [expanded[s.start:s.end] for s in images]
-        pieces = [self._replacement_ids(r) for r in replacements]
-        if not (self._placeholder_splits and all(bounded for _, bounded in pieces)):
+        pieces = [self._replacement_ids(expanded[s.start:s.end]) for s in images]
+        if not self._placeholder_splits or any(p is None for p in pieces):
             encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
                                       return_offsets_mapping=True)
             return [((token,), start, end) for token, (start, end) in
                     zip(encoding["input_ids"], encoding["offset_mapping"])], moved
-        encoding = self.tokenizer(text, add_special_tokens=self._add_special_tokens(text),
+        # the expanded text with each image's core (special token to special token) as one placeholder
+        parts, markers, cursor, short = [], [], 0, 0  # markers: (position in the short text, image)
+        for k, (span, (lead, _, trail)) in enumerate(zip(images, pieces)):
+            parts += [expanded[cursor:span.start], lead]
+            short += span.start - cursor + len(lead)
+            markers.append((short, span.start + len(lead), span.end - len(trail)))
+            parts += [self.image_token, trail]
+            short += len(self.image_token) + len(trail)
+            cursor = span.end
+        parts.append(expanded[cursor:])
+        text_short = "".join(parts)
+        encoding = self.tokenizer(text_short, add_special_tokens=self._add_special_tokens(text_short),
                                   return_offsets_mapping=True)
-        units: list[tuple[tuple[int, ...], int, int]] = []  # (ids, start, end): a token or a whole image
+        units: list[tuple[tuple[int, ...], int, int]] = []  # (ids, start, end): a token or an image's core
         k = 0
-        shift = 0  # expanded minus unexpanded position
+        shift = 0  # expanded minus short-text position
         for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
-            if token == self.image_token_id and k < len(images) and start + shift == images[k].start:
-                units.append((pieces[k][0], images[k].start, images[k].start + 1))
-                shift += len(replacements[k]) - len(self.image_token)
+            if token == self._placeholder_id and k < len(images) and start == markers[k][0]:
+                units.append((pieces[k][1], markers[k][1], markers[k][1] + 1))
+                shift += (markers[k][2] - markers[k][1]) - len(self.image_token)
                 k += 1
                 continue
             units.append(((token,), start + shift, end + shift) if end > start else ((token,), start, end))
