@@ -211,10 +211,13 @@ def hf_encode(processor, dialogue: Dialogue, max_length: int) -> dict:
     return processor(text=[text], images=images or None, return_tensors="pt", **_special(processor, text))
 
 
-def hf_collate(processor, dialogues: list[Dialogue]) -> dict:
+def hf_collate(processor, dialogues: list[Dialogue], nested: bool = False) -> dict:
+    """The processor on a batch; ``nested``: images as one list per sample (Gemma 3 and Idefics3
+    need that), one flat list otherwise."""
     texts = [processor.apply_chat_template(messages(d), tokenize=False) for d in dialogues]
-    images = [load_rgb(image.path) for d in dialogues for image in d.images]
-    return processor(text=texts, images=images or None, padding=True, return_tensors="pt",
+    per_sample = [[load_rgb(image.path) for image in d.images] for d in dialogues]
+    images = per_sample if nested else [image for sample in per_sample for image in sample]
+    return processor(text=texts, images=images if any(per_sample) else None, padding=True, return_tensors="pt",
                      **_special(processor, texts[0]))
 
 
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         cached[i]
     collate_cold, collate_cached = cold.collator(), cached.collator()
     paths = {
-        "HF path": lambda idx: hf_collate(processor, [timed[i] for i in idx]),
+        "HF path": lambda idx: hf_collate(processor, [timed[i] for i in idx], nested=auto),
         "mmtune cold": lambda idx: collate_cold([cold[i] for i in idx]),
         "mmtune pixel cache": lambda idx: collate_cached([cached[i] for i in idx]),
     }
