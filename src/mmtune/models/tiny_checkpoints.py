@@ -310,7 +310,9 @@ def tiny_model_config(kind: str, tokenizer):
     elif kind == "mistral3":
         values = {"vision_config": {**_VISION, "model_type": "pixtral", "image_size": 84, "patch_size": 14,
                                     "head_dim": 16},
-                  "text_config": {**text, "model_type": "mistral", "head_dim": 16}, "image_token_index": ids("[IMG]"),
+                  # no sliding window, as the released text config (MistralConfig's default is 4096)
+                  "text_config": {**text, "model_type": "mistral", "head_dim": 16, "sliding_window": None},
+                  "image_token_index": ids("[IMG]"),
                   "spatial_merge_size": 2, "vision_feature_layer": -1}  # fmt: skip
     elif kind == "glm4v":
         values = {"vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,

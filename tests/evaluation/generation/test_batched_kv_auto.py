@@ -58,15 +58,11 @@ def _run(auto, model, dialogues, window, **settings):
 # Gemma 3's sliding-window layers keep no past beyond the window, so transformers' cache cannot
 # crop a row back to the common prefix once a dialogue outgrew the window (the tiny model's
 # window is 16 tokens; the released ones' 512-1024): the batched path does not handle it yet.
-# The tiny Mistral 3 keeps MistralConfig's default sliding_window=4096 (the released Mistral
-# Small 3.1's text config has none), so its cache layers are sliding-window ones, which the
-# batched path refuses by name. The Idefics3 template indexes a message's first content item,
+# The Idefics3 template indexes a message's first content item,
 # and a random model's empty answer renders as an assistant message with none.
 KNOWN = {
     "gemma3": pytest.mark.xfail(raises=RuntimeError, strict=True,
                                 reason="a sliding-window cache layer cannot be cropped back past its window"),
-    "mistral3": pytest.mark.xfail(raises=TypeError, strict=True,
-                                  reason="batched KV generation compacts only full-attention cache layers"),
     "idefics3": pytest.mark.xfail(strict=True, reason="an empty generated answer leaves an assistant message with no "
                                                       "content item, which the Idefics3 template indexes"),
 }
