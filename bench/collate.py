@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/collate.py --samples 3000 --timed 60
     OMP_NUM_THREADS=1 python bench/collate.py --family qwen2_vl --samples 3000 --timed 60
+    OMP_NUM_THREADS=1 python bench/collate.py --family internvl --samples 3000 --timed 60
 
 Prints, on one CPU core:
 
@@ -28,6 +29,13 @@ byte-level BPE.
   torchvision for its video part): the checkpoint's chat template, every image decoded by
   ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
   grid's token count, the tokenizer on the expanded text.
+- ``--family internvl | llava_onevision | gemma3 | idefics3 | mistral3 | glm4v``: the ``auto``
+  family on a checkpoint of that transformers class (``mmtune.models.tiny_checkpoints``) whose
+  processor has the released checkpoint's image settings (InternVL3: 448 px tiles, up to 12, 256
+  tokens each; LLaVA-OneVision: 384 px anyres, 729 tokens per tile; Gemma 3: 896 px, 256
+  tokens; Idefics3: 364 px tiles of a 1456 px image, 169 tokens each; Mistral 3: 1540 px, 14 px
+  patches merged 2x2; GLM-4.1V: up to 4096 merged patches), the photo sizes of the qwen2_vl mix.
+  The HF path is that processor itself: ``processor(text=apply_chat_template(...), images=...)``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from mmtune.data.images import ImagePipeline  # noqa: E402
 from mmtune.data.lengths import compute_lengths  # noqa: E402
 from mmtune.models.config import ModelConfig  # noqa: E402
 from mmtune.models.registry import build_adapter  # noqa: E402
+from mmtune.models.tiny_checkpoints import KINDS, RELEASED_IMAGE_SETTINGS, save_tiny_checkpoint  # noqa: E402
 
 WORDS = (
     "the shape in image is a red green blue yellow square circle triangle which shows compare two images "
@@ -190,16 +199,26 @@ def messages(dialogue: Dialogue) -> list[dict]:
     ]
 
 
+def _special(processor, text: str) -> dict:
+    # as the processor's own apply_chat_template: no second BOS when the template renders one
+    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    return {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
+
+
 def hf_encode(processor, dialogue: Dialogue, max_length: int) -> dict:
     text = processor.apply_chat_template(messages(dialogue), tokenize=False)
     images = [load_rgb(image.path) for image in dialogue.images]
-    return processor(text=[text], images=images or None, return_tensors="pt")
+    return processor(text=[text], images=images or None, return_tensors="pt", **_special(processor, text))
 
 
-def hf_collate(processor, dialogues: list[Dialogue]) -> dict:
+def hf_collate(processor, dialogues: list[Dialogue], nested: bool = False) -> dict:
+    """The processor on a batch; ``nested``: images as one list per sample (Gemma 3 and Idefics3
+    need that), one flat list otherwise."""
     texts = [processor.apply_chat_template(messages(d), tokenize=False) for d in dialogues]
-    images = [load_rgb(image.path) for d in dialogues for image in d.images]
-    return processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+    per_sample = [[load_rgb(image.path) for image in d.images] for d in dialogues]
+    images = per_sample if nested else [image for sample in per_sample for image in sample]
+    return processor(text=texts, images=images if any(per_sample) else None, padding=True, return_tensors="pt",
+                     **_special(processor, texts[0]))
 
 
 def rate(fn, items, budget_s: float) -> tuple[float, int]:
@@ -218,7 +237,7 @@ def mask_memory(adapter) -> dict[str, int]:
     """Bytes of the attention mask transformers builds for one packed 8k row."""
     from transformers.masking_utils import create_causal_mask
 
-    cfg = adapter.model_config.text_config
+    cfg = adapter.model_config.get_text_config()
     length = 8192
     lengths = [3000, 2500, 1500, 1000, 192]
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
@@ -249,8 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per timed measurement at most")
     parser.add_argument("--max-length", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=("llava", "qwen2_vl"), default="llava",
-                        help="llava: fixed 576 tokens per image; qwen2_vl: dynamic counts from each image's size")
+    parser.add_argument("--family", choices=("llava", "qwen2_vl", *KINDS), default="llava",
+                        help="llava: fixed 576 tokens per image; qwen2_vl: dynamic counts from each image's size; "
+                             "the others: the auto family on that transformers class (released image settings)")
     parser.add_argument("--max-pixels", type=int, default=28 * 28 * 576,
                         help="qwen2_vl: the processor's max_pixels (default: qwen-vl-finetune's, <= 576 tokens)")
     args = parser.parse_args(argv)
@@ -259,9 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     work = tempfile.mkdtemp(prefix="mmtune-bench-")
     t0 = time.perf_counter()
     qwen = args.family == "qwen2_vl"
-    images = make_images(work, args.images, args.seed, PHOTO_SIZES if qwen else None)
+    auto = args.family in KINDS
+    images = make_images(work, args.images, args.seed, PHOTO_SIZES if qwen or auto else None)
     dialogues = make_mix(args.samples, images, args.seed)
-    if qwen:  # the fine-tuning defaults' bounds; Qwen2.5-VL's classes
+    if auto:  # the class's own processor with its released image settings
+        directory = save_tiny_checkpoint(os.path.join(work, args.family), args.family, weights=False,
+                                         released_sizes=True)
+        adapter = build_adapter(ModelConfig(family="auto", path=directory))
+        counts = [adapter.image_token_count(Image(p)) for p in images]
+        shown = (f"{len(images)} JPEGs of {len(PHOTO_SIZES)} sizes, {min(counts)}-{max(counts)} tokens per image "
+                 f"(mean {np.mean(counts):.0f}); {type(adapter.processor).__name__} "
+                 f"{RELEASED_IMAGE_SETTINGS[args.family]}")
+    elif qwen:  # the fine-tuning defaults' bounds; Qwen2.5-VL's classes
         adapter = build_adapter(ModelConfig(family="qwen2_vl", architecture={"model_type": "qwen2_5_vl"},
                                             min_pixels=28 * 28 * 16, max_pixels=args.max_pixels))
         counts = [adapter.image_token_count(Image(p)) for p in images]
@@ -292,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"utilisation  {name:26s} {100 * stats['utilization']:6.2f}%  ({int(stats['batches'])} batches)")
 
     # 2. length pass ---------------------------------------------------------------------------
-    processor = QwenProcessorPath(adapter) if qwen else hf_processor(adapter)
+    processor = adapter.processor if auto else QwenProcessorPath(adapter) if qwen else hf_processor(adapter)
     timed = dialogues[: args.timed]
     mmdu = [d for d in dialogues if d.source == "mmdu"]
 
@@ -327,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         cached[i]
     collate_cold, collate_cached = cold.collator(), cached.collator()
     paths = {
-        "HF path": lambda idx: hf_collate(processor, [timed[i] for i in idx]),
+        "HF path": lambda idx: hf_collate(processor, [timed[i] for i in idx], nested=auto),
         "mmtune cold": lambda idx: collate_cold([cold[i] for i in idx]),
         "mmtune pixel cache": lambda idx: collate_cached([cached[i] for i in idx]),
     }

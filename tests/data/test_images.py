@@ -194,3 +194,19 @@ def test_the_length_pass_skips_or_refuses_an_image_the_processor_refuses(qwen, f
     # a strict pass never reads the skip table from the cache
     with pytest.raises(CorruptImageError):
         compute_lengths(qwen, dialogues, max_length=256, cache_dir=str(tmp_path / "len"))
+
+
+def test_named_arrays_round_trip_through_the_cache_file(tmp_path):
+    import numpy as np
+
+    from mmtune.data.images import _read, _serialise_any
+
+    value = {"pixel_values": np.random.default_rng(0).random((2, 3, 4, 4), dtype=np.float32),
+             "image_sizes": np.array([[30, 40]], dtype=np.int64), "pixel_attention_mask": np.ones((1, 4), bool)}
+    path = tmp_path / "x.px"
+    path.write_bytes(_serialise_any(value))
+    back = _read(str(path))
+    assert sorted(back) == sorted(value) and all(
+        back[k].dtype == value[k].dtype and np.array_equal(back[k], value[k]) for k in value)
+    path.write_bytes(_serialise_any(value)[:-3])  # a torn write is not a cached entry
+    assert _read(str(path)) is None

@@ -22,7 +22,7 @@ def _tiny_xc2_loader(checkpoint, config, device="auto"):
     from mmtune.models.registry import build_adapter
 
     yaml = ROOT / "configs" / "model" / "internlm_xc2_tiny.yaml"
-    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(yaml)))
     assert config.family == "internlm_xcomposer2", config.family
     adapter = build_adapter(tiny)
     return adapter, adapter.load_model(seed=0).eval(), "tiny"

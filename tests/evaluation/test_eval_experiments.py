@@ -76,7 +76,7 @@ def tiny_models():
     def get(family):
         if family not in built:
             yaml = ROOT / "configs" / "model" / f"{TINY[family]}.yaml"
-            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+            cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(yaml)))
             adapter = build_adapter(cfg)
             built[family] = (adapter, adapter.load_model(seed=0).eval())
         return built[family]

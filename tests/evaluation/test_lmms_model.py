@@ -38,7 +38,7 @@ def llava_final(tmp_path_factory):
 
 def _tiny_xc2():
     yaml = ROOT / "configs" / "model" / "internlm_xc2_tiny.yaml"
-    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+    tiny = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(yaml)))
     adapter = build_adapter(tiny)
     return adapter, adapter.load_model(seed=0).eval()
 

@@ -4,7 +4,7 @@ import pytest
 from PIL import Image as PILImage
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
-from mmtune.data.encoding import encode_example
+from mmtune.data.encoding import encode_example, flatten
 from mmtune.models.auto import AutoAdapter, TemplateNotPrefixStableError
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
@@ -92,8 +92,8 @@ def test_reproduces_the_llava_adapter_on_its_own_template(llava, checkpoint, ima
     gen = Dialogue("g", "t", dialogue.turns[:3])
     ea = llava.encode_dialogue(gen, add_generation_prompt=True)
     eb = auto.encode_dialogue(gen, add_generation_prompt=True)
-    flat = lambda e: [i for c in e.prefix + [c for t in e.turns for c in t.chunks] + e.suffix for i in getattr(c, "ids", ())]  # noqa: E731
-    assert flat(ea) == flat(eb) and flat(ea)[-len(eb.suffix[0]) :] == list(eb.suffix[0].ids)
+    assert flatten(ea, llava.image_token_id)[0] == flatten(eb, auto.image_token_id)[0]
+    assert flatten(ea, llava.image_token_id)[0][-len(eb.suffix[0]):] == list(eb.suffix[0].ids)
 
 
 def test_chatml_labels_are_content_plus_end_of_turn(llava, tmp_path, image):
@@ -147,21 +147,81 @@ def test_model_groups_and_dummy_loss(checkpoint):
     assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in projector.parameters())
 
 
-def test_processors_with_more_image_inputs_are_rejected(checkpoint):
-    import torch
-    from transformers import BatchFeature
-
+def test_inputs_that_no_join_reproduces_are_refused(checkpoint):
     from mmtune.models.auto import UnsupportedProcessorError
 
     auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
+    one_by_one = auto._call
 
-    class TiledProcessor:  # what LLaVA-NeXT-style processors return: tiles + image sizes
-        def __call__(self, images, return_tensors=None):
-            return BatchFeature({"pixel_values": torch.zeros(1, 5, 3, 8, 8), "image_sizes": torch.tensor([[48, 64]])})
+    def normalised_per_call(images, count=None):  # each image's values depend on the others of the call
+        out = one_by_one(images, count)
+        out["pixel_values"] = out["pixel_values"] - out["pixel_values"].mean()
+        return out
 
-    auto.processor.image_processor, original = TiledProcessor(), auto.processor.image_processor
-    try:
-        with pytest.raises(UnsupportedProcessorError, match=r"\['image_sizes', 'pixel_values'\].*family adapter"):
-            auto._check_expansion()
-    finally:
-        auto.processor.image_processor = original
+    auto._call = normalised_per_call
+    with pytest.raises(UnsupportedProcessorError, match=r"image input 'pixel_values' of two images .* no concatenation"):
+        auto._probe_joins()
+
+
+def test_remote_code_is_refused_unless_trusted(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from mmtune.models.auto import RemoteCodeError
+
+    shutil.copytree(checkpoint, tmp_path / "remote")
+    config = json.loads((tmp_path / "remote" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig"}
+    (tmp_path / "remote" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RemoteCodeError, match=r"needs code shipped with the checkpoint .*trust_remote_code=true"):
+        build_adapter(ModelConfig(family="auto", path=str(tmp_path / "remote")))
+
+
+def test_a_checkpoint_without_chat_template_is_refused(llava, tmp_path):
+    from mmtune.models.auto import UnsupportedProcessorError
+
+    import json
+
+    llava.processor.save_pretrained(tmp_path)
+    llava.model_config.save_pretrained(tmp_path)
+    for name in ("chat_template.json", "chat_template.jinja"):
+        (tmp_path / name).unlink(missing_ok=True)
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        if (tmp_path / name).exists():
+            values = json.loads((tmp_path / name).read_text())
+            values.pop("chat_template", None)
+            (tmp_path / name).write_text(json.dumps(values))
+    with pytest.raises(UnsupportedProcessorError, match="has no chat template"):
+        build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def glm4v(tmp_path_factory):
+    """A tiny GLM-4.1V checkpoint whose image limits let through what its processor refuses."""
+    from mmtune.core.images import ImageLimits
+    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+
+    directory = save_tiny_checkpoint(str(tmp_path_factory.mktemp("glm4v")), "glm4v", weights=False)
+    return build_adapter(ModelConfig(family="auto", path=directory, image_limits=ImageLimits(max_aspect_ratio=1e5)))
+
+
+def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, tmp_path):
+    from mmtune.data.lengths import compute_lengths
+    from mmtune.models.auto import UnsupportedImageError
+
+    good, bad = str(tmp_path / "good.png"), str(tmp_path / "bad.png")
+    PILImage.new("RGB", (60, 40)).save(good)
+    PILImage.new("RGB", (1, 250)).save(bad)  # GLM-4.1V's processor refuses aspect ratios above 200
+    fine = Dialogue("rec1", "train.jsonl", (Turn("user", ("a", Image(good))), Turn("assistant", ("b",))))
+    refused = Dialogue("rec7", "train.jsonl", (Turn("user", ("a", Image(good))), Turn("assistant", ("b",)),
+                                               Turn("user", (Image(bad), "c")), Turn("assistant", ("d",))))
+    with pytest.raises(UnsupportedImageError, match=r"bad\.png.*dialogue 'rec7', turn 2 \(question\).*aspect ratio must be") as err:
+        encode_example(glm4v, refused, max_length=None)
+    assert err.value.code == "unsupported_image" and err.value.turn == 2
+    table = compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="skip")
+    assert table.lengths[0] > 0 and table.lengths[1] == 0
+    [skipped] = table.image_skipped
+    assert skipped["dialogue_id"] == "rec7" and skipped["reason"] == "unsupported_image"
+    assert "bad.png" in skipped["detail"] and "turn 2" in skipped["detail"]
+    with pytest.raises(UnsupportedImageError, match="rec7"):
+        compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="strict")

@@ -68,3 +68,26 @@ def test_meta_model_of_a_random_weight_config_equals_a_real_build(name):
     assert all(p.is_meta for p in meta.parameters())
     assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
     assert sum(p.numel() for m in groups.vision for p in m.parameters()) > 0
+
+
+def test_input_join_concatenates_or_stacks_padding_the_other_axes():
+    from mmtune.models.base import InputJoin
+
+    a, b = torch.ones(2, 3), torch.full((1, 5), 2.0)
+    joined = InputJoin(axis=0).join([a, b])
+    assert joined.shape == (3, 5) and torch.equal(joined[:2, :3], a) and torch.equal(joined[2], b[0])
+    assert joined[:2, 3:].abs().sum() == 0  # padding with pad_value 0
+    along_one = InputJoin(axis=1, pad_value=-1.0).join([torch.ones(1, 2, 4), torch.ones(1, 3, 2)])
+    assert along_one.shape == (1, 5, 4) and (along_one[0, 2:, 2:] == -1).all()
+    stacked = InputJoin(stack=True).join([torch.ones(2, 2), torch.ones(3, 1)])
+    assert stacked.shape == (2, 3, 2) and stacked[0, 2].abs().sum() == 0 and stacked[1, :, 1].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"\[1, 2\] dimensions"):
+        InputJoin().join([torch.ones(2), torch.ones(2, 2)])
+
+
+def test_join_image_inputs_follows_the_declared_joins_and_names_undeclared_inputs():
+    adapter = build_adapter(ModelConfig(family="llava"))
+    parts = [{"pixel_values": torch.ones(1, 3, 4, 4)}, {"pixel_values": torch.zeros(2, 3, 4, 4)}]
+    assert adapter.join_image_inputs(parts)["pixel_values"].shape == (3, 3, 4, 4)  # default: dim 0
+    with pytest.raises(ValueError, match=r"image inputs 1 hold \['image_sizes', 'pixel_values'\].*undeclared \['image_sizes'\]"):
+        adapter.join_image_inputs([parts[0], {**parts[1], "image_sizes": torch.ones(2, 2)}])

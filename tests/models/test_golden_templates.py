@@ -171,7 +171,7 @@ def llava_fast_only(tmp_path_factory):
 @pytest.fixture(scope="module")
 def xc2(tmp_path_factory):
     path = xc2_official_directory(str(tmp_path_factory.mktemp("xc2") / "official"))
-    return build_adapter(ModelConfig(family="internlm_xcomposer2", path=path, image_size=490))
+    return build_adapter(ModelConfig(family="internlm_xcomposer2", path=path, internlm_xcomposer2={"image_size": 490}))
 
 
 def collapse_images(ids, labels, image_token_id, per_image):
@@ -613,7 +613,8 @@ def test_xcomposer2_agrees_with_the_official_rules_on_varied_dialogues(xc2):
 def test_xcomposer2_final_eos_loss_is_an_option(tmp_path):
     """``label_final_eos=false``: the same ids, no loss on the "\\n" and "</s>" after the last answer."""
     path = xc2_official_directory(str(tmp_path / "official"))
-    adapter = build_adapter(ModelConfig(family="internlm_xcomposer2", path=path, image_size=490, label_final_eos=False))
+    adapter = build_adapter(ModelConfig(family="internlm_xcomposer2", path=path,
+                                        internlm_xcomposer2={"image_size": 490, "label_final_eos": False}))
     case = _cases("xc2.json")[0]
     ids, labels = encode_case(adapter, case)
     assert ids == case["input_ids"]
@@ -690,7 +691,8 @@ def test_official_tokenizer_loads_without_remote_code_and_encodes_as_sentencepie
     with open(tmp_path / "native" / "tokenizer_config.json") as handle:
         assert "InternLMXComposer2Tokenizer" not in handle.read()
     shutil.copy(os.path.join(src, "config.json"), tmp_path / "native")  # the weights' config, for the adapter
-    native = build_adapter(ModelConfig(family="internlm_xcomposer2", path=str(tmp_path / "native"), image_size=490))
+    native = build_adapter(ModelConfig(family="internlm_xcomposer2", path=str(tmp_path / "native"),
+                                        internlm_xcomposer2={"image_size": 490}))
     assert isinstance(native.tokenizer, InternLM2Tokenizer)
     for text in texts:
         assert native.tokenizer(text, add_special_tokens=False)["input_ids"] == sp.encode(text)

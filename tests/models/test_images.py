@@ -59,7 +59,7 @@ def test_xcomposer2_pixels_are_the_official_square_bicubic_resize(files):
 
 @pytest.mark.parametrize("aspect", ["pad", "resize"])
 def test_llava_pixels_equal_its_image_processor_in_both_aspect_modes(files, aspect):
-    adapter = build_adapter(ModelConfig(family="llava", image_aspect_ratio=aspect))
+    adapter = build_adapter(ModelConfig(family="llava", llava={"image_aspect_ratio": aspect}))
     for path in files:
         with PILImage.open(path) as image:
             reference = adapter.image_processor(images=[image.convert("RGB")], do_rescale=False,
@@ -88,7 +88,8 @@ def test_an_image_above_the_limits_is_refused_from_its_header_before_any_decode(
 
     thin = tmp_path / "thin.png"
     PILImage.new("L", (1, 10000)).save(thin, optimize=True)  # ~100 bytes; LLaVA's pad canvas: 10000 x 10000
-    adapter = build_adapter(ModelConfig(family=family, image_aspect_ratio=aspect))
+    section = {"llava": {"image_aspect_ratio": aspect}} if aspect else {}
+    adapter = build_adapter(ModelConfig(family=family, **section))
     decoded = []
     real_load = PILImage.Image.load
     monkeypatch.setattr(PILImage.Image, "load", lambda self: decoded.append(self.size) or real_load(self))
@@ -105,7 +106,7 @@ def test_an_image_above_the_limits_is_refused_from_its_header_before_any_decode(
     with pytest.raises(ImageTooLargeError):
         adapter.image_transform.from_pil(PILImage.new("RGB", (1, 10000)), adapter.image_limits)
     if aspect == "resize":  # limits raised for data that has such images: it loads
-        wide = build_adapter(ModelConfig(family=family, image_aspect_ratio=aspect,
+        wide = build_adapter(ModelConfig(family=family, **section,
                                          image_limits=ImageLimits(max_side=10000, max_aspect_ratio=10000)))
         assert wide.load_uint8(str(thin)).shape == (3, wide.image_transform.size, wide.image_transform.size)
 

@@ -190,7 +190,7 @@ def test_save_and_reload_roundtrip(adapter, model, images, tmp_path):
 
 def test_bad_configs_raise_clear_errors():
     with pytest.raises(ValueError, match="image_aspect_ratio"):
-        LlavaAdapter(ModelConfig(family="llava", image_aspect_ratio="anyres"))
+        LlavaAdapter(ModelConfig(family="llava", llava={"image_aspect_ratio": "anyres"}))
     adapter = build_adapter(ModelConfig(family="llava"))
     bad = Dialogue("bad", "t", (Turn("user", ("q",)), Turn("assistant", ("a", Image("/x.png")))))
     with pytest.raises(ValueError, match="'bad', turn 1"):
@@ -203,7 +203,7 @@ def test_model_yamls_load_into_model_config():
     from omegaconf import OmegaConf
 
     root = Path(__file__).resolve().parents[2] / "configs" / "model"
-    schema = OmegaConf.structured(ModelConfig)
+    schema = OmegaConf.structured(ModelConfig())
     configs = {p.stem: OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(p))) for p in root.glob("*.yaml")}
     assert {"llava_tiny", "llava_100m", "llava_1_5_7b", "llava_1_5_13b", "auto_example"} <= set(configs)
     tiny = build_adapter(configs["llava_tiny"])
@@ -282,7 +282,7 @@ def test_sentencepiece_style_tokenizer_checkpoint(tmp_path, images, caplog):
 def test_uint8_pixels_equal_the_image_processor_bit_for_bit(tmp_path, image_size):
     import numpy as np
 
-    adapter = build_adapter(ModelConfig(family="llava", image_size=image_size))
+    adapter = build_adapter(ModelConfig(family="llava", llava={"image_size": image_size}))
     for k, size in enumerate([(800, 600), (801, 599), (200, 57), (60, 80), (333, 500), (64, 64)]):
         path = tmp_path / f"n{k}.png"
         PILImage.effect_noise(size, 70).convert("RGB").save(path)
@@ -303,3 +303,61 @@ def test_tokenizer_that_cannot_spell_the_template_fails_at_start_up(tmp_path):
     _save_llava_dir(tmp_path, backend)
     with pytest.raises(ValueError, match=r"maps the chat template's words \['ASSISTANT'\] to the unknown token"):
         build_adapter(ModelConfig(family="llava", path=str(tmp_path)))
+
+
+def test_dialogues_equal_the_llava_processor(adapter, tmp_path):
+    """Generated multi-image, multi-turn dialogues: the adapter's ids and generation prompts equal
+    transformers' ``LlavaProcessor(text=apply_chat_template(messages), images=...)`` (the adapter's
+    own processor: Vicuna v1 template, CLIP image processor padding to a square), its pixel_values
+    within 1e-6 (normalised per batch from the cached uint8 image, a different order of float ops)."""
+    import random
+
+    import numpy as np
+    from transformers.image_utils import load_image
+
+    from mmtune.data.encoding import flatten
+
+    rng = random.Random(3)
+    noise = np.random.default_rng(3)
+    sizes = [(80, 60), (40, 90), (56, 56), (200, 30), (17, 120), (333, 250)]
+    paths = []
+    for k, (width, height) in enumerate(sizes):
+        path = str(tmp_path / f"n{k}.{'jpg' if k % 2 else 'png'}")
+        PILImage.fromarray(noise.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    texts = ["What is it?", "Compare {img} and {img}.", "{img}\nDescribe.", "  spaced  ", "{img}{img} both?", "ok"]
+    processor = adapter.processor
+    identical = {"input_ids": 0, "pixel_values": 0, "generation_prompt": 0}
+    bit_identical, largest = 0, 0.0  # normalised from the uint8 cache per batch: float rounding may differ
+    n_dialogues = 30
+    for n in range(n_dialogues):
+        turns, used = [], iter(paths * 50)
+        for _ in range(rng.randint(1, 3)):
+            segments = []
+            for j, piece in enumerate(rng.choice(texts).split("{img}")):
+                segments += ([Image(next(used))] if j else []) + ([piece] if piece else [])
+            turns += [Turn("user", tuple(segments)), Turn("assistant", (rng.choice(["Yes.", "A square.\nYes"]),))]
+        dialogue = Dialogue(f"d{n}", "test", tuple(turns))
+        images = [i.path for t in dialogue.turns for i in t.images]
+        example = encode_example(adapter, dialogue, max_length=None)
+        text = processor.apply_chat_template(_messages(dialogue), tokenize=False)
+        real = processor(text=[text], images=[load_image(p) for p in images] or None, return_tensors="pt",
+                         add_special_tokens=False)  # the template renders <s>
+        identical["input_ids"] += example.input_ids == real["input_ids"][0].tolist()
+        if images:
+            ours = adapter.image_inputs(images)["pixel_values"]
+            identical["pixel_values"] += bool(torch.allclose(ours, real["pixel_values"], atol=1e-6, rtol=0))
+            bit_identical += torch.equal(ours, real["pixel_values"])
+            largest = max(largest, float((ours - real["pixel_values"]).abs().max()))
+        else:
+            identical["pixel_values"] += "pixel_values" not in real
+            bit_identical += "pixel_values" not in real
+        prompt = Dialogue(dialogue.id, "test", dialogue.turns[:-1])
+        prompt_ids = flatten(adapter.encode_dialogue(prompt, add_generation_prompt=True), adapter.image_token_id)[0]
+        prompt_text = processor.apply_chat_template(_messages(prompt), tokenize=False, add_generation_prompt=True)
+        real_prompt = processor(text=[prompt_text], images=[load_image(p) for p in images] or None,
+                                add_special_tokens=False)["input_ids"][0]  # fmt: skip
+        identical["generation_prompt"] += prompt_ids == list(real_prompt)
+    print(f"llava: identical / {n_dialogues} dialogues: {identical} (pixel_values within 1e-6; bit-identical "
+          f"{bit_identical}, largest difference {largest:.2e})")
+    assert identical == {key: n_dialogues for key in identical}

@@ -297,8 +297,9 @@ def test_pixel_bounds_change_token_counts_as_the_processor(tmp_path, images):
     PILImage.new("RGB", (900, 500), (9, 9, 9)).save(big)
     directory = save_tiny_checkpoint(str(tmp_path / "ckpt"), "qwen2_vl", weights=False)
     default = build_adapter(ModelConfig(family="qwen2_vl", path=directory))
-    small = build_adapter(ModelConfig(family="qwen2_vl", path=directory, min_pixels=28 * 28, max_pixels=28 * 28 * 8))
-    large = build_adapter(ModelConfig(family="qwen2_vl", path=directory, max_pixels=28 * 28 * 300))
+    small = build_adapter(ModelConfig(family="qwen2_vl", path=directory,
+                                        qwen2_vl={"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 8}))
+    large = build_adapter(ModelConfig(family="qwen2_vl", path=directory, qwen2_vl={"max_pixels": 28 * 28 * 300}))
     for adapter in (default, small, large):
         p = adapter.image_processor
         h, w = smart_resize(500, 900, 28, p.size.shortest_edge, p.size.longest_edge)
@@ -315,13 +316,16 @@ def test_pixel_bounds_change_token_counts_as_the_processor(tmp_path, images):
 
 
 def test_pixel_bounds_are_validated_and_refused_for_other_families():
+    with pytest.raises(ValueError, match="model.qwen2_vl.min_pixels=784 is not read by model.family='llava'"):
+        build_adapter(ModelConfig(family="llava", qwen2_vl={"min_pixels": 784}))
     with pytest.raises(ValueError, match="model.min_pixels=784 is not read by model.family='llava'"):
-        build_adapter(ModelConfig(family="llava", min_pixels=784))
+        build_adapter(ModelConfig(family="llava", min_pixels=784))  # the deprecated flat spelling
     with pytest.raises(ValueError) as info:
-        ModelConfig(family="qwen2_vl", min_pixels=0, max_pixels=-5).validate()
-    assert "model.min_pixels=0 must be > 0" in str(info.value) and "model.max_pixels=-5 must be > 0" in str(info.value)
-    with pytest.raises(ValueError, match="min_pixels=5000 is above model.max_pixels=4000"):
-        ModelConfig(family="qwen2_vl", min_pixels=5000, max_pixels=4000).validate()
+        ModelConfig(family="qwen2_vl", qwen2_vl={"min_pixels": 0, "max_pixels": -5}).validate()
+    assert "model.qwen2_vl.min_pixels=0 must be > 0" in str(info.value)
+    assert "model.qwen2_vl.max_pixels=-5 must be > 0" in str(info.value)
+    with pytest.raises(ValueError, match="min_pixels=5000 is above model.qwen2_vl.max_pixels=4000"):
+        ModelConfig(family="qwen2_vl", qwen2_vl={"min_pixels": 5000, "max_pixels": 4000}).validate()
 
 
 # -- checkpoints and templates ----------------------------------------------------------------------
@@ -485,3 +489,5 @@ def test_model_configs_build_and_validate():
     assert tiny.model_type == "qwen2_vl" and tiny.model_config.text_config.num_hidden_layers == 2
     with pytest.raises(ValueError, match="model.image_size=448 is not read"):
         ModelConfig(family="qwen2_vl", image_size=448).validate()
+    with pytest.raises(ValueError, match="model.llava.image_size=448 is not read by model.family='qwen2_vl'"):
+        ModelConfig(family="qwen2_vl", llava={"image_size": 448}).validate()

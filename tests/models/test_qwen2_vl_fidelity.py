@@ -5,7 +5,10 @@ For each of Qwen2-VL, Qwen2.5-VL and Qwen3-VL a tiny checkpoint directory is bui
 (llava, mmdu, xcomposer2 and messages formats; many image sizes and aspect ratios, tiny and
 extreme ones, image modes and EXIF orientations, text-only turns, images in later turns,
 system turns, odd whitespace) go through mmtune (reader -> Dialogue -> adapter -> encoder),
-and are compared with a reference built here from the record itself:
+and are compared with a reference built here from the record itself, and with the model's
+own transformers processor (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) on
+the same messages (ids, ``pixel_values``, ``image_grid_thw``, the
+generation prompt):
 
 - messages as the official Qwen fine-tuning code builds them (``_build_messages`` in QwenLM's
   ``qwen-vl-finetune/qwenvl/data/data_processor.py``: text split at the image placeholders,
@@ -211,6 +214,22 @@ class Reference:
         self.config = config
         self.image_pad = "<|image_pad|>"
         self.image_id = self.tokenizer.convert_tokens_to_ids(self.image_pad)
+        # the model's own processor class (Qwen2VLProcessor, Qwen2_5_VLProcessor, Qwen3VLProcessor) over the
+        # same tokenizer, image processor and template
+        import transformers
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+        from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+        processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[config.model_type])
+        video_class = getattr(transformers, VIDEO_PROCESSOR_MAPPING_NAMES[config.model_type]["torchvision"])
+        self.full_processor = processor_class(image_processor=self.processor, tokenizer=self.tokenizer,
+                                              video_processor=video_class(), chat_template=self.template)
+
+    def processor_call(self, messages, images, add_generation_prompt=False):
+        """``processor(text=processor.apply_chat_template(messages), images=images)``."""
+        text = self.full_processor.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
+        return self.full_processor(text=[text], images=images or None, return_tensors="pt")
 
     def encode(self, messages, images, add_generation_prompt=False):
         text = self.tokenizer.apply_chat_template(
@@ -273,6 +292,12 @@ def test_dialogues_match_transformers(model_type, corpus, tmp_path):
             or (inputs["pixel_values"].dtype == want_pixels.dtype and torch.equal(inputs["pixel_values"], want_pixels)),
             "position_ids": torch.equal(positions, want_positions),
         }
+        # the same messages through the model's own transformers processor
+        real = reference.processor_call(messages, images)
+        checks["processor_input_ids"] = example.input_ids == real["input_ids"][0].tolist()
+        checks["processor_image_inputs"] = (not images and "pixel_values" not in real) or (
+            torch.equal(inputs["pixel_values"], real["pixel_values"])
+            and torch.equal(inputs["image_grid_thw"], real["image_grid_thw"]))  # fmt: skip
         # generation: the dialogue up to its last user turn, with the generation prompt
         cut = max(i for i, t in enumerate(dialogue.turns) if t.role == "user")
         prompt_dialogue = type(dialogue)(dialogue.id, dialogue.source, dialogue.turns[: cut + 1])
@@ -281,6 +306,8 @@ def test_dialogues_match_transformers(model_type, corpus, tmp_path):
         kept = sum(1 for m in messages[: cut + 1] if m["role"] == "user" for p in m["content"]
                    if isinstance(m["content"], list) and p["type"] == "image")  # fmt: skip
         checks["generation_prompt"] = prompt_ids == reference.encode(messages[: cut + 1], images[:kept], True)[0]
+        checks["processor_generation_prompt"] = prompt_ids == reference.processor_call(
+            messages[: cut + 1], images[:kept], True)["input_ids"][0].tolist()  # fmt: skip
         # the length pass counts what the encoder produces
         fixed, turn_lengths, _, _ = adapter.measure_many([dialogue])[0]
         checks["measure_many"] = fixed + sum(turn_lengths) == len(example.input_ids)

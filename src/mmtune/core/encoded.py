@@ -37,10 +37,21 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class ImageChunk:
-    """One image: ``num_tokens`` copies of the adapter's ``image_token_id``, labels ignored."""
+    """One image: ``num_tokens`` copies of the adapter's ``image_token_id``, labels ignored.
+
+    ``ids`` (when set, ``num_tokens == len(ids)``) are the image's tokens as its processor
+    expands it, where that is more than one repeated token: InternVL's ``<img>`` + context
+    tokens + ``</img>``, Pixtral's rows of ``[IMG]`` separated by ``[IMG_BREAK]``. The tokens
+    equal to ``image_token_id`` still take the image's features, in order.
+    """
 
     image: "Image"
     num_tokens: int
+    ids: tuple[int, ...] | None = None
+
+    def token_ids(self, image_token_id: int) -> list[int]:
+        """The image's tokens in the sequence."""
+        return list(self.ids) if self.ids is not None else [image_token_id] * self.num_tokens
 
     def __len__(self) -> int:
         return self.num_tokens

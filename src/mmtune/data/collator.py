@@ -10,10 +10,13 @@ adapter's (:mod:`mmtune.models.base`, "The batch")::
                      Adapters with several rows per token (M-RoPE) get ``[1 + rows, B, L]``:
                      the plain running position first, then each sample's own rows
     <image inputs>   one entry per name of ``adapter.image_input_names``, the images of
-                     every sample concatenated along dim 0 in the order of their token runs,
-                     row-major; ``None`` when the batch has no image. LLaVA-1.5 and
+                     every sample joined in the order of their token runs, row-major, as the
+                     adapter declares per input (``adapter.image_input_joins``: concatenated
+                     along an axis or stacked, padded); ``None`` when the batch has no image. LLaVA-1.5 and
                      XComposer2: ``pixel_values [N_img, 3, H, W]`` float; Qwen2-VL:
                      ``pixel_values [sum of patches, D]`` and ``image_grid_thw [N_img, 3]``
+    <token inputs>   [B, L] what ``adapter.token_inputs(input_ids)`` gives (Gemma 3 through the
+                     ``auto`` family: ``token_type_ids``, 1 on image tokens); none by default
     num_loss_tokens  long scalar   count of labels != -100 (for token-weighted losses)
 
 (:data:`BATCH_KEYS` is that list for a family whose only image input is ``pixel_values``;
@@ -287,13 +290,19 @@ class MultiImageCollator:
             missing = [name for name in self.image_input_names if name not in images[0]]
             if missing:
                 raise ValueError(f"the image inputs {sorted(images[0])} lack {missing}, which the adapter declares")
-            image_inputs = {name: torch.cat([one[name] for one in images], dim=0) for name in self.image_input_names}
+            join = getattr(self.adapter, "join_image_inputs", None)
+            if join is not None:  # each input joined as the adapter declares it
+                image_inputs = join(images)
+            else:
+                image_inputs = {name: torch.cat([one[name] for one in images], dim=0) for name in self.image_input_names}
+        token_inputs = getattr(self.adapter, "token_inputs", None)
         return {
             "input_ids": input_ids,
             "labels": labels,
             "attention_mask": None if self.packed else attention_mask,
             "position_ids": position_ids,
             **image_inputs,
+            **(token_inputs(input_ids) if token_inputs is not None else {}),
             "num_loss_tokens": (labels != IGNORE_INDEX).sum(),
         }
 

@@ -117,7 +117,7 @@ def flatten(
 
     def add(chunk, turn_index: int) -> None:
         if isinstance(chunk, ImageChunk):
-            input_ids.extend([image_token_id] * chunk.num_tokens)
+            input_ids.extend(chunk.token_ids(image_token_id))
             labels.extend([IGNORE_INDEX] * chunk.num_tokens)
             images.append(ImageRef(chunk.image.path, turn_index, chunk.num_tokens))
         else:

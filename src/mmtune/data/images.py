@@ -9,7 +9,9 @@ JPEG decode and the resize. Arrays of one sample may have different shapes (Qwen
 keeps each image's aspect ratio); the adapter's ``image_batch`` finishes them.
 
 Cache layout: ``<cache_dir>/<settings hash>/<key[:2]>/<key>.px``: a small header (magic,
-dtype, dims) and the raw array (a plain format: ``np.load``'s header parsing alone
+dtype, dims) and the raw array, or for an adapter whose ``load_image`` gives one image's named
+inputs (the ``auto`` family: what its processor returns for that image alone) each named array
+so (a plain format: ``np.load``'s header parsing alone
 costs about as much as reading a cached image). Keys are a hash of the
 file's bytes (``key: content``, default: moving or renaming files keeps the cache) or of
 ``(path, size, mtime)`` (``key: stat``: no read of the file at all on a hit). Writes are
@@ -41,17 +43,13 @@ __all__ = ["CorruptImageError", "ImageStats", "ImagePipeline", "image_size"]
 
 
 _MAGIC = b"MMP1"
-_DTYPES = {b"u": "|u1", b"f": "<f4"}
+_MAGIC_NAMED = b"MMPN"  # several named arrays: one image's inputs as a processor returns them
+_DTYPES = {b"u": "|u1", b"f": "<f4", b"l": "<i8", b"i": "<i4", b"b": "|b1"}
 _DTYPES_REV = {v: k for k, v in _DTYPES.items()}
 
 
-def _read(path: str) -> np.ndarray | None:
-    """A cached array, or None when the file is not one (torn write, foreign file)."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return None
+def _parse(data: bytes) -> np.ndarray | None:
+    """One array from its bytes (header + raw), or None when they are not one."""
     if len(data) < 6 or data[:4] != _MAGIC or data[4:5] not in _DTYPES:
         return None
     ndim = data[5]
@@ -64,6 +62,54 @@ def _read(path: str) -> np.ndarray | None:
         return None
     # bytearray: a writable buffer, so torch.from_numpy does not warn
     return np.frombuffer(bytearray(data[start:]), dtype=dtype).reshape(shape)
+
+
+def _parse_named(data: bytes) -> dict[str, np.ndarray] | None:
+    """Named arrays: count, then per array its name and its :func:`_parse` bytes, each length-prefixed."""
+    out: dict[str, np.ndarray] = {}
+    try:
+        count, at = data[4], 5
+        for _ in range(count):
+            size = data[at]
+            name = data[at + 1 : at + 1 + size].decode()
+            at += 1 + size
+            length = int.from_bytes(data[at : at + 8], "little")
+            array = _parse(data[at + 8 : at + 8 + length])
+            if array is None:
+                return None
+            out[name] = array
+            at += 8 + length
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return out if at == len(data) else None
+
+
+def _read(path: str) -> np.ndarray | dict[str, np.ndarray] | None:
+    """A cached array (or named arrays), or None when the file is not one (torn write, foreign file)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    if data[:4] == _MAGIC_NAMED:
+        return _parse_named(data)
+    return _parse(data)
+
+
+def _serialise(array: np.ndarray) -> bytes:
+    array = np.ascontiguousarray(array)
+    code = _DTYPES_REV[array.dtype.str]
+    return _MAGIC + code + bytes([array.ndim]) + np.asarray(array.shape, dtype="<i4").tobytes() + array.tobytes()
+
+
+def _serialise_any(value: np.ndarray | dict[str, np.ndarray]) -> bytes:
+    if not isinstance(value, dict):
+        return _serialise(value)
+    parts = [_MAGIC_NAMED, bytes([len(value)])]
+    for name, array in value.items():
+        raw = _serialise(array)
+        parts += [bytes([len(name.encode())]), name.encode(), len(raw).to_bytes(8, "little"), raw]
+    return b"".join(parts)
 
 
 @dataclass
@@ -121,15 +167,12 @@ class ImagePipeline:
     def _cache_path(self, file_key: str) -> str:
         return os.path.join(self.cache_dir, self.settings_hash, file_key[:2], file_key + ".px")
 
-    def _write(self, target: str, array: np.ndarray) -> None:
+    def _write(self, target: str, array: np.ndarray | dict[str, np.ndarray]) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
         try:
-            code = _DTYPES_REV[array.dtype.str]
-            header = _MAGIC + code + bytes([array.ndim]) + np.asarray(array.shape, dtype="<i4").tobytes()
             with os.fdopen(fd, "wb") as handle:
-                handle.write(header)
-                handle.write(np.ascontiguousarray(array).tobytes())
+                handle.write(_serialise_any(array))
             os.replace(tmp, target)
         except BaseException:
             if os.path.exists(tmp):
@@ -137,8 +180,11 @@ class ImagePipeline:
             raise
 
     # -- loading ---------------------------------------------------------------------------
-    def _decode(self, path: str) -> np.ndarray:
-        return np.ascontiguousarray(self.adapter.load_image(path))
+    def _decode(self, path: str) -> np.ndarray | dict[str, np.ndarray]:
+        value = self.adapter.load_image(path)
+        if isinstance(value, dict):  # one image's named inputs (a processor-driven family)
+            return {name: np.ascontiguousarray(v) for name, v in value.items()}
+        return np.ascontiguousarray(value)
 
     def load_one(
         self, path: str, *, dialogue_id: str | None = None, turn: int | None = None, raw: bool = False,
@@ -168,7 +214,8 @@ class ImagePipeline:
         except Exception as err:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
             self.stats.corrupt += 1
             raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
-        tensor = torch.from_numpy(array)
+        tensor = ({name: torch.from_numpy(v) for name, v in array.items()} if isinstance(array, dict)
+                  else torch.from_numpy(array))
         return tensor if raw else self.pixel_values([tensor])[0]
 
     def load_images(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None,

@@ -61,7 +61,7 @@ class GenerationEngine:
         from mmtune.models.config import ModelConfig
 
         values = json.loads(Path(model_config).read_text()) if model_config else {}
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        fields = ModelConfig.field_names()  # the common keys and every family's section
         config = ModelConfig.from_dict({k: v for k, v in values.items() if k in fields})
         config = dataclasses.replace(config, family=family, path=pretrained)
         if loader is None:

@@ -1,71 +1,154 @@
-"""Generic adapter for ``AutoModelForImageTextToText`` checkpoints whose processor has a
-chat template and whose only image input is ``pixel_values`` [N, 3, H, W] (LLaVA-1.5-style
-checkpoints with any language model or vision tower, e.g. llava-hf's LLaVA-1.5 and
-LLaVA-Interleave). Models that also need ``image_sizes`` / ``image_grid_thw`` (LLaVA-NeXT,
-OneVision, Qwen2-VL: dynamic tiling and M-RoPE positions) are detected at start-up and
-rejected with a clear error; they need a family adapter.
+"""Any transformers image-text-to-text checkpoint, exact against its own processor.
 
-Turn segments come from the checkpoint's own chat template, without string surgery: the
-adapter renders growing prefixes of the conversation (up to turn *i*, and up to turn *i*
-plus the generation prompt), tokenizes each, and takes the difference of consecutive token
-sequences as turn *i*'s tokens. An assistant turn's header is what the generation prompt
-adds; its labelled part is everything the full turn adds after that (content and
-end-of-turn tokens). This needs the template to be *prefix-stable* (rendering more turns
-never changes the tokens of earlier ones); a template that is not (e.g. one that strips
-the reasoning of earlier assistant turns) raises :class:`TemplateNotPrefixStableError`
-naming the dialogue, turn and first differing token.
+For a checkpoint whose processor and chat template are in transformers (LLaVA-1.5,
+InternVL, LLaVA-OneVision, Gemma 3, Idefics3 / SmolVLM, Mistral 3, GLM-4.1V, ...), this
+adapter gives the tokens, image inputs and positions that ``processor(text=
+processor.apply_chat_template(messages), images=images)`` gives for the whole dialogue,
+and labels the assistant turns as the template renders them:
 
-Images: the template renders one image placeholder token per image (``processor.image_token``);
-each becomes ``n`` copies of it, ``n`` from the processor's ``_get_num_multimodal_tokens``
-for the image's size, read from the file header (no pixel decode). At start-up the adapter
-checks on a blank image that the processor expands a placeholder exactly that way;
-processors that expand images into other token patterns are rejected with a clear error.
+- **text**: the dialogue's messages (image and text items in order, every text piece kept
+  as written, empty pieces dropped) rendered by the checkpoint's chat template, growing one
+  turn at a time; each turn's text is what rendering it adds. An assistant turn's header is
+  what the generation prompt adds; its labelled part is everything the full turn adds after
+  the longest common prefix with that (content and end-of-turn tokens). Rendering more turns
+  must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
+  the dialogue, turn and first differing character.
+- **images**: each image placeholder (``processor.image_token``) is replaced by the text the
+  processor itself puts there (``return_text_replacement_offsets``), which depends only on the
+  image's size: it is computed once per size on a blank image, and the image's size is read
+  from the file header (no pixel decode). The whole expanded text is tokenized once as the
+  processor tokenizes it (no added special tokens when the template already starts with BOS),
+  and every token goes to the turn, header / content part or image where it starts.
+- **image inputs**: the processor called on one image at a time (what the pixel cache
+  stores), joined for several images and samples per input as the processor joins them: at
+  start-up the adapter calls the processor on two images together and one by one and finds,
+  for every input, the concatenation axis or stack (with padding) that reproduces the joint
+  call (:class:`~mmtune.models.base.InputJoin`); an input no join reproduces, or expansion
+  text that depends on the other images, is refused then (:class:`UnsupportedProcessorError`).
+- **token inputs**: the processor's text-aligned inputs (Gemma 3's ``token_type_ids``), 1 on
+  the token ids the processor marks (found at start-up), computed per batch from the ids.
+- **positions**: one running position, or, for a model whose transformers class has its own
+  ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample.
+
+An image the processor refuses (too small, extreme aspect ratio) raises
+:class:`UnsupportedImageError` naming file, dialogue and turn, so data validation skips or
+refuses it per ``data.validation.mode``. A checkpoint whose classes need code shipped with
+it is refused unless ``model.trust_remote_code`` is set.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import TYPE_CHECKING, Any, Sequence
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mmtune.core.dialogue import Image
+from mmtune.core.images import CorruptImageError
 from mmtune.models._utils import load_dtype_and_attention, state_fingerprint
 from mmtune.models.base import (
     EncodedDialogue,
     EncodedTurn,
     ImageChunk,
+    InputJoin,
     ModelAdapter,
     ModuleGroups,
     TokenChunk,
     find_module_groups,
     unwrap_model,
 )
-from mmtune.models.config import ModelConfig
+from mmtune.models.config import FamilySettings, ModelConfig
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import torch
     from torch import nn
 
     from mmtune.core.dialogue import Dialogue
 
-__all__ = ["AutoAdapter", "TemplateNotPrefixStableError", "UnsupportedProcessorError"]
+__all__ = ["AutoAdapter", "AutoSettings", "RemoteCodeError", "TemplateNotPrefixStableError", "UnsupportedImageError",
+           "UnsupportedProcessorError"]
 
+#: processor outputs that are text inputs, not image inputs
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
+                        "text_replacement_offsets"})
 
 
 class TemplateNotPrefixStableError(ValueError):
-    """Rendering more turns changed the tokens of earlier turns."""
+    """Rendering more turns changed the text of earlier turns."""
 
 
 class UnsupportedProcessorError(ValueError):
-    """The processor does not expand an image into repeated copies of one image token."""
+    """The checkpoint's processor cannot be reproduced image by image (see the module doc)."""
+
+
+class RemoteCodeError(ValueError):
+    """The checkpoint needs code shipped with it and ``model.trust_remote_code`` is off."""
+
+
+class UnsupportedImageError(CorruptImageError):
+    """An image the checkpoint's processor refuses (too small, extreme aspect ratio)."""
+
+    code = "unsupported_image"
+
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
+                 system_first: bool = False):
+        from mmtune.core.dialogue import turn_label
+
+        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
+        self.turn_text = turn_label(turn, system_first)
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
+        ValueError.__init__(
+            self,
+            f"image {path!r} ({where}) is refused by the checkpoint's processor: {detail}. Resize, crop or pad the "
+            "image, or set data.validation.mode=skip to leave such samples out, counted and reported",
+        )
+
+
+@dataclass
+class _Span:
+    """A character span of the expanded text: a turn's header / content part, or an image."""
+
+    start: int
+    end: int
+    turn: int  # -1: the generation prompt
+    trainable: bool = False
+    image: Image | None = None
+
+
+def _noise_image(width: int, height: int, seed: int):
+    import numpy as np
+    from PIL import Image as PILImage
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return PILImage.fromarray(pixels, "RGB")
+
+
+def _common_prefix(a: str, b: str, start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b``, known to be at least ``start``."""
+    n = min(len(a), len(b))
+    k = start
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+@dataclass
+class AutoSettings(FamilySettings):
+    """``model.auto``: no keys of its own; the checkpoint's processor and template decide."""
+
+    builds_random_model: ClassVar[bool] = False
 
 
 @register_adapter
 class AutoAdapter(ModelAdapter):
-    """Chat-template-driven adapter for transformers image-text-to-text models."""
+    """Processor-driven adapter for transformers image-text-to-text checkpoints."""
 
     family = "auto"
+    settings_class = AutoSettings
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora_exclude_modules = r".*(vision_tower|visual|vision_model|multi_modal_projector|connector|merger).*"
 
@@ -79,85 +162,156 @@ class AutoAdapter(ModelAdapter):
                 "chat template; for a random-weight tiny model use model.family=llava with model.path=null"
             )
         self.config = config
+        self._check_remote_code()
         self.processor = AutoProcessor.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         problems = []
         if self.tokenizer is None:
             problems.append("its processor has no tokenizer")
         template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default")
         if not template:
-            problems.append("its processor has no chat template (set processor.chat_template and save it)")
+            problems.append("it has no chat template (save one with the processor: processor.chat_template = ...; "
+                            "processor.save_pretrained(path))")
         image_token = getattr(self.processor, "image_token", None)
         if image_token is None:
-            problems.append("its processor has no `image_token` attribute")
-        if not hasattr(self.processor, "_get_num_multimodal_tokens"):
-            problems.append("its processor cannot count image tokens from an image size (_get_num_multimodal_tokens)")
+            problems.append("its processor has no `image_token` attribute (the placeholder the template renders)")
         if problems:
             raise UnsupportedProcessorError(
                 f"model.path={config.path!r} cannot be used with model.family=auto: " + "; ".join(problems)
             )
         self.chat_template = template
         self.image_token = image_token
-        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(image_token))
+        self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(image_token))
         self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
+        # not the <start_of_image> placeholder its template renders)
+        feature_id = getattr(self.model_config, "image_token_id", None)
+        if feature_id is None:
+            feature_id = getattr(self.model_config, "image_token_index", None)
+        self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
         eos = [self.tokenizer.eos_token_id]
         generation_eos = getattr(self.model_config, "eos_token_id", None)
         for value in generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]:
             if value is not None and value not in eos:
                 eos.append(value)
         self.stop_token_ids = [int(i) for i in eos if i is not None]
-        self._check_expansion()
+        self._joins = self._probe_joins()
+        self.image_input_names = tuple(self._joins)
+        self._rope = self._rope_index()
+        self.position_id_rows = 3 if self._rope is not None else 1
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.processor.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    # -- start-up checks ------------------------------------------------------------------------
+    def _check_remote_code(self) -> None:
+        """Refuse a checkpoint whose config, processor or model class is code shipped with it."""
+        if self.config.trust_remote_code:
+            return
+        from transformers import PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    @functools.lru_cache(maxsize=65536)
-    def _count_for_size(self, height: int, width: int) -> int:
-        data = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
-        counts = getattr(data, "num_image_tokens", None) or data["num_image_tokens"]
-        return int(counts[0])
-
-    def _check_expansion(self) -> None:
-        from PIL import Image as PILImage
-
-        blank = PILImage.new("RGB", (64, 48), (127, 127, 127))
-        features = self.processor.image_processor(images=[blank], return_tensors="pt")
-        extra_keys = sorted(k for k in features.keys() if k != "pixel_values")
-        pixels = features.get("pixel_values")
-        if extra_keys or pixels is None or pixels.ndim != 4:
-            raise UnsupportedProcessorError(
-                f"the image processor of {self.config.path!r} returns {sorted(features.keys())} "
-                f"(pixel_values shape {None if pixels is None else tuple(pixels.shape)}); the auto adapter and "
-                "the collator handle models whose only image input is pixel_values [N, 3, H, W] (LLaVA-1.5-style "
-                "checkpoints). Models that also need image_sizes / image_grid_thw (LLaVA-NeXT, Qwen2-VL) need a "
-                "family adapter."
-            )
-        expected = self._count_for_size(48, 64)
-        ids = self.processor(text=self.image_token, images=[blank], return_tensors="pt")["input_ids"][0].tolist()
-        run = sum(1 for i in ids if i == self.image_token_id)
-        plain = self.tokenizer(self.image_token, add_special_tokens=False)["input_ids"]
-        extra = [i for i in ids if i != self.image_token_id]
-        added = [i for i in self.tokenizer("", add_special_tokens=True)["input_ids"]]
-        if run != expected or plain != [self.image_token_id] or sorted(extra) != sorted(added):
-            raise UnsupportedProcessorError(
-                f"the processor of {self.config.path!r} expands {self.image_token!r} into {len(ids)} tokens "
-                f"({run} copies of id {self.image_token_id}, expected {expected} and nothing else); the auto adapter "
-                "supports processors that repeat one image token per image. Write a family adapter for this model."
+        try:
+            values, _ = PretrainedConfig.get_config_dict(self.config.path)
+        except (OSError, ValueError):
+            return  # transformers names the problem itself when it loads the config
+        found = dict(values.get("auto_map") or {})
+        for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+            file = os.path.join(str(self.config.path), name)
+            if os.path.isfile(file):
+                with open(file, encoding="utf-8") as handle:
+                    found.update(json.load(handle).get("auto_map") or {})
+        model_type = values.get("model_type")
+        if found or model_type not in CONFIG_MAPPING:
+            what = f"auto_map {found}" if found else f"model_type {model_type!r}, which transformers does not know"
+            raise RemoteCodeError(
+                f"model.path={self.config.path!r} needs code shipped with the checkpoint ({what}); set "
+                "model.trust_remote_code=true only if you trust the checkpoint's source"
             )
 
-    def fingerprint(self) -> str:
-        state = {
-            "family": self.family,
-            "path": self.config.path,
-            "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
-            "vocab": len(self.tokenizer),
-            "image_processor": self.processor.image_processor.to_dict(),
-        }
-        return state_fingerprint(state)
+    def _call(self, images: list, count: int | None = None) -> dict[str, Any]:
+        """The processor on ``images`` with a text holding one placeholder per image."""
+        text = self.image_token * (len(images) if count is None else count)
+        return self.processor(text=[text], images=images, return_text_replacement_offsets=True, return_tensors="pt")
+
+    def _probe_joins(self) -> dict[str, InputJoin]:
+        """Per image input, the join that makes two images' one-by-one outputs the joint output."""
+        import torch
+
+        first, second = _noise_image(50, 30, 1), _noise_image(24, 70, 2)
+        try:
+            joint = self._call([first, second])
+            alone = [self._call([first]), self._call([second])]
+        except Exception as err:  # noqa: BLE001 - any failure of the processor is named
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} fails on two small images: {type(err).__name__}: {err}"
+            ) from err
+        problems = []
+        replaced = [r["replacement"] for r in joint["text_replacement_offsets"][0]]
+        one_by_one = [a["text_replacement_offsets"][0][0]["replacement"] for a in alone]
+        if replaced != one_by_one:
+            problems.append("the text that replaces an image depends on the other images of the call")
+        self._token_marks = {}
+        ids = joint["input_ids"]
+        for name in ("token_type_ids", "mm_token_type_ids"):  # text-aligned inputs the processor returns
+            if name in joint:
+                marked = ids[joint[name] == 1].unique()
+                if not torch.equal(joint[name], torch.isin(ids, marked).to(joint[name].dtype)):
+                    problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
+                self._token_marks[name] = marked.tolist()
+        joins: dict[str, InputJoin] = {}
+        for name in [k for k in joint if k not in _TEXT_KEYS]:
+            value = joint[name]
+            parts = [a.get(name) for a in alone]
+            if not isinstance(value, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
+                problems.append(f"its image input {name!r} is not a tensor ({type(value).__name__})")
+                continue
+            candidates = [InputJoin(axis=a) for a in range(value.ndim)] + [InputJoin(axis=0, stack=True)]
+            for candidate in candidates:
+                try:
+                    joined = candidate.join(parts)
+                except (RuntimeError, ValueError):
+                    continue
+                if joined.shape == value.shape and joined.dtype == value.dtype and torch.equal(joined, value):
+                    joins[name] = candidate
+                    break
+            else:
+                problems.append(
+                    f"its image input {name!r} of two images ({tuple(value.shape)}) is no concatenation or stack of "
+                    f"the one-image values ({[tuple(p.shape) for p in parts]})"
+                )
+        if problems:
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} ({type(self.processor).__name__}) cannot be used with "
+                "model.family=auto: " + "; ".join(problems)
+            )
+        return joins
+
+    def _rope_index(self):
+        """transformers' own ``get_rope_index`` of the model class, for M-RoPE models; else None."""
+        from transformers import MODEL_MAPPING
+
+        try:
+            model_class = MODEL_MAPPING[type(self.model_config)]
+        except KeyError:
+            return None
+        if not hasattr(model_class, "get_rope_index"):
+            return None
+        from mmtune.models.qwen2_vl.positions import RopeIndex
+
+        vision = getattr(self.model_config, "vision_config", None)
+        return RopeIndex(self.model_config, model_class, self.image_token_id,
+                         int(getattr(vision, "spatial_merge_size", 1)))
+
+    # -- rendering -------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        # what processor.apply_chat_template(tokenize=False) renders, without its per-call set-up
+        # (the length pass renders every prefix of every dialogue)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        prompts, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           **self.tokenizer.special_tokens_map)
+        return prompts[0]
 
     @staticmethod
     def _message(role: str, segments: Sequence[Any]) -> dict:
@@ -166,43 +320,227 @@ class AutoAdapter(ModelAdapter):
         ]
         return {"role": role, "content": content}
 
-    def _split_images(self, dialogue_id: str, turn_index: int, ids: list[int], images: list[Image], trainable: bool):
-        chunks: list = []
-        start = 0
-        found = 0
-        for pos, token in enumerate(ids):
-            if token != self.image_token_id:
-                continue
-            if pos > start:
-                chunks.append(TokenChunk(tuple(ids[start:pos]), trainable))
-            if found >= len(images):
-                raise UnsupportedProcessorError(
-                    f"dialogue {dialogue_id!r}, turn {turn_index}: the chat template renders more image tokens "
-                    f"than the turn's {len(images)} images"
+    def _extends(self, dialogue_id: str, turn: int, before: str, after: str, what: str) -> None:
+        if not after.startswith(before):
+            k = _common_prefix(before, after)
+            raise TemplateNotPrefixStableError(
+                f"dialogue {dialogue_id!r}, turn {turn}: the chat template of {self.config.path!r} is not "
+                f"prefix-stable: adding {what} changes character {k} ({before[max(0, k - 20):k + 20]!r} -> "
+                f"{after[max(0, k - 20):k + 20]!r}). Labels cannot be derived from it; use a template that renders "
+                "earlier turns identically, or a family adapter."
+            )
+
+    def _add_special_tokens(self, text: str) -> bool:
+        # as the processor's own apply_chat_template: no second BOS when the template renders one
+        bos = self.tokenizer.bos_token
+        return not (bos is not None and text.startswith(bos))
+
+    @functools.lru_cache(maxsize=65536)
+    def _replacement_ids(self, replacement: str) -> tuple[str, tuple[int, ...], str] | None:
+        """``(lead, core ids, trail)``: the replacement's text before its first and after its last
+        special token, and the tokens of the part between (inclusive), which are its tokens in any
+        text since the tokenizer splits at special tokens; ``None`` without a special token."""
+        special = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
+                         key=len, reverse=True)
+        found = [(replacement.find(t), t) for t in special if t in replacement]
+        if not found:
+            return None
+        first = min(at for at, _ in found)
+        last = max(replacement.rfind(t) + len(t) for _, t in found)
+        core = replacement[first:last]
+        ids = tuple(self.tokenizer(core, add_special_tokens=False)["input_ids"])
+        return replacement[:first], ids, replacement[last:]
+
+    @functools.cached_property
+    def _placeholder_splits(self) -> bool:
+        """The placeholder is one added special token: text around it tokenizes on its own."""
+        special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        return self.image_token in special
+
+    @functools.lru_cache(maxsize=65536)
+    def _size(self, path: str) -> tuple[int, int]:
+        from mmtune.models.qwen2_vl.images import oriented_size
+
+        self.config.image_limits.check_file(path)
+        return oriented_size(path)  # header only
+
+    @functools.lru_cache(maxsize=65536)
+    def _replacement(self, height: int, width: int) -> str:
+        """The text the processor puts in place of an image of this size."""
+        from PIL import Image as PILImage
+
+        out = self._call([PILImage.new("RGB", (width, height), (127, 127, 127))])
+        return out["text_replacement_offsets"][0][0]["replacement"]
+
+    def _image_text(self, image: Image, dialogue_id: str | None = None, turn: int | None = None,
+                    system_first: bool = False) -> str:
+        try:
+            width, height = self._size(image.path)
+        except CorruptImageError:
+            raise
+        except Exception as err:  # noqa: BLE001 - PIL raises many types
+            raise CorruptImageError(image.path, dialogue_id, turn, err, system_first) from err
+        try:
+            return self._replacement(height, width)
+        except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the image
+            raise UnsupportedImageError(image.path, dialogue_id, turn, f"{type(err).__name__}: {err}",
+                                        system_first) from err
+
+    def _spans(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
+               add_generation_prompt: bool) -> tuple[str, list[_Span], int]:
+        """The rendered text, its spans (turn parts in order) and the index of the first turn."""
+        if train_on not in ("all_assistant", "last_assistant"):
+            raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
+        turns = list(dialogue.turns)
+        messages: list[dict] = []
+        if turns and turns[0].role == "system":
+            messages.append(self._message("system", turns[0].segments))
+            turns = turns[1:]
+        elif system_prompt:
+            messages.append(self._message("system", (system_prompt,)))
+        offset = 1 if dialogue.turns and dialogue.turns[0].role == "system" else 0
+        head = len(messages)
+        last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
+        messages += [self._message(t.role, t.segments) for t in turns]
+        spans: list[_Span] = []
+        text = ""
+        for index, turn in enumerate(turns):
+            where = index + offset
+            if turn.role not in ("user", "assistant"):
+                raise ValueError(f"dialogue {dialogue.id!r}, turn {where}: role {turn.role!r} is not allowed here")
+            full = self._render(messages[: head + index + 1], add_generation_prompt=False)
+            self._extends(dialogue.id, where, text, full, f"turn {where}")
+            if turn.role == "assistant":
+                header = self._render(messages[: head + index], add_generation_prompt=True)
+                self._extends(dialogue.id, where, text, header, "the generation prompt")
+                body = _common_prefix(header, full, len(text))
+                trainable = train_on == "all_assistant" or index == last_assistant
+                spans += [_Span(len(text), body, index), _Span(body, len(full), index, trainable)]
+            else:
+                spans.append(_Span(len(text), len(full), index))
+            text = full
+        if add_generation_prompt:
+            if not turns or turns[-1].role != "user":
+                raise ValueError(
+                    f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
                 )
-            chunks.append(ImageChunk(images[found], self.image_token_count(images[found])))
-            found += 1
-            start = pos + 1
-        if start < len(ids):
-            chunks.append(TokenChunk(tuple(ids[start:]), trainable))
+            prompt = self._render(messages, add_generation_prompt=True)
+            self._extends(dialogue.id, len(dialogue.turns), text, prompt, "the generation prompt")
+            spans.append(_Span(len(text), len(prompt), -1))
+            text = prompt
+        return text, spans, offset
+
+    def _expand(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int) -> tuple[str, list[_Span]]:
+        """``text`` with every image placeholder replaced by the processor's text for that image,
+        and the spans moved to match, each image a span of its own."""
+        images = [(t, image) for t, turn in enumerate(dialogue.turns) for image in turn.images]
+        pieces: list[str] = []
+        out: list[_Span] = []
+        found = 0
+        length = 0  # of the expanded text so far
+        for span in spans:
+            cursor = span.start
+            while (at := text.find(self.image_token, cursor, span.end)) >= 0:
+                if found >= len(images):
+                    raise UnsupportedProcessorError(
+                        f"dialogue {dialogue.id!r}: the chat template renders more image placeholders "
+                        f"({self.image_token!r}) than the dialogue's {len(images)} images"
+                    )
+                turn_index, image = images[found]
+                if span.turn + offset != turn_index:
+                    raise UnsupportedProcessorError(
+                        f"dialogue {dialogue.id!r}: the chat template renders image {found} (of turn {turn_index}) "
+                        f"outside its turn; it must render each image in its own turn"
+                    )
+                replacement = self._image_text(image, dialogue.id, turn_index, offset == 1)
+                out.append(_Span(length, length + at - cursor, span.turn, span.trainable))
+                pieces.append(text[cursor:at])
+                length += at - cursor
+                out.append(_Span(length, length + len(replacement), span.turn, image=image))
+                pieces.append(replacement)
+                length += len(replacement)
+                cursor = at + len(self.image_token)
+                found += 1
+            out.append(_Span(length, length + span.end - cursor, span.turn, span.trainable))
+            pieces.append(text[cursor:span.end])
+            length += span.end - cursor
         if found != len(images):
             raise UnsupportedProcessorError(
-                f"dialogue {dialogue_id!r}, turn {turn_index}: the chat template rendered {found} image tokens for "
-                f"{len(images)} images; it must render one {self.image_token!r} per image"
+                f"dialogue {dialogue.id!r}: the chat template rendered {found} image placeholders "
+                f"({self.image_token!r}) for {len(images)} images; it must render one per image"
             )
-        return chunks
+        return "".join(pieces), out
 
-    def _delta(self, dialogue_id: str, turn_index: int, before: list[int], after: list[int], what: str) -> list[int]:
-        if after[: len(before)] != before:
-            pos = next((k for k, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-            seen = self.tokenizer.decode(before[max(0, pos - 5) : pos + 5])
-            now = self.tokenizer.decode(after[max(0, pos - 5) : pos + 5])
-            raise TemplateNotPrefixStableError(
-                f"dialogue {dialogue_id!r}, turn {turn_index}: the chat template of {self.config.path!r} is not "
-                f"prefix-stable: adding {what} changes token {pos} ({seen!r} -> {now!r}). Labels cannot be "
-                "derived from it; use a template that renders earlier turns identically, or a family adapter."
-            )
-        return after[len(before) :]
+    def _tokens(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int):
+        """The tokens of the expanded text as units ``(ids, start, end)`` (one token, or a spliced
+        image's tokens at once) with their character offsets, and the spans they fall in.
+
+        Where the placeholder is a special token and every image's text holds one, each image's
+        text from its first to its last special token (its core) is tokenized once per distinct
+        text and spliced in for a placeholder in the text tokenized around it (Gemma 3's
+        ``\\n\\n`` before and after the core stay in that text): the same ids as tokenizing the whole
+        expanded text, since the tokenizer splits at special tokens. Otherwise the expanded text
+        is tokenized as a whole."""
+        expanded, moved = self._expand(dialogue, text, spans, offset)
+        images = [s for s in moved if s.image is not None]
+        pieces = [self._replacement_ids(expanded[s.start:s.end]) for s in images]
+        if not self._placeholder_splits or any(p is None for p in pieces):
+            encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
+                                      return_offsets_mapping=True)
+            return [((token,), start, end) for token, (start, end) in
+                    zip(encoding["input_ids"], encoding["offset_mapping"])], moved
+        # the expanded text with each image's core (special token to special token) as one placeholder
+        parts, markers, cursor, short = [], [], 0, 0  # markers: (position in the short text, image)
+        for k, (span, (lead, _, trail)) in enumerate(zip(images, pieces)):
+            parts += [expanded[cursor:span.start], lead]
+            short += span.start - cursor + len(lead)
+            markers.append((short, span.start + len(lead), span.end - len(trail)))
+            parts += [self.image_token, trail]
+            short += len(self.image_token) + len(trail)
+            cursor = span.end
+        parts.append(expanded[cursor:])
+        text_short = "".join(parts)
+        encoding = self.tokenizer(text_short, add_special_tokens=self._add_special_tokens(text_short),
+                                  return_offsets_mapping=True)
+        units: list[tuple[tuple[int, ...], int, int]] = []  # (ids, start, end): a token or an image's core
+        k = 0
+        shift = 0  # expanded minus short-text position
+        for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
+            if token == self._placeholder_id and k < len(images) and start == markers[k][0]:
+                units.append((pieces[k][1], markers[k][1], markers[k][1] + 1))
+                shift += (markers[k][2] - markers[k][1]) - len(self.image_token)
+                k += 1
+                continue
+            units.append(((token,), start + shift, end + shift) if end > start else ((token,), start, end))
+        if k != len(images):  # pragma: no cover - the placeholder is one special token, so never
+            raise UnsupportedProcessorError(f"dialogue {dialogue.id!r}: image placeholders were not tokenized alone")
+        return units, moved
+
+    def _encode(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
+                add_generation_prompt: bool) -> EncodedDialogue:
+        text, spans, offset = self._spans(dialogue, system_prompt, train_on, add_generation_prompt)
+        units, spans = self._tokens(dialogue, text, spans, offset)
+        # each unit goes to the span its first character is in (added special tokens: the first)
+        chunks_of: dict[int, list] = {}
+        k = 0
+        run: list[int] = []
+        for position, (ids, start, end) in enumerate(units):
+            if not start == end == 0:
+                while spans[k].end <= start and k + 1 < len(spans):
+                    k += 1
+            run.extend(ids)
+            following = units[position + 1] if position + 1 < len(units) else None
+            if following is not None and not (following[1] == following[2] == 0) and spans[k].end > following[1]:
+                continue  # the next unit is in the same span
+            span = spans[k]
+            piece = tuple(run)
+            chunk = (ImageChunk(span.image, len(piece), piece) if span.image is not None
+                     else TokenChunk(piece, span.trainable))
+            chunks_of.setdefault(span.turn, []).append(chunk)
+            run = []
+        roles = [t.role for t in dialogue.turns[offset:]]
+        turns = [EncodedTurn(role, chunks_of.get(index, [])) for index, role in enumerate(roles)]
+        return EncodedDialogue(dialogue.id, [], turns, chunks_of.get(-1, []))
 
     # -- contract ---------------------------------------------------------------------------------
     def encode_dialogue(
@@ -213,68 +551,107 @@ class AutoAdapter(ModelAdapter):
         train_on: str = "all_assistant",
         add_generation_prompt: bool = False,
     ) -> EncodedDialogue:
-        """Render with the checkpoint's chat template. ``system_prompt`` adds a system message
-        when the dialogue has none (``None``/``""``: the template's own default)."""
-        if train_on not in ("all_assistant", "last_assistant"):
-            raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
-        turns = list(dialogue.turns)
-        messages: list[dict] = []
-        if turns and turns[0].role == "system":
-            messages.append(self._message("system", turns[0].segments))
-            turns = turns[1:]
-        elif system_prompt:
-            messages.append(self._message("system", (system_prompt,)))
-        offset = len(messages)
-        last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
-        all_messages = messages + [self._message(t.role, t.segments) for t in turns]
-        previous: list[int] = []
-        encoded_turns = []
-        for index, turn in enumerate(turns):
-            if turn.role not in ("user", "assistant"):
-                raise ValueError(
-                    f"dialogue {dialogue.id!r}, turn {index + offset}: role {turn.role!r} is not allowed here"
-                )
-            full = self._render(all_messages[: offset + index + 1], add_generation_prompt=False)
-            if turn.role == "assistant":
-                header_ids = self._render(all_messages[: offset + index], add_generation_prompt=True)
-                header = self._delta(dialogue.id, index + offset, previous, header_ids, "the generation prompt")
-                body = self._delta(dialogue.id, index + offset, header_ids, full, "the assistant turn")
-                trainable = train_on == "all_assistant" or index == last_assistant
-                chunks = self._split_images(dialogue.id, index + offset, header, [], False)
-                chunks += self._split_images(dialogue.id, index + offset, body, list(turn.images), trainable)
-            else:
-                delta = self._delta(dialogue.id, index + offset, previous, full, "a user turn")
-                chunks = self._split_images(dialogue.id, index + offset, delta, list(turn.images), False)
-            encoded_turns.append(EncodedTurn(turn.role, chunks))
-            previous = full
-        suffix: list = []
-        if add_generation_prompt:
-            if not turns or turns[-1].role != "user":
-                raise ValueError(
-                    f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
-                )
-            prompt = self._render(all_messages, add_generation_prompt=True)
-            suffix = self._split_images(
-                dialogue.id, len(dialogue.turns), self._delta(dialogue.id, len(dialogue.turns), previous, prompt,
-                                                              "the generation prompt"), [], False
-            )
-        return EncodedDialogue(dialogue.id, [], encoded_turns, suffix)
+        """Render with the checkpoint's chat template and expand images as its processor does.
+        ``system_prompt`` adds a system message when the dialogue has none (``None``/``""``: the
+        template's own default)."""
+        return self._encode(dialogue, system_prompt, train_on, add_generation_prompt)
 
     def image_token_count(self, image: Image) -> int:
-        from mmtune.core.images import image_size
+        """Tokens of the processor's text for the image (its size read from the file header)."""
+        return self._count(self._image_text(image))
 
-        width, height = image_size(image.path)  # header only
-        return self._count_for_size(height, width)
+    @functools.lru_cache(maxsize=65536)
+    def _count(self, replacement: str) -> int:
+        return len(self.tokenizer(replacement, add_special_tokens=False)["input_ids"])
+
+    @classmethod
+    def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
+        """``None``: counts depend on each image's size (``mmtune plan`` asks the class, before any
+        adapter is built, and then uses ``data.mixture.tokens_per_image``)."""
+        return None
+
+    def fingerprint(self) -> str:
+        state = {
+            "family": self.family,
+            "path": self.config.path,
+            "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
+            "vocab": len(self.tokenizer),
+            "processor": self.processor.to_dict() if hasattr(self.processor, "to_dict") else repr(self.processor),
+        }
+        return state_fingerprint(state)
+
+    # -- the batch: image inputs -----------------------------------------------------------------
+    def image_input_joins(self) -> dict[str, InputJoin]:
+        """The join of each image input, found at start-up from the processor itself."""
+        return dict(self._joins)
+
+    def _decode(self, path: str):
+        from transformers.image_utils import load_image
+
+        self.config.image_limits.check_file(path)  # from the header, before the decode
+        return load_image(path)
+
+    def load_image(self, path: str) -> dict[str, "np.ndarray"]:
+        """The processor's image inputs of this one image (what the pixel cache stores)."""
+        try:
+            out = self._call([self._decode(path)])
+        except CorruptImageError:
+            raise
+        except (OSError, SyntaxError) as err:  # not an image PIL can read
+            raise CorruptImageError(path, None, None, err) from err
+        except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the file
+            raise UnsupportedImageError(path, None, None, f"{type(err).__name__}: {err}") from err
+        return {name: out[name].numpy() for name in self.image_input_names}
+
+    def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
+        """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them."""
+        import torch
+
+        parts = [{k: torch.as_tensor(v) for k, v in image.items()} for image in images]
+        return self.join_image_inputs(parts)
+
+    def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
+        return self.image_batch([self.load_image(p) for p in paths])
+
+    def pixel_settings(self) -> dict[str, Any]:
+        """The processor's settings (image processor included): the pixel cache's key."""
+        settings = self.processor.to_dict() if hasattr(self.processor, "to_dict") else repr(self.processor)
+        return {"settings": {"class": type(self.processor).__name__, **settings} if isinstance(settings, dict)
+                else settings, "uint8": False}
 
     def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
-        from PIL import Image as PILImage
+        inputs = self.image_inputs(paths)
+        if set(inputs) != {"pixel_values"} or inputs["pixel_values"].ndim != 4:
+            raise NotImplementedError(
+                f"the processor of {self.config.path!r} gives {sorted(inputs)}, not pixel_values [N, 3, H, W] "
+                "alone: use adapter.image_inputs(paths)"
+            )
+        return inputs["pixel_values"]
 
-        images = []
-        for path in paths:
-            self.config.image_limits.check_file(path)  # from the header, before the decode
-            with PILImage.open(path) as handle:
-                images.append(handle.convert("RGB"))
-        return self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image
+        tokens), computed from ``input_ids`` as the processor marks them."""
+        import torch
+
+        return {name: torch.isin(input_ids, torch.tensor(marked, dtype=input_ids.dtype)).long()
+                for name, marked in self._token_marks.items()}
+
+    # -- the batch: position ids -----------------------------------------------------------------
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
+    ) -> "torch.Tensor":
+        """One running position, or the model's own ``get_rope_index`` rows (M-RoPE models)."""
+        if self._rope is None:
+            return super().position_ids(input_ids, image_inputs)
+        grid = None if image_inputs is None else image_inputs.get("image_grid_thw")
+        return self._rope(input_ids, grid)
+
+    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
+        if self._rope is None:
+            return super().prompt_positions(input_ids, image_paths)
+        inputs = self.image_inputs(image_paths) if image_paths else None
+        grid = None if inputs is None else inputs.get("image_grid_thw")
+        return self._rope.with_delta(input_ids, grid)
 
     def load_model(self, **kwargs: Any) -> "nn.Module":
         from transformers import AutoModelForImageTextToText
@@ -310,8 +687,8 @@ class AutoAdapter(ModelAdapter):
     def _dummy_image_inputs(self) -> dict:
         from PIL import Image as PILImage
 
-        blank = PILImage.new("RGB", (64, 64), (0, 0, 0))
-        return dict(self.processor.image_processor(images=[blank], return_tensors="pt"))
+        out = self._call([PILImage.new("RGB", (64, 64), (0, 0, 0))])
+        return {name: out[name] for name in self.image_input_names}
 
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
         """0 x the model's ``get_image_features`` on a blank image (see the base class)."""

@@ -6,8 +6,9 @@ each image becomes, preprocesses images, loads the model, and names its module
 groups (vision tower / projector / language model) and the config that holds RoPE.
 
 Every adapter uses the same convention for images in a token sequence: an image
-becomes ``num_tokens`` copies of ``image_token_id``; the model replaces the
-embeddings at those positions with the image's features. So ``input_ids ==
+becomes ``num_tokens`` copies of ``image_token_id`` (or, where its processor says so, the
+image's own expansion ``ImageChunk.ids``, around and between those copies); the model
+replaces the embeddings at the ``image_token_id`` positions with the image's features. So ``input_ids ==
 image_token_id`` is the image-token mask (Partial LoRA's ``im_mask``), and truncation
 and packing only ever move whole :class:`ImageChunk` objects.
 
@@ -17,9 +18,12 @@ without naming any of them:
 
 - images become the inputs named :attr:`ModelAdapter.image_input_names` (LLaVA-1.5 and
   InternLM-XComposer2: ``pixel_values [N, 3, H, W]``; Qwen2-VL: ``pixel_values [sum of
-  patches, D]`` and ``image_grid_thw [N, 3]``). Every one of them concatenates along
-  dim 0 in image order, so a batch's inputs are each sample's, concatenated row-major;
-  a batch without images passes none of them (``None``);
+  patches, D]`` and ``image_grid_thw [N, 3]``). How several images' (and samples') values of
+  one input are joined is declared per input by :meth:`ModelAdapter.image_input_joins`
+  (an :class:`InputJoin`: concatenate along an axis, or stack on a new one, padding the other
+  axes to the largest); the default concatenates every input along dim 0 in image order, so
+  a batch's inputs are each sample's, joined row-major. A batch without images passes none
+  of them (``None``);
 - :meth:`ModelAdapter.load_image` is what the pixel cache stores per image (any shape:
   images of one sample may differ), keyed on :meth:`ModelAdapter.pixel_settings`, and
   :meth:`ModelAdapter.image_batch` turns those arrays into the model inputs;
@@ -45,6 +49,49 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.core.dialogue import Dialogue, Image
     from mmtune.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class InputJoin:
+    """How the values of one image input for several images (or samples) become one tensor.
+
+    ``stack=False`` concatenates along ``axis`` (InternVL's tiles, Qwen2-VL's patches: dim 0;
+    Idefics3's ``[1, images, 3, H, W]``: dim 1); ``stack=True`` stacks on a new ``axis``. Every
+    other axis is padded at its end to the largest value with ``pad_value`` first (LLaVA-OneVision
+    pads its patch axis, Pixtral its height and width); a mask input declares the same join, so
+    its padding reads as "not a pixel".
+
+    Example::
+
+        InputJoin(axis=0).join([torch.ones(2, 3), torch.ones(1, 5)])  # -> [3, 5], zeros at [0:2, 3:5]
+    """
+
+    axis: int = 0
+    stack: bool = False
+    pad_value: float = 0.0
+
+    def join(self, values: Sequence["torch.Tensor"]) -> "torch.Tensor":
+        """One tensor from ``values`` (in order).
+
+        Raises:
+            ValueError: the values differ in their number of dimensions (both named).
+        """
+        import torch
+
+        values = list(values)
+        ndims = {int(v.ndim) for v in values}
+        if len(ndims) != 1:
+            raise ValueError(f"cannot join image inputs of {sorted(ndims)} dimensions; every value must have the same")
+        ndim = ndims.pop()
+        keep = None if self.stack else self.axis % max(ndim, 1)
+        sizes = [max(int(v.shape[d]) for v in values) for d in range(ndim)]
+        padded = []
+        for value in values:
+            pads = []  # torch.nn.functional.pad order: last dim first, (before, after)
+            for d in reversed(range(ndim)):
+                pads += [0, 0 if d == keep else sizes[d] - int(value.shape[d])]
+            padded.append(torch.nn.functional.pad(value, pads, value=self.pad_value) if any(pads) else value)
+        return torch.stack(padded, dim=self.axis) if self.stack else torch.cat(padded, dim=keep)
 
 
 @dataclass
@@ -222,6 +269,29 @@ class ModelAdapter(ABC):
     #: names of the model inputs images become; each concatenates along dim 0 in image order
     image_input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
 
+    def image_input_joins(self) -> dict[str, InputJoin]:
+        """How each image input joins several images and samples (see :class:`InputJoin`).
+        Default: every name of :attr:`image_input_names` concatenated along dim 0."""
+        return {name: InputJoin() for name in self.image_input_names}
+
+    def join_image_inputs(self, parts: Sequence[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
+        """One dict of model inputs from the image inputs of several images or samples (in order),
+        each input joined as :meth:`image_input_joins` declares it.
+
+        Raises:
+            ValueError: a part lacks a declared input, or holds one the adapter does not declare.
+        """
+        joins = self.image_input_joins()
+        for k, part in enumerate(parts):
+            missing = sorted(set(joins) - set(part))
+            extra = sorted(set(part) - set(joins))
+            if missing or extra:
+                raise ValueError(
+                    f"image inputs {k} hold {sorted(part)}; the {self.family} adapter declares {sorted(joins)} "
+                    f"(missing {missing}, undeclared {extra})"
+                )
+        return {name: join.join([part[name] for part in parts]) for name, join in joins.items()}
+
     def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
         """The model inputs of the image files at ``paths`` (in order): one tensor per name of
         :attr:`image_input_names`, each with the images' rows concatenated along dim 0."""
@@ -247,6 +317,12 @@ class ModelAdapter(ABC):
         processor = getattr(self, "image_processor", None)
         settings = processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)
         return {"settings": settings, "uint8": False}
+
+    def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """Model inputs aligned with the tokens, computed from ``input_ids`` (any shape, e.g. a
+        batch [B, L], packed rows included) and passed beside them (Gemma 3's ``token_type_ids``,
+        1 on image tokens). Default: none."""
+        return {}
 
     # -- the batch: position ids -----------------------------------------------------------------
     #: rows of position ids per token: 1 (a running position) or M-RoPE's 3 (temporal, height, width)

@@ -29,7 +29,8 @@ import functools
 import hashlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
@@ -47,7 +48,7 @@ from mmtune.models._utils import (
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups, unwrap_model
-from mmtune.models.config import ModelConfig
+from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
@@ -168,6 +169,24 @@ def _merge_text(segments) -> list:
     return out
 
 
+@dataclass
+class LlavaSettings(FamilySettings):
+    """``model.llava``: LLaVA-1.5's image preprocessing."""
+
+    image_aspect_ratio: Optional[str] = None
+    """``pad`` to a square with the mean colour (as the original training did; what ``null``
+    means) or ``resize`` (stretch)."""
+    image_size: Optional[int] = None
+    """Square input resolution of a random-weight model's vision tower; ``None`` takes the
+    checkpoint's (a checkpoint refuses any other value)."""
+
+    def problems(self, prefix: str) -> list[str]:
+        problems = positive_or_null(self.image_size, f"{prefix}.image_size", "the checkpoint's value")
+        if self.image_aspect_ratio not in (None, "pad", "resize"):
+            problems.append(f"{prefix}.image_aspect_ratio={self.image_aspect_ratio!r}: use 'pad' or 'resize' (or null)")
+        return problems
+
+
 @register_adapter
 class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
@@ -178,7 +197,7 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
     """
 
     family = "llava"
-    reads_model_keys = frozenset({"architecture", "image_aspect_ratio", "image_size"})
+    settings_class = LlavaSettings
     # The language model's linear layers, as the original LLaVA LoRA scripts targeted
     # (find_all_linear_names skipped the vision tower and projector). These names also
     # occur in CLIP's attention, so pair them with ``lora_exclude_modules``.
@@ -218,12 +237,13 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
 
         config.validate()
         self.config = config
-        pad = (config.image_aspect_ratio or "pad") == "pad"  # LLaVA-1.5 training padded to a square
+        settings = config.settings
+        pad = (settings.image_aspect_ratio or "pad") == "pad"  # LLaVA-1.5 training padded to a square
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
-            if config.image_size is not None:
-                arch["vision_config"]["image_size"] = int(config.image_size)
+            if settings.image_size is not None:
+                arch["vision_config"]["image_size"] = int(settings.image_size)
             self.tokenizer = cached_tiny_tokenizer(
                 TINY_SPECIAL_TOKENS,
                 vocab_size=vocab_size,
@@ -252,10 +272,10 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
                 )
             base_processor = processor.image_processor
             size = self.model_config.vision_config.image_size
-            if config.image_size is not None and config.image_size != size:
+            if settings.image_size is not None and settings.image_size != size:
                 raise ValueError(
-                    f"model.image_size={config.image_size} but the checkpoint {config.path} was trained at "
-                    f"{size} px; leave model.image_size null for LLaVA checkpoints"
+                    f"model.llava.image_size={settings.image_size} but the checkpoint {config.path} was trained at "
+                    f"{size} px; leave model.llava.image_size null for LLaVA checkpoints"
                 )
 
         # LLaVA-1.5's "pad": expand to a square with the mean colour, then the CLIP

@@ -1,9 +1,18 @@
-"""Name → adapter class. Adapters register themselves; :func:`build_adapter` imports the
-known family modules on first use so a config only has to say ``family: llava``."""
+"""Name → adapter class. Adapters register themselves; the first look-up imports the
+modules of this package (the built-in families among them), so a config only has to say
+``family: llava`` and a new family is one new module.
+
+Each adapter declares ``settings_class``, the dataclass of its ``model.<family>`` section
+(:class:`mmtune.models.config.FamilySettings`); :func:`settings_classes` hands them to
+:func:`mmtune.models.config.model_config_class`, which composes the model config from them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import pkgutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -12,17 +21,28 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
-# Family modules shipped with mmtune, imported lazily (each pulls in transformers).
-_BUILTIN_MODULES = (
-    "mmtune.models.llava",
-    "mmtune.models.auto",
-    "mmtune.models.internlm_xcomposer2",
-    "mmtune.models.qwen2_vl",
-)
+_IMPORTED = False
 
 
 def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:
-    """Class decorator: register an adapter under its ``family`` name."""
+    """Class decorator: register an adapter under its ``family`` name.
+
+    Raises:
+        ValueError: ``cls`` has no ``family`` or no ``settings_class`` (a
+            :class:`~mmtune.models.config.FamilySettings` dataclass), or another class
+            already holds the name.
+    """
+    where = f"adapter class {cls.__module__}.{cls.__qualname__}"
+    problems = []
+    if not getattr(cls, "family", None):
+        problems.append("set the class attribute `family` (model.family names it)")
+    settings = getattr(cls, "settings_class", None)
+    # a FamilySettings subclass (checked by its interface: the config module composes from this one)
+    if not (isinstance(settings, type) and dataclasses.is_dataclass(settings) and hasattr(settings, "set_keys")):
+        problems.append("set `settings_class` to the dataclass of its model.<family> section (a FamilySettings "
+                        "subclass; an empty one when the family has no keys of its own)")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
     if cls.family in _ADAPTERS and _ADAPTERS[cls.family] is not cls:
         raise ValueError(f"adapter family {cls.family!r} is registered twice ({_ADAPTERS[cls.family]} and {cls})")
     _ADAPTERS[cls.family] = cls
@@ -30,12 +50,14 @@ def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:
 
 
 def _import_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:  # a real missing dependency inside the module
-                raise
+    global _IMPORTED
+    if _IMPORTED:
+        return
+    _IMPORTED = True  # first: a family module that builds a config while it is imported must not recurse
+    # every module of this package; the family modules register themselves (the others are
+    # their shared parts), so adding a family is adding its module: there is no list to keep
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{info.name}")
 
 
 def adapter_class(family: str) -> type["ModelAdapter"]:
@@ -47,6 +69,13 @@ def adapter_class(family: str) -> type["ModelAdapter"]:
             "Set `model.family` to one of them or register your adapter with @register_adapter."
         )
     return _ADAPTERS[family]
+
+
+def settings_classes() -> dict[str, type]:
+    """``{family: settings dataclass}`` of every registered family (the built-in ones
+    imported first): the ``model.<family>`` sections of the model config."""
+    _import_builtins()
+    return {family: cls.settings_class for family, cls in _ADAPTERS.items()}
 
 
 def build_adapter(config: "ModelConfig") -> "ModelAdapter":

@@ -41,7 +41,7 @@ def llava():
 @pytest.fixture(scope="module")
 def xcomposer2():
     yaml = Path(__file__).resolve().parents[3] / "configs" / "model" / "internlm_xc2_tiny.yaml"
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(yaml)))
     adapter = build_adapter(cfg)
     return adapter, _stopping(adapter, adapter.load_model())
 

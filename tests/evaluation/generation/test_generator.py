@@ -121,7 +121,7 @@ def test_kv_reuse_matches_reencode_for_internlm_xcomposer2(dialogues):
     from omegaconf import OmegaConf
 
     yaml = Path(__file__).resolve().parents[3] / "configs" / "model" / "internlm_xc2_tiny.yaml"
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(yaml)))
     adapter = build_adapter(cfg)
     model = adapter.load_model()
     kv = DialogueGenerator(adapter, model, GenerationConfig(max_new_tokens=6)).generate(dialogues[:2])

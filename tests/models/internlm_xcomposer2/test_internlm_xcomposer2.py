@@ -541,7 +541,7 @@ def test_official_checkpoint_through_the_adapter_needs_an_image_size(model, tmp_
     _official_checkpoint(model, tmp_path)
     model_tok = build_adapter(ModelConfig(family="internlm_xcomposer2")).tokenizer
     model_tok.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="set model.image_size"):
+    with pytest.raises(ValueError, match="set model.internlm_xcomposer2.image_size"):
         build_adapter(ModelConfig(family="internlm_xcomposer2", path=str(tmp_path)))
 
 
@@ -550,10 +550,10 @@ def test_tiny_config_yaml_builds_the_tiny_model():
 
     root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs", "model")
     for name in ("internlm_xc2_tiny", "internlm_xc2_vl_7b", "internlm_xc2_7b"):
-        cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(os.path.join(root, f"{name}.yaml")))
+        cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(os.path.join(root, f"{name}.yaml")))
         assert cfg.family == "internlm_xcomposer2"
     tiny = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(os.path.join(root, "internlm_xc2_tiny.yaml")))
+        OmegaConf.merge(OmegaConf.structured(ModelConfig()), OmegaConf.load(os.path.join(root, "internlm_xc2_tiny.yaml")))
     )
     adapter = build_adapter(tiny)
     assert adapter.num_image_tokens == 16

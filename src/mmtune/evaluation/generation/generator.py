@@ -76,7 +76,7 @@ def flatten(encoded: Any, image_token_id: int) -> tuple[list[int], list[Image], 
         if isinstance(chunk, ImageChunk):
             spans.append((len(ids), len(ids) + chunk.num_tokens))
             images.append(chunk.image)
-            ids.extend([image_token_id] * chunk.num_tokens)
+            ids.extend(chunk.token_ids(image_token_id))
         else:
             ids.extend(chunk.ids)
     return ids, images, spans

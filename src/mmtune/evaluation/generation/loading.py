@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,16 +66,21 @@ def _run_metadata(directory: Path) -> Optional[dict[str, Any]]:
 def _model_config_from(metadata: Optional[dict[str, Any]], fallback: ModelConfig) -> ModelConfig:
     if not metadata:
         return dataclasses.replace(fallback)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = ModelConfig.field_names()  # the common keys and every family's section
     saved = ((metadata.get("config") or {}).get("model") or {}) if isinstance(metadata.get("config"), dict) else {}
     # The user's safety settings always win: a checkpoint never turns remote code on, nor
     # raises the image size limits of the machine that evaluates it.
     values = {k: v for k, v in saved.items() if k in fields and k not in _CALLERS_OWN}
     if metadata.get("family"):
         values["family"] = metadata["family"]
+    # a run saved by an older mmtune wrote the family keys flat (model.image_size): they load
+    # into the family's section; the file is not the user's spelling, so no deprecation warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        config = ModelConfig.from_dict({**dataclasses.asdict(fallback), **values})
     # keys the saved family does not read (a run saved by an older mmtune recorded every
     # default; the caller's config may come from another family) are dropped, not refused
-    return dataclasses.replace(fallback, **values).without_unread_keys()
+    return config.without_unread_keys()
 
 
 def _remote_code_requests(directory: Path, metadata: Optional[dict[str, Any]]) -> list[str]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from mmtune.models._utils import (
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups, unwrap_model
-from mmtune.models.config import ModelConfig
+from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.internlm_xcomposer2.configuration import InternLMXComposer2Config
 from mmtune.models.internlm_xcomposer2.conversion import (
@@ -102,6 +103,23 @@ def _strip_segments(segments) -> list:
     return out
 
 
+@dataclass
+class InternLMXComposer2Settings(FamilySettings):
+    """``model.internlm_xcomposer2``: input resolution and the labels after the last answer."""
+
+    image_size: Optional[int] = None
+    """Square input resolution; ``None`` takes the checkpoint's. An official checkpoint whose
+    config does not state it needs it (490 for -vl-7b, 224 for -7b: the CLIP position
+    embeddings are resized to it on load); a converted one refuses any other value."""
+    label_final_eos: Optional[bool] = None
+    """Put loss on the ``\\n`` and ``</s>`` after the last answer, as the official fine-tuning
+    code does (its ``mask_human_targets``; what ``null`` means). ``false`` labels only each
+    answer and its ``[UNUSED_TOKEN_145]``, the tokens generation stops at."""
+
+    def problems(self, prefix: str) -> list[str]:
+        return positive_or_null(self.image_size, f"{prefix}.image_size", "the checkpoint's value")
+
+
 @register_adapter
 class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
@@ -114,17 +132,17 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     Ids and labels as the official fine-tuning code (``conv2text``, ``interleav_wrap``,
     ``mask_human_targets``): turn texts stripped; labels on each answer and its
     ``[UNUSED_TOKEN_145]``, and on the ``\\n`` and ``</s>`` after the last answer
-    (``ModelConfig.label_final_eos``, default on as the official code). Images are spliced
+    (``model.internlm_xcomposer2.label_final_eos``, default on as the official code). Images are spliced
     with no marker tokens; text is tokenized in the official parts (split at images and
     special tokens). Images are always resized to a square, as the official model does
-    (``ModelConfig.image_aspect_ratio`` is not read).
+    (there is no aspect-ratio setting).
 
     In ``encode_dialogue`` / ``encode_many`` a leading system turn wins over
     ``system_prompt``; the default is no system prompt, as in the official fine-tuning data.
     """
 
     family = "internlm_xcomposer2"
-    reads_model_keys = frozenset({"architecture", "image_size", "label_final_eos"})
+    settings_class = InternLMXComposer2Settings
     default_lora_targets = ["wqkv", "wo", "w1", "w2", "w3"]
     #: official LoRA fine-tuning preset (peft ``LoraConfig`` keys)
     lora_preset: dict[str, Any] = {"r": 64, "lora_alpha": 64, "lora_dropout": 0.05}
@@ -145,6 +163,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     def __init__(self, config: ModelConfig):
         config.validate()
         self.config = config
+        image_size = config.settings.image_size
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
@@ -160,8 +179,8 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
                 )
             )
             arch["text_config"]["vocab_size"] = len(tokenizer)
-            if config.image_size is not None:
-                arch["vision_config"]["image_size"] = int(config.image_size)
+            if image_size is not None:
+                arch["vision_config"]["image_size"] = int(image_size)
             self.model_config = InternLMXComposer2Config(**arch)
             self._official = False
         else:
@@ -175,14 +194,14 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
             self._official = not is_native_checkpoint(self._local_path)
             if self._official:
                 with open(os.path.join(self._local_path, "config.json")) as handle:
-                    self.model_config = native_config_from_official(json.load(handle), image_size=config.image_size)
+                    self.model_config = native_config_from_official(json.load(handle), image_size=image_size)
             else:
                 self.model_config = InternLMXComposer2Config.from_pretrained(self._local_path)
                 size = self.model_config.vision_config.image_size
-                if config.image_size is not None and config.image_size != size:
+                if image_size is not None and image_size != size:
                     raise ValueError(
-                        f"model.image_size={config.image_size} but the checkpoint {config.path} was converted for "
-                        f"{size} px; leave model.image_size null or convert the official checkpoint again"
+                        f"model.internlm_xcomposer2.image_size={image_size} but the checkpoint {config.path} was "
+                        f"converted for {size} px; leave it null or convert the official checkpoint again"
                     )
         self.image_token_id = int(self.model_config.image_token_id)
         if IMAGE_TOKEN not in tokenizer.get_vocab():
@@ -295,7 +314,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
             suffix = [*newline, Piece("ids", (self.start_id,)), Piece("text", "assistant\n")]
         else:
             ends_with_answer = bool(turns) and turns[-1].role == "assistant"
-            label = ends_with_answer and self.config.label_final_eos is not False  # null: as official
+            label = ends_with_answer and self.config.settings.label_final_eos is not False  # null: as official
             suffix = [*[Piece("text", "\n", label) for _ in newline],
                       Piece("ids", (int(self.tokenizer.eos_token_id),), label)]  # fmt: skip
         return prefix, rendered, suffix
@@ -357,7 +376,7 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
         if checkpoint_config.get("model_type") == InternLMXComposer2Config.model_type:
             model_config = InternLMXComposer2Config.from_dict(checkpoint_config)
         else:  # the official remote-code config
-            model_config = native_config_from_official(checkpoint_config, image_size=config.image_size, plora_r=256)
+            model_config = native_config_from_official(checkpoint_config, image_size=config.settings.image_size, plora_r=256)
         with torch.device("meta"):
             model = InternLMXComposer2ForCausalLM(model_config)
         return model, _module_groups(model)

@@ -112,7 +112,7 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], sour
                 lines.append(f"  {title} ({len(items)}): " + ", ".join(shown))
         lines.append(
             "  Check that the path holds an InternLM-XComposer2 (not 4KHD / 2.5) checkpoint and that "
-            "model.image_size matches the variant (490 for -vl-7b, 224 for -7b)."
+            "model.internlm_xcomposer2.image_size matches the variant (490 for -vl-7b, 224 for -7b)."
         )
         raise CheckpointMismatchError("\n".join(lines))
 
@@ -168,7 +168,7 @@ def native_config_from_official(
     size = image_size or official.get("img_size")
     if size is None:
         raise ValueError(
-            "the official config does not say the image size; set model.image_size "
+            "the official config does not say the image size; set model.internlm_xcomposer2.image_size "
             "(490 for internlm-xcomposer2-vl-7b, 224 for internlm-xcomposer2-7b)"
         )
     rope = dict(official.get("rope_scaling") or {"type": "dynamic", "factor": 1.0})

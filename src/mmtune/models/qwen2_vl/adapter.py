@@ -30,7 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
@@ -43,7 +44,7 @@ from mmtune.models._utils import (
 )
 from mmtune.models.base import ModuleGroups
 from mmtune.models.base import unwrap_model as base_unwrap_model
-from mmtune.models.config import ModelConfig
+from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.qwen2_vl.images import QwenVLImages
 from mmtune.models.qwen2_vl.positions import RopeIndex
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
@@ -83,6 +84,27 @@ def load_chat_template(path: str, tokenizer: Any) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
+@dataclass
+class Qwen2VLSettings(FamilySettings):
+    """``model.qwen2_vl``: the pixel bounds of the image processor's ``smart_resize``."""
+
+    min_pixels: Optional[int] = None
+    """Smallest image area (pixels) after resizing; smaller images are scaled up to it.
+    ``None`` = the checkpoint processor's value. Fewer pixels = fewer image tokens."""
+    max_pixels: Optional[int] = None
+    """Largest image area (pixels) after resizing, i.e. at most
+    ``max_pixels / (patch_size * merge_size)^2`` tokens per image (28 px units for Qwen2-VL /
+    Qwen2.5-VL, 32 px for Qwen3-VL). ``None`` = the checkpoint processor's value."""
+
+    def problems(self, prefix: str) -> list[str]:
+        problems = []
+        for key in ("min_pixels", "max_pixels"):
+            problems += positive_or_null(getattr(self, key), f"{prefix}.{key}", "the checkpoint processor's value")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            problems.append(f"{prefix}.min_pixels={self.min_pixels} is above {prefix}.max_pixels={self.max_pixels}")
+        return problems
+
+
 @register_adapter
 class Qwen2VLAdapter(PieceAdapter):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
@@ -93,7 +115,7 @@ class Qwen2VLAdapter(PieceAdapter):
     """
 
     family = "qwen2_vl"
-    reads_model_keys = frozenset({"architecture", "min_pixels", "max_pixels"})
+    settings_class = Qwen2VLSettings
     # The language model's linear layers (the vision tower's are named qkv / proj / fc* /
     # linear_fc*, but Qwen2.5-VL's vision MLP also has gate/up/down_proj: see the exclude).
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -125,13 +147,14 @@ class Qwen2VLAdapter(PieceAdapter):
 
     @classmethod
     def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
-        """The most tokens an image can become under ``model.max_pixels`` (large photos reach
-        it): ``max_pixels // (patch x merge)^2``; ``None`` without the bound (it depends on
-        each image)."""
-        if config.max_pixels is None:
+        """The most tokens an image can become under ``model.qwen2_vl.max_pixels`` (large
+        photos reach it): ``max_pixels // (patch x merge)^2``; ``None`` without the bound (it
+        depends on each image)."""
+        max_pixels = config.settings.max_pixels
+        if max_pixels is None:
             return None
         vc = model_config.vision_config
-        return int(config.max_pixels) // (int(vc.patch_size) * int(vc.spatial_merge_size)) ** 2
+        return int(max_pixels) // (int(vc.patch_size) * int(vc.spatial_merge_size)) ** 2
 
     def __init__(self, config: ModelConfig):
         config.validate()
@@ -146,7 +169,7 @@ class Qwen2VLAdapter(PieceAdapter):
             self.tokenizer = tiny_tokenizer()
             self.model_config = tiny_model_config(model_type, self.tokenizer, config.architecture)
             image_processor = tiny_image_processor(
-                self.model_config, min_pixels=config.min_pixels, max_pixels=config.max_pixels
+                self.model_config, min_pixels=config.settings.min_pixels, max_pixels=config.settings.max_pixels
             )
             template = CHAT_TEMPLATES[model_type]
         else:
@@ -407,14 +430,15 @@ def _module_groups(inner: "nn.Module") -> ModuleGroups:
 
 
 def _override_pixels(image_processor: Any, config: ModelConfig) -> None:
-    """Apply ``model.min_pixels`` / ``model.max_pixels`` to a loaded processor (its ``size``)."""
-    if config.min_pixels is None and config.max_pixels is None:
+    """Apply ``model.qwen2_vl.min_pixels`` / ``max_pixels`` to a loaded processor (its ``size``)."""
+    settings = config.settings
+    if settings.min_pixels is None and settings.max_pixels is None:
         return
     from transformers.image_utils import SizeDict
 
     size = dict(image_processor.size)
-    if config.min_pixels is not None:
-        size["shortest_edge"] = int(config.min_pixels)
-    if config.max_pixels is not None:
-        size["longest_edge"] = int(config.max_pixels)
+    if settings.min_pixels is not None:
+        size["shortest_edge"] = int(settings.min_pixels)
+    if settings.max_pixels is not None:
+        size["longest_edge"] = int(settings.max_pixels)
     image_processor.size = SizeDict(**size)

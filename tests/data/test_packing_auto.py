@@ -1,0 +1,121 @@
+"""Packing for the ``auto`` family's tested classes (InternVL, LLaVA-OneVision, Gemma 3, Idefics3,
+Mistral 3, GLM-4.1V on tiny random-weight checkpoints built from transformers' classes): a
+packed row's loss, gradients and logits equal every sample run alone at 1e-5, with per-sample
+attention (Gemma 3, whose sliding-window layers keep transformers' block mask, not yet: a strict
+expected failure); truncation keeps whole exchanges."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from mmtune.data.collator import CollatorConfig, MultiImageDataset, model_inputs
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.data.encoding import Example, encode_example
+from mmtune.models.base import IGNORE_INDEX
+from mmtune.training.loss import materialized_cross_entropy_sum
+from mmtune.training.packed_attention import PACKED_IMPLEMENTATIONS, language_model, model_support_problem, use_attention
+from tests.support.auto_checkpoints import CLASSES, adapter
+
+
+@pytest.fixture(scope="module")
+def image_paths(tmp_path_factory):
+    """Images of different sizes and aspect ratios (tiling processors make 1 to 4 tiles of them)."""
+    root = tmp_path_factory.mktemp("packing_auto")
+    paths = []
+    for k, size in enumerate([(80, 60), (40, 120), (30, 30), (120, 56)]):
+        path = root / f"{k}.png"
+        PILImage.effect_noise(size, 60).convert("RGB").save(path)
+        paths.append(str(path))
+    return paths
+
+
+def _dialogues(paths):
+    return [
+        Dialogue("a", "t", (Turn("user", (Image(paths[0]), "What is it?")), Turn("assistant", ("red",)))),
+        Dialogue("b", "t", (Turn("user", ("Hi",)), Turn("assistant", ("Hello there. Yes",)),
+                            Turn("user", ("Both: ", Image(paths[1]), Image(paths[2]))),
+                            Turn("assistant", ("green and blue",)))),
+        Dialogue("c", "t", (Turn("user", ("Only text here",)), Turn("assistant", ("ok",)))),
+        Dialogue("d", "t", (Turn("user", ("Only text here",)), Turn("assistant", ("no",)))),
+        Dialogue("e", "t", (Turn("user", ("Wide: ", Image(paths[3]), " describe.")), Turn("assistant", ("dark",)))),
+    ]
+
+
+# Row 0: a, the one-token sample, c, e; row 1: b, d and the row padding (a sample of its own).
+ORDER = ["a", "one", "c", "e", "b", "d"]
+ROWS = [0, 0, 0, 0, 1, 1]
+
+
+def _loss_and_grads(model, batches):
+    """Token-mean next-token loss over ``batches``, its gradients and each batch's logits."""
+    model.zero_grad(set_to_none=True)
+    tokens = sum(int(b["num_loss_tokens"]) for b in batches)
+    total, logits = 0.0, []
+    for batch in batches:
+        out = model(**model_inputs(batch))
+        loss = materialized_cross_entropy_sum(out.logits, batch["labels"]) / tokens
+        loss.backward()
+        total += float(loss.detach())
+        logits.append(out.logits.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, grads, logits
+
+
+# Gemma 3 attends bidirectionally within each image (its token_type_ids); on a packed row its
+# sliding-window layers keep transformers' block mask, and that path's loss is 1.3e-4 off the
+# samples alone (equal to 3e-7 before token_type_ids were passed): not exact yet.
+GEMMA3_PACKED = pytest.mark.xfail(raises=AssertionError, strict=True,
+                                  reason="Gemma 3's packed block mask with bidirectional image attention is not exact")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=GEMMA3_PACKED if k == "gemma3" else ()) for k in CLASSES])
+def test_packed_rows_equal_each_sample_alone(kind, image_paths):
+    auto = adapter(kind)
+    model = auto.load_model(attn_implementation="sdpa").train()
+    dataset = MultiImageDataset(_dialogues(image_paths), auto, CollatorConfig(max_length=2048, batching="packing"))
+    collate = dataset.collator()
+    by_id = {e.dialogue_id: e for e in (dataset[i] for i in range(len(dataset)))}
+    by_id["one"] = Example("one", [by_id["c"].input_ids[0]], [IGNORE_INDEX])
+    examples = [by_id[k] for k in ORDER]
+    packed = collate([replace(e, row=r) for e, r in zip(examples, ROWS)])
+    assert packed["attention_mask"] is None
+    text_config = auto.text_config(model.config)
+    lm = language_model(model, text_config)
+
+    alone = _loss_and_grads(model, [collate([e]) for e in examples])
+    paths = {"block mask": _loss_and_grads(model, [packed])}  # transformers' own, from the restarting positions
+    problem = model_support_problem(model, text_config)
+    if problem:  # windowed layers: the per-sample kernels refuse them, training keeps the block mask
+        assert "sliding_window" in problem
+    else:
+        with use_attention(lm, PACKED_IMPLEMENTATIONS["sdpa"]):
+            paths["per-sample attention"] = _loss_and_grads(model, [packed])
+    for what, result in paths.items():
+        assert abs(result[0] - alone[0]) <= 1e-5, what
+        assert result[1].keys() == alone[1].keys(), what
+        assert any(part in n for n in result[1] for part in ("vision", "vit", "visual")), "the vision tower learns"
+        for name in result[1]:
+            torch.testing.assert_close(result[1][name], alone[1][name], rtol=1e-5, atol=1e-5, msg=f"{kind}, {what}: {name}")
+        starts = {0: 0, 1: 0}
+        for example, row, logits in zip(examples, ROWS, alone[2]):
+            n = len(example)
+            torch.testing.assert_close(result[2][0][row, starts[row]:starts[row] + n], logits[0], rtol=0, atol=1e-5,
+                                       msg=f"{kind}, {what}: logits of {example.dialogue_id}")
+            starts[row] += n
+
+
+@pytest.mark.parametrize("kind", CLASSES)
+def test_truncation_keeps_whole_exchanges(kind, image_paths):
+    """A dialogue over the length limit loses its last exchanges whole: the example is exactly
+    the encoding of the dialogue cut after an exchange, with that exchange's images only."""
+    auto = adapter(kind)
+    dialogue = _dialogues(image_paths)[1]  # text exchange, then an exchange with two images
+    first = Dialogue("b", "t", dialogue.turns[:2])
+    full = encode_example(auto, dialogue, max_length=None)
+    short = encode_example(auto, first, max_length=None)
+    cut = encode_example(auto, dialogue, max_length=len(full) - 1)
+    assert cut is not None and len(short) < len(full)
+    assert cut.input_ids == short.input_ids and cut.labels == short.labels and cut.images == []
+    assert any(label != IGNORE_INDEX for label in cut.labels)

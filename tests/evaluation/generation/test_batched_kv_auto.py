@@ -1,0 +1,96 @@
+"""Generation for the ``auto`` family's tested classes (tiny random-weight InternVL, LLaVA-OneVision,
+Gemma 3, Idefics3, Mistral 3 and GLM-4.1V checkpoints built from transformers' classes): batched
+KV answers equal batch 1 and re-encoding, record for record.
+
+Greedy decoding in fp32. The dialogues differ in turns, images per turn (of different sizes:
+different tile counts) and text length; one overflows the window, so its row is rolled back to
+a common prefix. The stop token's output row is scaled up so answers stop at different steps.
+"""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image as PILImage
+
+from mmtune.data.dialogue import Dialogue, Image, Turn
+from mmtune.evaluation.generation.config import GenerationConfig
+from mmtune.evaluation.generation.generator import DialogueGenerator
+from tests.support.auto_checkpoints import CLASSES, adapter
+
+
+@pytest.fixture(scope="module")
+def dialogues(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto_gen")
+    paths = []
+    rng = np.random.default_rng(0)
+    for i, (width, height) in enumerate([(36, 30), (90, 40), (30, 120), (64, 64)]):
+        path = root / f"{i}.png"
+        PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+
+    def make(k: int, images: list[int], words: int = 1, name: str | None = None) -> Dialogue:
+        out, seen = [], 0
+        for t, n in enumerate(images):
+            segments: list = []
+            for _ in range(n):
+                seen += 1
+                segments += [f"Image{seen}: ", Image(paths[(k + seen) % len(paths)]), "\n"]
+            question = f"What is in Image{max(seen, 1)}?" if n else f"Compare Image1 and Image{max(seen, 1)}."
+            segments.append(" ".join([question] + ["please"] * (words * (t % 3))))
+            out += [Turn("user", tuple(segments)), Turn("assistant", (f"ref {k}-{t}",))]
+        return Dialogue(name or f"d{k}", "test", tuple(out))
+
+    return [make(0, [1]), make(1, [2, 0]), make(2, [1, 0, 1], words=3), make(3, [0, 1]), make(4, [0, 0], words=5),
+            make(5, [2, 1, 2, 1, 0], words=4, name="long")]
+
+
+def _fields(records):
+    return [(r.dialogue_id, r.turn, r.answer, r.prompt_tokens, r.new_tokens, r.finish_reason, r.context) for r in records]
+
+
+def _run(auto, model, dialogues, window, **settings):
+    cfg = GenerationConfig(max_new_tokens=6, context_length=window, min_new_tokens=6,
+                           **{"batch_schedule": "continuous", **settings})
+    gen = DialogueGenerator(auto, model, cfg)
+    return gen.generate(dialogues), dict(gen.stats)
+
+
+# Gemma 3's sliding-window layers keep no past beyond the window, so transformers' cache cannot
+# crop a row back to the common prefix once a dialogue outgrew the window (the tiny model's
+# window is 16 tokens; the released ones' 512-1024): the batched path does not handle it yet.
+# The Idefics3 template indexes a message's first content item,
+# and a random model's empty answer renders as an assistant message with none.
+KNOWN = {
+    "gemma3": pytest.mark.xfail(raises=RuntimeError, strict=True,
+                                reason="a sliding-window cache layer cannot be cropped back past its window"),
+    "idefics3": pytest.mark.xfail(strict=True, reason="an empty generated answer leaves an assistant message with no "
+                                                      "content item, which the Idefics3 template indexes"),
+}
+PARAMS = [pytest.param(kind, marks=KNOWN.get(kind, ())) for kind in CLASSES]
+
+
+@pytest.mark.parametrize("kind", PARAMS)
+def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
+    auto = adapter(kind)
+    model = auto.load_model().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[auto.stop_token_ids[0]] *= 3.0
+    window = _window(auto, dialogues)  # every dialogue fits but the long one
+    one, one_stats = _run(auto, model, dialogues, window, batch_size=1)
+    batched, stats = _run(auto, model, dialogues, window, batch_size=4)
+    reencoded, _ = _run(auto, model, dialogues, window, kv_reuse=False, batch_size=3)
+    assert "long" in {r.dialogue_id for r in one if r.context}
+    assert stats["padding_tokens"] > 0
+    assert _fields(batched) == _fields(one) == _fields(reencoded)
+    assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in one]
+    assert stats["forward_calls"] < one_stats["forward_calls"]
+
+
+def _window(auto, dialogues):
+    """Between the longest short dialogue and the long one, in tokens."""
+    from mmtune.data.encoding import encode_example
+
+    sizes = {d.id: len(encode_example(auto, d, max_length=None)) for d in dialogues}
+    short = max(n for name, n in sizes.items() if name != "long")
+    assert sizes["long"] > short + 20, sizes
+    return (short + sizes["long"]) // 2 + 8

@@ -1,0 +1,34 @@
+"""Tiny checkpoints of the ``auto`` family's tested classes, each written once per test process
+(``mmtune.models.tiny_checkpoints``) and shared by the tests of every room that runs them."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+
+from mmtune.models.tiny_checkpoints import KINDS
+
+#: the tested classes, by the names of :data:`mmtune.models.tiny_checkpoints.KINDS`
+CLASSES = tuple(KINDS)
+
+_ROOT = tempfile.mkdtemp(prefix="mmtune-auto-checkpoints-")
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(kind: str) -> str:
+    """The directory of a tiny random-weight checkpoint of ``kind`` (weights seeded with 0)."""
+    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(f"{_ROOT}/{kind}", kind)
+
+
+@functools.lru_cache(maxsize=None)
+def adapter(kind: str):
+    """The ``auto`` adapter of :func:`checkpoint` (one per process: building it probes the processor)."""
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    return build_adapter(ModelConfig(family="auto", path=checkpoint(kind)))
