@@ -6,7 +6,6 @@ import pytest
 
 from mmtune.training.plan import plan_run
 from tests.support.auto_checkpoints import CLASSES, adapter, checkpoint
-from tests.training.plan.test_plan import env, standin  # noqa: F401 (fixtures: stand-in data under MMTUNE_DATA_ROOT)
 
 
 @pytest.mark.parametrize("kind", CLASSES)
