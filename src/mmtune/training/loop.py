@@ -24,7 +24,7 @@ must get exactly right are awkward to reach inside ``Trainer``.
    out (an uneven last round, a partial last step) the data module tops ranks up with
    filler micro-batches that have no loss token, so they add nothing to either sum.
 
-The distributed engine (``training.backend.engine``: DDP, DeepSpeed ZeRO or FSDP2) is one
+The distributed engine (``training.backend.engine``: DDP, ZeRO or FSDP2) is one
 object behind :class:`~mmtune.training.engines.base.Engine`: it wraps or shards the model,
 syncs and clips gradients, saves and loads the resumable state and gathers ``final/``; the
 loop never asks which engine it runs under. accelerate still does what it does well:

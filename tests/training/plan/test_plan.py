@@ -277,9 +277,10 @@ def test_a_run_is_planned_for_its_experiments_own_launcher(env):
     assert own.zero["stage"] == 3 and own.zero["num_gpus"] == 8  # num_processes of the launcher
     assert "the launcher of the experiment's own command" in own.zero["origin"]
     assert own.cost["memory_gib"] == given.cost["memory_gib"]
-    # an experiment whose command names no launcher: plain DDP, said to be assumed
+    # an experiment whose command names no launcher: the engine of its config (training.backend), DDP
     bare = plan_run(["experiment=tiny_table5_baseline"], num_gpus=None, skip_data=True)
-    assert bare.zero["stage"] == 0 and "DDP assumed" in bare.zero["origin"] and bare.zero["num_gpus"] == 8
+    assert bare.zero["stage"] == 0 and bare.zero["engine"] == "ddp" and bare.zero["num_gpus"] == 8
+    assert "training.backend.engine=ddp" in bare.zero["origin"]
 
 
 def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env, tmp_path, monkeypatch):

@@ -230,7 +230,7 @@ class Engine(ABC):
     @classmethod
     @abstractmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1) -> StateMemory:
         """Bytes per GPU of weights, gradients and AdamW states under this engine.
 
         Args:
@@ -238,6 +238,7 @@ class Engine(ABC):
             total, trainable: parameters of the model, all and trained.
             weight_bytes: bytes per weight in its stored dtype.
             num_gpus: data-parallel ranks.
+            num_layers: decoder layers (an engine that gathers one layer at a time holds that much).
         """
 
     @classmethod

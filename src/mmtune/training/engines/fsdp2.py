@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from mmtune.training.engines import register_engine
-from mmtune.training.engines.base import Engine, StateMemory
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -261,17 +261,19 @@ class FSDP2Engine(Engine):
     # -- planning --------------------------------------------------------------------------
     @classmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1) -> StateMemory:
         g = max(1, num_gpus)
-        weights = float(4 * total) / g  # sharded fp32 parameters (bf16 only inside the units' compute)
-        grads = float(4 * trainable) / g
-        optim = 8.0 * trainable / g  # AdamW m and v in fp32; the fp32 shard is its own master copy
+        # Sharded parameters and gradients stay in the weights' dtype (bf16 compute weights
+        # are cast copies inside the units), AdamW's m and v are fp32, plus an fp32 master
+        # copy when the weights are 16-bit; all divided by the ranks.
+        weights = float(weight_bytes * total) / g
+        grads = float(weight_bytes * trainable) / g
+        optim = adamw_bytes(trainable, weight_bytes) / g
         if config.cpu_offload:
             weights = grads = optim = 0.0
-        # One unit gathered at a time (two with prefetching): about two decoder layers of weights
-        # in the compute dtype; bounded here by 2/num_layers of the model is not known, so one
-        # tenth of the weights stands in for a 20-40-layer model.
-        gathered = float(weight_bytes * total) / 10 if g > 1 else 0.0
+        # The unit being computed and the next one prefetched: about two decoder layers of
+        # full weights on top of the shards.
+        gathered = float(weight_bytes * total) * min(1.0, 2 / max(1, num_layers)) if g > 1 else 0.0
         return StateMemory(weights=weights, gradients=grads, optimizer=optim, gathered=gathered)
 
     @classmethod
