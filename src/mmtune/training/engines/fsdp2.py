@@ -59,9 +59,15 @@ def sharding_units(groups: "ModuleGroups") -> dict[str, list["nn.Module"]]:
     the blocks of the vision tower's; ``vision_tower``: the vision tower's top modules.
     A name whose modules the model does not have maps to an empty list.
     """
+    from torch import nn
+
+    # A group may list a container (a ModuleList of blocks): its members are the units, as
+    # fully_shard needs a module with a forward.
+    tower = [child for module in groups.vision
+             for child in (module.children() if isinstance(module, (nn.ModuleList, nn.ModuleDict)) else [module])]
     return {"decoder_layers": _largest_layer_list(groups.language_model),
             "vision_layers": _largest_layer_list(groups.vision),
-            "vision_tower": list(groups.vision)}
+            "vision_tower": tower}
 
 
 def _fully_shard(module: "nn.Module", **kwargs: Any) -> None:
