@@ -2,6 +2,7 @@
 
     python bench/engines.py                          # tiny LLaVA, 6 steps each
     python bench/engines.py --steps 10 --model llava_tiny
+    python bench/engines.py --gpu-row ROWS.md        # bench/gpu_check.sh: one FSDP2 rank, bf16 on a GPU
 
 Each layout trains the same tiny model on the same synthetic data through the real loop
 (:class:`mmtune.training.loop.SFTRecipe`) with the same global batch (one process
@@ -38,6 +39,7 @@ LAYOUTS = {  # name: (processes, engine, gradient accumulation)
     "2 ranks FSDP2": (2, "fsdp2", 1),
     "2 ranks DDP": (2, "ddp", 1),
 }
+GPU_ROW = {"1 rank FSDP2": (1, "fsdp2", 2)}  # bench/gpu_check.sh: the engine's path on the one device
 
 
 def _local_bytes(tensor) -> int:
@@ -61,13 +63,14 @@ def worker(out: str, overrides: list[str]) -> None:
     optim = sum(_local_bytes(v) for state in recipe.optimizer.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     rank = recipe.accelerator.process_index
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     recipe.cleanup()
     with open(out.format(rank=rank), "w") as f:
-        json.dump({"rank": rank, "param_bytes": params, "optim_bytes": optim,
+        json.dump({"rank": rank, "param_bytes": params, "optim_bytes": optim, "peak_gib": peak_gib,
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 
 
-def run_layout(name: str, work: Path, data: Path, model: str, steps: int) -> dict:
+def run_layout(name: str, work: Path, data: Path, model: str, steps: int, extra: tuple[str, ...] = ()) -> dict:
     processes, engine, accum = LAYOUTS[name]
     run = work / name.replace(" ", "_")
     overrides = ["experiment=demo_single_image", f"model={model}", f"training.output_dir={run}",
@@ -75,11 +78,11 @@ def run_layout(name: str, work: Path, data: Path, model: str, steps: int) -> dic
                  "synthetic.n_test=4", "training.eval_before=false", "training.eval_after=false",
                  "training.save_final=false", "logging.progress_bar=false", "collator.batch_size=4",
                  f"training.max_steps={steps}", f"training.backend.engine={engine}",
-                 f"training.gradient_accumulation_steps={accum}"]
+                 f"training.gradient_accumulation_steps={accum}", *extra]
     out = str(work / (run.name + "_rank{rank}.json"))
     script = [str(Path(__file__).resolve()), "--worker", out, *overrides]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-            str(_free_port()), *script] if processes > 1 else [sys.executable, *script])
+            str(_free_port()), *script] if processes > 1 or engine == "fsdp2" else [sys.executable, *script])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -90,7 +93,29 @@ def run_layout(name: str, work: Path, data: Path, model: str, steps: int) -> dic
             "rss_mib": max(r["peak_rss_mib"] for r in ranks),
             "state_bytes": max(r["param_bytes"] + r["optim_bytes"] for r in ranks),
             "param_bytes": max(r["param_bytes"] for r in ranks), "optim_bytes": max(r["optim_bytes"] for r in ranks),
+            "peak_gib": max(r["peak_gib"] for r in ranks),
+            "tokens_s": statistics.median(m["perf/tokens_per_s"] for m in metrics[1:]),
             "loss": metrics[-1]["train/loss"]}
+
+
+def gpu_row(args: argparse.Namespace) -> None:
+    """One FSDP2 rank through the loop (bf16 on a GPU, fp32 on CPU): one row of bench/gpu_check.sh's table."""
+    import torch
+
+    from mmtune.data.synthetic import generate_synthetic
+
+    LAYOUTS.update(GPU_ROW)
+    on_gpu = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="mmtune-bench-engines-") as tmp:
+        work = Path(tmp)
+        generate_synthetic(work / "data", n_train=64, n_test=4, n_llava=0, seed=0, image_size=56,
+                           min_images=1, max_images=1, max_turns=3)
+        r = run_layout("1 rank FSDP2", work, work / "data", args.model, args.steps,
+                       ("training.mixed_precision=bf16",) if on_gpu else ())
+    with open(args.gpu_row, "a") as f:
+        f.write(f"| FSDP2 | {args.model}, 1 rank, {'bf16' if on_gpu else 'fp32 (CPU)'}, fully_shard units | "
+                f"{r['tokens_s']:.0f} | {r['peak_gib']:.2f} | params + AdamW {r['state_bytes'] / 2**20:.2f} MiB; "
+                f"loss {r['loss']:.4f} |\n")
 
 
 def _free_port() -> int:
@@ -107,7 +132,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llava_tiny", help="model config (configs/model/<name>.yaml)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per layout")
+    parser.add_argument("--gpu-row", help="append bench/gpu_check.sh's FSDP2 row to this file (bf16 on a GPU) "
+                                          "instead of comparing the layouts")
     args = parser.parse_args()
+    if args.gpu_row:
+        return gpu_row(args)
     from mmtune.data.synthetic import generate_synthetic
 
     with tempfile.TemporaryDirectory(prefix="mmtune-bench-engines-") as tmp:

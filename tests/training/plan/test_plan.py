@@ -290,7 +290,8 @@ def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env,
     assert p.zero["stage"] == 3
     mine = tmp_path / "my_zero2.yaml"  # a launcher of your own, next to you
     mine.write_text((REPO / "launch/accelerate/single_node_8gpu_zero2.yaml").read_text())
-    p = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None, accelerate_config="my_zero2.yaml")
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=None,
+                 accelerate_config="my_zero2.yaml")
     assert p.zero["stage"] == 2
     with pytest.raises(PlanError, match=r"accelerate config 'nope.yaml' not found \(tried .*nope.yaml or "):
         plan_run(["experiment=table3_llava15_7b_mmdu45k"], accelerate_config="nope.yaml")
