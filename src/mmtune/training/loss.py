@@ -236,8 +236,7 @@ def output_head(module: nn.Module, engine_problem: str = "") -> tuple[Optional[O
         adapter, no dropout and nothing merged; ``(None, reason)`` otherwise, and the
         caller falls back to materialised logits.
     """
-    # A subclass that keeps nn.Linear's forward (a sharding engine's hooked class) is one matrix too.
-    if type(module) is nn.Linear or (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
+    if type(module) is nn.Linear:
         return OutputHead(module, [p for p in (module.weight, module.bias) if p is not None], "linear"), ""
     try:
         from peft.tuners.lora import Linear as LoraLinear

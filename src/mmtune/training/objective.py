@@ -40,7 +40,7 @@ __all__ = ["TokenWeightedCrossEntropy", "VisionOnEveryRank", "layer_stack"]
 
 
 def layer_stack(modules: list[nn.Module]) -> tuple[Optional[nn.Module], list[nn.Module]]:
-    """The layer stack under ``modules``: the ``nn.ModuleList`` with the most parameters
+    """The layer stack under ``modules``: the ``nn.ModuleList`` with the most parameter tensors
     (the decoder layers of a language model, the blocks of a vision tower), with the
     module that holds it; ``(None, [])`` when there is none.
 
@@ -52,7 +52,9 @@ def layer_stack(modules: list[nn.Module]) -> tuple[Optional[nn.Module], list[nn.
         for parent in top.modules():
             for child in parent.children():
                 if isinstance(child, nn.ModuleList) and len(child) > 1:
-                    size = sum(p.numel() for p in child.parameters())
+                    # Counted in parameter tensors, not elements: an engine may have partitioned
+                    # the weights already (ZeRO-3 at construction), leaving empty local tensors.
+                    size = sum(1 for _ in child.parameters())
                     if size > best_size:
                         best, best_size = (parent, list(child)), size
     return best
