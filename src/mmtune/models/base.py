@@ -113,7 +113,7 @@ PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "merger
 
 
 def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = None) -> "nn.Module":
-    """The model inside peft (``get_base_model``) and DDP / DeepSpeed (``module``) wrappers.
+    """The model inside peft (``get_base_model``) and distributed-engine (``module``) wrappers.
 
     Unwrapping stops at the first ``expected`` instance (a class or a tuple of classes; default: the first transformers
     ``PreTrainedModel``), at most 8 wrappers deep.
@@ -130,7 +130,7 @@ def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = 
             return inner
         if hasattr(inner, "get_base_model"):  # peft
             inner = inner.get_base_model()
-        elif hasattr(inner, "module"):  # DeepSpeed engine, DDP
+        elif hasattr(inner, "module"):  # a distributed engine's wrapper (DDP, ZeRO)
             inner = inner.module
         else:
             break
@@ -138,7 +138,7 @@ def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = 
         return inner
     names = " / ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
     raise TypeError(
-        f"expected a {names} (possibly wrapped by peft/DDP/DeepSpeed), got {type(model).__name__}; "
+        f"expected a {names} (possibly wrapped by peft or a distributed engine), got {type(model).__name__}; "
         "check `model.family` in the config"
     )
 
@@ -407,6 +407,6 @@ class ModelAdapter(ABC):
         """A zero-valued scalar that runs the vision tower (and projector) on a dummy image.
 
         Added to the loss of text-only batches so every rank calls the vision tower every
-        step (DeepSpeed ZeRO-3 hangs otherwise) and vision parameters get zero, not
+        step (sharded engines, ZeRO-3 and FSDP2, hang otherwise) and vision parameters get zero, not
         ``None``, gradients.
         """

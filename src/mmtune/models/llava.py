@@ -152,7 +152,7 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 
 
 def _llava(model: "nn.Module") -> "nn.Module":
-    """The ``LlavaForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
+    """The ``LlavaForConditionalGeneration`` inside peft / distributed-engine wrappers."""
     from transformers import LlavaForConditionalGeneration
 
     return unwrap_model(model, LlavaForConditionalGeneration)

@@ -247,11 +247,10 @@ def test_a_run_is_planned_for_its_experiments_own_launcher(env):
     assert own.zero["stage"] == 3 and own.zero["num_gpus"] == 8  # num_processes of the launcher
     assert "the experiment's launcher (its `launcher` key)" in own.zero["origin"]
     assert own.cost["memory_gib"] == given.cost["memory_gib"]
-    # an experiment without a launcher: plain DDP, said to be assumed
-    assert plan_run(["experiment=table3_llava15_7b_mmdu45k", "launcher=null"], num_gpus=None,
-                    skip_data=True).zero["stage"] == 0
+    # an experiment without a launcher: the engine of its config (training.backend), DDP
     bare = plan_run(["experiment=tiny_table5_baseline"], num_gpus=None, skip_data=True)
-    assert bare.zero["stage"] == 0 and "DDP assumed" in bare.zero["origin"] and bare.zero["num_gpus"] == 8
+    assert bare.zero["stage"] == 0 and bare.zero["engine"] == "ddp" and bare.zero["num_gpus"] == 8
+    assert "training.backend.engine=ddp" in bare.zero["origin"]
 
 
 def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env, tmp_path, monkeypatch):
@@ -261,7 +260,8 @@ def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env,
     assert p.zero["stage"] == 3
     mine = tmp_path / "my_zero2.yaml"  # a launcher of your own, next to you
     mine.write_text((REPO / "launch/accelerate/single_node_8gpu_zero2.yaml").read_text())
-    p = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None, accelerate_config="my_zero2.yaml")
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=None,
+                 accelerate_config="my_zero2.yaml")
     assert p.zero["stage"] == 2
     with pytest.raises(PlanError, match=r"accelerate config 'nope.yaml' not found \(tried .*nope.yaml or "):
         plan_run(["experiment=table3_llava15_7b_mmdu45k"], accelerate_config="nope.yaml")

@@ -88,7 +88,7 @@ class Layout:
 
 def current_layout() -> Layout:
     """The layout of this process: one process unless launched with several (``WORLD_SIZE``
-    > 1, as ``torchrun``, ``accelerate launch`` and DeepSpeed set it).
+    > 1, as ``torchrun`` and ``accelerate launch`` set it).
 
     Several processes join (or reuse, in a training run) accelerate's process group: NCCL
     with one GPU per rank, gloo on CPU.

@@ -3,7 +3,7 @@
 The official model ships as Hugging Face remote code. This package rebuilds the same
 architecture on transformers building blocks (``PreTrainedModel``, ``CLIPVisionModel``,
 the attention-function registry, the masking utilities and the RoPE utilities), so it
-trains through mmtune's collator, packing, DeepSpeed and evaluation path like LLaVA,
+trains through mmtune's collator, packing, distributed engines and evaluation path like LLaVA,
 and loads the official checkpoint by converting its state dict (tested on random weights
 with the official names and shapes; see docs/internlm_xcomposer2.md, "Limits").
 

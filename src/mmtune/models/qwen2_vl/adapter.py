@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
 
 def unwrap_model(model: "nn.Module") -> "nn.Module":
-    """The transformers ``…ForConditionalGeneration`` inside peft / DDP / DeepSpeed wrappers."""
+    """The transformers ``…ForConditionalGeneration`` inside peft / distributed-engine wrappers."""
     return base_unwrap_model(model, generation_classes())
 
 

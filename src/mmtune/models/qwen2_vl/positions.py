@@ -6,7 +6,7 @@ merged tokens get ``(start, start + row, start + column)``, and the text after t
 continues at ``start + max(h, w)``. transformers computes this in
 ``Qwen2VLModel.get_rope_index`` (and the Qwen2.5-VL / Qwen3-VL equivalents), which reads
 nothing but the model config. :class:`RopeIndex` calls it on an instance of the class that
-holds only the config (no submodule built: nothing allocated, nothing for DeepSpeed ZeRO-3
+holds only the config (no submodule built: nothing allocated, nothing for ZeRO-3
 to partition), so the positions are transformers' own, never a re-implementation.
 """
 
@@ -46,7 +46,7 @@ class RopeIndex:
     def model(self):
         """An instance of the model class holding the config alone: ``get_rope_index`` reads the
         config and the class's own helpers, no weight. No submodule is built, so nothing is
-        allocated or initialised, and DeepSpeed ZeRO-3's construction hooks (which partition
+        allocated or initialised, and ZeRO-3's construction hooks (which partition
         and initialise every module ``_from_config`` builds) never run on it. The tests check
         its positions give the logits of the full model computing them itself."""
         if self._model is None:

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 from mmtune.training.plan.common import PlanError
 from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
+from mmtune.training.engines.base import StateMemory
 from mmtune.training.plan.model import ParamCounts
 
 __all__ = ["CostEstimate", "estimate_cost", "zero_settings", "resolve_launch_file", "launcher_processes",
@@ -84,6 +85,8 @@ def estimate_cost(
     loss_impl: str = "materialized",
     loss_chunk_size: int = 1024,
     head_trains: bool = True,
+    state: Optional[StateMemory] = None,
+    engine: str = "",
 ) -> CostEstimate:
     """Compute and memory estimate (formulas in the module docstring).
 
@@ -134,6 +137,8 @@ def estimate_cost(
     # ZeRO-3 gathers the layers it is computing (DeepSpeed's stage3_max_live_parameters,
     # 1e9 by default): that working set sits on every GPU on top of the shards.
     gathered = wbytes * min(params.total, ZERO3_LIVE_PARAMETERS) if zero_stage >= 3 else 0.0
+    if state is not None:  # the engine's own accounting (training.backend)
+        weights, grads, optim, gathered = state.weights, state.gradients, state.optimizer, state.gathered
     s = micro_batch_tokens
     act = (2 * s * d * L + 34 * s * d) if gradient_checkpointing else 34 * s * d * L
     if loss_impl == "auto":
@@ -163,8 +168,9 @@ def estimate_cost(
     formula = (
         "FLOPs = tokens·(4·N_lm + 2·N_trainable_lm [+2·N_lm ckpt] + 6·L·d·s̄ [×4/3 ckpt]) + "
         "(2|6)·N_vision·patches; GPU-h = FLOPs / (peak·utilization) / 3600. "
-        "Memory = weights + grads + AdamW (8 or 12 B/param) sharded by ZeRO stage (+1e9 gathered params "
-        "under ZeRO-3) + activations "
+        "Memory = weights + grads + AdamW (8 or 12 B/param) "
+        + (f"as {engine} holds them" if engine else "sharded by ZeRO stage (+1e9 gathered params under ZeRO-3)")
+        + " + activations "
         "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
         + {"chunked": "6·c·V + 2·s·d [+2·V·d +4·V·d fp32 head grad] B, c = loss_chunk_size rows",
            "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
@@ -209,8 +215,9 @@ def launcher_processes(accelerate_config: str) -> Optional[int]:
 def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
     """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config);
     relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`)."""
-    ds_path = training_cfg.deepspeed_config
-    origin = "training.deepspeed_config"
+    backend = training_cfg.backend
+    ds_path = backend.deepspeed.config_file if backend.engine == "deepspeed" else None
+    origin = "training.backend.deepspeed.config_file"
     if accelerate_config:
         from omegaconf import OmegaConf
 
@@ -224,6 +231,9 @@ def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
         else:
             return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
+    if not ds_path and backend.engine == "deepspeed":
+        d = backend.deepspeed
+        return d.stage, d.offload_optimizer, d.offload_params, "training.backend.deepspeed"
     if not ds_path:
         return 0, False, False, "no DeepSpeed config: DDP assumed (pass --accelerate-config to plan a ZeRO launch)"
     try:

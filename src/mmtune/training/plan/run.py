@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
+from mmtune.training.plan.gpus import DTYPE_BYTES
 from mmtune.training.plan.cost import estimate_cost, launcher_processes, zero_settings
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
@@ -76,9 +77,12 @@ class RunPlan:
         lines.append(f"  attention   {self.attention}")
         lines.append(f"  loss        {self.loss}")
         z = self.zero
-        lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
-                     + (" + optimizer offload" if z["offload_optimizer"] else "")
-                     + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
+        if z.get("engine", "deepspeed") == "deepspeed":
+            lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
+                         + (" + optimizer offload" if z["offload_optimizer"] else "")
+                         + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
+        else:
+            lines.append(f"  distributed {z['num_gpus']} GPU(s), {z['description']}  [{z['origin']}]")
         if self.cost:
             k = self.cost
             lines.append(f"  steps       {k['optimizer_steps']:,} optimizer steps, "
@@ -187,8 +191,23 @@ def plan_run(
         accelerate_config = cfg.launcher
         if accelerate_config:
             launcher_note = ", the experiment's launcher (its `launcher` key)"
+    from mmtune.training.engines import engine_class
+
+    backend = cfg.training.backend
+    engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
     try:
+        # The engine is the config's; a launcher that started another one is a problem, as at start-up.
         stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
+        if accelerate_config and stage and backend.engine != "deepspeed":
+            problems.append(f"training.backend.engine={backend.engine} but {accelerate_config} launches DeepSpeed "
+                            f"ZeRO-{stage}: set training.backend.engine=deepspeed or launch with another config")
+        elif backend.engine == "deepspeed" and accelerate_config and stage != engine_cfg.stage:
+            problems.append(f"training.backend.deepspeed.stage={engine_cfg.stage} but {accelerate_config} launches "
+                            f"ZeRO-{stage}: make them agree")
+        if backend.engine != "deepspeed":
+            stage, off_opt, off_par = 0, False, False
+            origin = f"training.backend.engine={backend.engine}" + (f" ({accelerate_config})" if accelerate_config
+                                                                  else "")
         if num_gpus is None:
             num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
             launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
@@ -211,7 +230,7 @@ def plan_run(
     cost = None
     if params is not None and data is not None:
         try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
-            loss = planned_loss_impl(cfg, meta_model(cfg.model)[0], zero_stage=stage)
+            loss = planned_loss_impl(cfg, meta_model(cfg.model)[0])
         except ValueError as err:
             raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
         loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
@@ -233,6 +252,10 @@ def plan_run(
             offload_optimizer=off_opt,
             offload_params=off_par,
             num_gpus=num_gpus,
+            state=engine_cls.state_memory(engine_cfg, total=params.total, trainable=params.trainable,
+                                          weight_bytes=DTYPE_BYTES.get(cfg.model.torch_dtype, 4),
+                                          num_gpus=num_gpus, num_layers=params.num_layers),
+            engine=engine_cls.describe(engine_cfg),
             gpu=GPU_TYPES[gpu],
             utilization=utilization,
             vision_trains=cfg.training.vision.train,
@@ -258,7 +281,7 @@ def plan_run(
         attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
                                     attn_implementation=cfg.model.attn_implementation).description,
         zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
-              "num_gpus": num_gpus},
+              "num_gpus": num_gpus, "engine": backend.engine, "description": engine_cls.describe(engine_cfg)},
         cost=asdict(cost) if cost else None,
         evaluation={"benchmarks": list(ev.benchmarks) if (cfg.training.eval_before or cfg.training.eval_after) else [],
                     "context_length": ev.generation.context_length, "before": cfg.training.eval_before,
