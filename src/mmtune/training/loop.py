@@ -23,6 +23,10 @@ must get exactly right are awkward to reach inside ``Trainer``.
    Every rank runs exactly ``accum`` micro-batches per step: where an epoch's plan runs
    out (an uneven last round, a partial last step) the data module tops ranks up with
    filler micro-batches that have no loss token, so they add nothing to either sum.
+   With sequence parallelism (``training.sequence_parallel.size = N``) the ``N`` ranks of a
+   group hold the same rows, each computing its shard's summed loss: the token count is
+   divided by ``N`` (each row counted once), and the ranks' gradients, averaged over
+   ``world_size`` by DDP, add up to those of the rows (``mmtune.training.sequence_parallel``).
 
 accelerate still does what it does well: device placement, mixed precision, DDP and
 DeepSpeed wrapping, ``no_sync`` during accumulation, ZeRO-3 gathering on save, and
@@ -208,6 +212,14 @@ class SFTRecipe:
         groups = self.adapter.module_groups(model)
         apply_freezing(model, groups, t, lora=lora)
         self._choose_attention(model, text_config)
+        self.sequence_parallel = None
+        if t.sequence_parallel.size > 1:
+            from mmtune.training.sequence_parallel import SequenceParallel
+
+            self.sequence_parallel = SequenceParallel.create(t.sequence_parallel.size, self.adapter, model,
+                                                             attn_implementation=text_config._attn_implementation)
+        # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
+        sp_size = t.sequence_parallel.size
         # ZeRO-3 partitions parameters at construction; ds_numel is the full size.
         self.num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         self.num_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
@@ -222,8 +234,9 @@ class SFTRecipe:
                 generate_synthetic_data(cfg.synthetic)
             acc.wait_for_everyone()
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index,
-                          world_size=acc.num_processes, gradient_accumulation_steps=t.gradient_accumulation_steps)
+        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index // sp_size,
+                          world_size=acc.num_processes // sp_size,
+                          gradient_accumulation_steps=t.gradient_accumulation_steps)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +253,8 @@ class SFTRecipe:
                                  device=acc.device)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
+        if self.sequence_parallel is not None:
+            acc.print(self.sequence_parallel.description)
         if t.compile:
             self.model = torch.compile(self.model)
 
@@ -443,7 +458,7 @@ class SFTRecipe:
         and generation outside them keep ``model.attn_implementation``."""
         from mmtune.training.packed_attention import use_attention
 
-        if not self.attention.per_sample:
+        if not self.attention.per_sample or self.sequence_parallel is not None:  # SP sets its own per step
             return contextlib.nullcontext()
         return use_attention(self._language_model, self.attention.training_implementation)
 
@@ -456,8 +471,11 @@ class SFTRecipe:
             started = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
             # Global loss-token count of this step, before any backward (see module docstring).
+            # The ranks of a sequence-parallel group hold the same rows: each row is counted once.
+            sp_size = self.cfg.training.sequence_parallel.size
             local_tokens = sum(int(b["num_loss_tokens"].sum()) for b, _ in micro)
             global_tokens = int(acc.reduce(torch.tensor(local_tokens, device=acc.device), reduction="sum").item())
+            global_tokens //= sp_size
             scale = acc.num_processes * accum / max(global_tokens, 1)
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
@@ -483,7 +501,9 @@ class SFTRecipe:
                 seq_tokens += meta["tokens"]
                 images += meta["images"]
             self.step += 1
-            stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens, images], device=acc.device), reduction="sum")
+            # each rank's loss_sum is its shard's (they add up to the rows'); tokens and images are the rows'
+            stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens / sp_size, images / sp_size],
+                                            device=acc.device), reduction="sum")
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
                 self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
@@ -520,7 +540,11 @@ class SFTRecipe:
         acc = self.accelerator
         inputs = {k: v.to(acc.device) if v is not None else None for k, v in forward_inputs(batch).items()}
         with acc.autocast():
-            summed = self.loss(self.model, inputs, batch["labels"])
+            if self.sequence_parallel is not None:  # this rank's shard of the rows, its shifted targets
+                with self.sequence_parallel.step(self.model, inputs, batch["labels"].to(acc.device)) as targets:
+                    summed = self.loss(self.model, inputs, targets, shifted=True)
+            else:
+                summed = self.loss(self.model, inputs, batch["labels"])
             if all(inputs.get(name) is None for name in self.adapter.image_input_names):
                 # Text-only batch: still run the vision tower (ZeRO-3 must see the
                 # same modules called on every rank); its value is exactly 0.

@@ -13,7 +13,8 @@ group equal the one-process run's. See ``docs/training.md`` ("Sequence paralleli
 - :mod:`.runtime`: :class:`SequenceParallel`, the step context the training loop uses.
 """
 
+from mmtune.training.sequence_parallel.config import SequenceParallelConfig
 from mmtune.training.sequence_parallel.groups import SPGroups, head_problems, new_groups, size_problems
 from mmtune.training.sequence_parallel.runtime import SequenceParallel, setup_problems
 
-__all__ = ["SPGroups", "SequenceParallel", "head_problems", "new_groups", "setup_problems", "size_problems"]
+__all__ = ["SPGroups", "SequenceParallel", "SequenceParallelConfig", "head_problems", "new_groups", "setup_problems", "size_problems"]
