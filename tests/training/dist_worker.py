@@ -21,8 +21,9 @@ def main() -> None:
     out_json, overrides = sys.argv[1], sys.argv[2:]
     recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
     recipe.setup()
-    model = recipe.accelerator.unwrap_model(recipe.model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()} if not recipe.is_deepspeed else {}
+    model = recipe.engine.unwrap(recipe.model)
+    # Under ZeRO-3 a parameter is an empty shard here: nothing to compare.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()} if recipe.engine.name != "deepspeed" else {}
     micro_batches = []
     batches = recipe._micro_batches
     recipe._micro_batches = lambda: (micro_batches.append(item[1]) or item for item in batches())

@@ -147,7 +147,8 @@ def test_deepspeed_zero_on_cpu_trains_and_saves_a_loadable_hf_checkpoint(stage, 
 
     out = tmp_path / "run"
     overrides = tiny_overrides(out, synthetic_dir, "training.max_steps=3", "training.lr=1e-2",
-                               f"training.deepspeed_config={REPO}/launch/deepspeed/zero{stage}.json")
+                               "training.backend.engine=deepspeed", f"training.backend.deepspeed.stage={stage}",
+                               f"training.backend.deepspeed.config_file={REPO}/launch/deepspeed/zero{stage}.json")
     env = _env(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "rank{rank}.json"), *overrides],

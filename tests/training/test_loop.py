@@ -147,23 +147,36 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tm
                                    rel=1e-5)
 
 
-def test_in_training_evaluation_is_refused_under_multi_process_zero3():
+def _engine(name, **settings):
+    from mmtune.training.config import SFTConfig
+    from mmtune.training.engines import build_engine
+
+    cfg = SFTConfig()
+    cfg.training.backend.engine = name
+    for key, value in settings.items():
+        setattr(getattr(cfg.training.backend, name), key, value)
+    return build_engine(cfg)
+
+
+def test_in_training_evaluation_is_refused_where_weights_are_sharded_on_several_ranks():
     from types import SimpleNamespace
 
     from mmtune.training.loop import check_evaluation_layout
 
     both = SimpleNamespace(eval_before=True, eval_after=True)
+    zero3, fsdp2 = _engine("deepspeed", stage=3), _engine("fsdp2")
     with pytest.raises(ValueError, match=r"training.eval_before and training.eval_after=true cannot run under "
                                          r"DeepSpeed ZeRO-3 on 8 processes.*training.eval_before=false "
                                          r"training.eval_after=false"):
-        check_evaluation_layout(both, zero_stage=3, num_processes=8)
-    with pytest.raises(ValueError, match="training.eval_after=true cannot"):
-        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), zero_stage=3, num_processes=2)
-    # Full weights on every rank (DDP, ZeRO-2), a single ZeRO-3 process, or no evaluation: allowed.
-    check_evaluation_layout(both, zero_stage=2, num_processes=8)
-    check_evaluation_layout(both, zero_stage=0, num_processes=8)
-    check_evaluation_layout(both, zero_stage=3, num_processes=1)
-    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero_stage=3, num_processes=8)
+        check_evaluation_layout(both, zero3, num_processes=8)
+    with pytest.raises(ValueError, match="training.eval_after=true cannot run under FSDP2 on 2 processes"):
+        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), fsdp2, num_processes=2)
+    # Full weights on every rank (DDP, ZeRO-2), a single sharded process, or no evaluation: allowed.
+    check_evaluation_layout(both, _engine("deepspeed", stage=2), num_processes=8)
+    check_evaluation_layout(both, _engine("ddp"), num_processes=8)
+    check_evaluation_layout(both, zero3, num_processes=1)
+    check_evaluation_layout(both, fsdp2, num_processes=1)
+    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero3, num_processes=8)
 
 
 def test_a_second_training_job_in_the_same_output_dir_is_refused(make_recipe, tmp_path, synthetic_dir, tiny_overrides):

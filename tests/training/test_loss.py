@@ -456,12 +456,15 @@ def test_lora_dropout_on_the_output_head_falls_back_with_a_reason(family):
 def test_lora_output_head_under_zero3_falls_back_with_a_reason():
     from peft import LoraConfig, get_peft_model
 
+    from mmtune.training.engines.deepspeed import DeepSpeedEngine
+
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     peft_model = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.0, target_modules=["0"]))
     lora_head = peft_model.base_model.model[0]
-    assert output_head(lora_head)[0].kind == "lora"
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)  # head_problem reads the module only
+    assert engine.head_problem(lora_head) == "" and output_head(lora_head)[0].kind == "lora"
     lora_head.lora_B["default"].weight.ds_id = 7  # what deepspeed.zero.Init leaves on a parameter
-    head, reason = output_head(lora_head)
+    head, reason = output_head(lora_head, engine.head_problem(lora_head))
     assert head is None and "ZeRO-3" in reason
 
 
@@ -540,13 +543,20 @@ def test_plan_predicts_the_loss_the_loop_chooses(family, requested, case):
     live = copy.deepcopy(model)
     if method != "none":
         live = apply_lora(live, adapter.module_groups(live), peft_cfg, adapter.default_lora_targets)
+    from mmtune.training.config import BackendConfig
+    from mmtune.training.engines.deepspeed import DeepSpeedEngine
+
+    engine = None
+    backend = BackendConfig(engine="deepspeed" if zero_stage else "ddp")
+    backend.deepspeed.stage = zero_stage or 3
     if zero_stage == 3:
         for param in live.parameters():
             param.ds_id = 0  # what deepspeed.zero.Init leaves on every parameter
-    loop = TrainingLoss(adapter, live, impl=requested, device="cuda")
+        engine = DeepSpeedEngine.__new__(DeepSpeedEngine)  # head_problem reads the module only
+    loop = TrainingLoss(adapter, live, impl=requested, device="cuda", engine=engine)
     cfg = SimpleNamespace(model=ModelConfig(family=adapter.family), peft=peft_cfg,
-                          training=SimpleNamespace(loss_impl=requested))
-    planned = planned_loss_impl(cfg, model, zero_stage=zero_stage)
+                          training=SimpleNamespace(loss_impl=requested, backend=backend))
+    planned = planned_loss_impl(cfg, model)
     assert planned == LossChoice(loop.impl, loop.reason)
     linear = choose_loss_impl(requested, device_type="cuda").impl
     assert planned.impl == ("materialized" if falls_back else linear)
@@ -588,7 +598,8 @@ def test_zero3_chunked_gradients_equal_materialized(tmp_path, synthetic_dir, tin
     for impl in ("chunked", "materialized"):
         overrides = tiny_overrides(tmp_path / impl, synthetic_dir, f"training.loss_impl={impl}",
                                    "training.loss_chunk_size=16",
-                                   f"training.deepspeed_config={REPO}/launch/deepspeed/zero3.json")
+                                   "training.backend.engine=deepspeed", "training.backend.deepspeed.stage=3",
+                                   f"training.backend.deepspeed.config_file={REPO}/launch/deepspeed/zero3.json")
         results[impl] = zero3_loss(tmp_path / f"{impl}.pt", overrides)
     chunked, materialized = results["chunked"], results["materialized"]
     assert chunked["head_status"] == "NOT_AVAILABLE"  # the head really is partitioned

@@ -449,7 +449,8 @@ def test_deepspeed_zero3_trains_per_sample_with_the_block_mask_losses(tmp_path, 
         overrides = tiny_overrides(out, synthetic_dir, "collator.batching=packing", "collator.batch_size=1",
                                    "collator.max_length=768", "training.max_steps=3",
                                    f"training.packed_attention={mode}",
-                                   f"training.deepspeed_config={repo}/launch/deepspeed/zero3.json")
+                                   "training.backend.engine=deepspeed", "training.backend.deepspeed.stage=3",
+                                   f"training.backend.deepspeed.config_file={repo}/launch/deepspeed/zero3.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "RANK": "0",
                "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}

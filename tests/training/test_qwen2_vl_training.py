@@ -166,7 +166,8 @@ def test_zero3_runs_the_vision_tower_on_a_text_only_batch(tmp_path, tiny_overrid
                                    "training.loss_chunk_size=16", "synthetic.enabled=false",
                                    "data.mixture.sources.0.format=llava", f"data.mixture.sources.0.path={data}",
                                    "data.mixture.sources.0.image_root=null", "training.vision.train=true",
-                                   f"training.deepspeed_config={REPO}/launch/deepspeed/zero3.json")
+                                   "training.backend.engine=deepspeed", "training.backend.deepspeed.stage=3",
+                                   f"training.backend.deepspeed.config_file={REPO}/launch/deepspeed/zero3.json")
         results[impl] = zero3_loss(tmp_path / f"{impl}.pt", overrides)
     chunked, materialized = results["chunked"], results["materialized"]
     assert chunked["loss"] == pytest.approx(materialized["loss"], rel=1e-6)

@@ -21,7 +21,7 @@ def main() -> None:
     recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
     recipe.setup()
     acc = recipe.accelerator
-    assert recipe.is_deepspeed
+    assert recipe.engine.name == "deepspeed"
     head = recipe.adapter.loss_modules(recipe.model)[1]
     head_status = getattr(head.weight, "ds_status", None)
     batch, _ = next(iter(recipe.data.dataloader(0)))

@@ -2,9 +2,9 @@
 
 Layout under ``<output_dir>``::
 
-    checkpoints/step-<N>/         resumable: accelerate state (model, optimizer,
-                                  scheduler, per-rank RNG) + trainer_state.json
-                                  (step, epoch, data position)
+    checkpoints/step-<N>/         resumable: the engine's state (model, optimizer,
+                                  scheduler, per-rank RNG; sharded where the engine
+                                  shards) + trainer_state.json (step, epoch, data position)
     final/                        a normal HF checkpoint (``from_pretrained``-able,
                                   loadable with ``ModelConfig(path=...)``) + mmtune_run.json
     final/adapter/                LoRA runs: the peft adapter + non-LoRA trained weights
@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
+    from mmtune.training.engines import Engine
+
 __all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
            "ResumeConfigError", "check_resume_config", "config_differences", "flatten_config", "intact_note",
            "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
@@ -76,7 +78,7 @@ RESUME_FREE_KEYS: dict[str, str] = {
     "training.gradient_checkpointing": "activations recomputed instead of stored: the same gradients, less memory",
     "training.loss_impl": "the same token-weighted loss computed another way (equal within 1e-5)",
     "training.loss_chunk_size": "rows per chunk of the same loss",
-    "training.ddp_find_unused_parameters": "DDP's bookkeeping of parameters without gradient",
+    "training.backend.ddp.find_unused_parameters": "DDP's bookkeeping of parameters without gradient",
     "peft.merge_on_save": "how final/ is written",
     "data.cache_dir": "where the same parsed records are cached",
     "collator.image_cache_dir": "where the same pixels are cached",
@@ -272,8 +274,12 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.on_save_point = on_save_point
 
-    def save(self, accelerator: "Accelerator", step: int, trainer_state: dict[str, Any]) -> Path:
+    def save(self, accelerator: "Accelerator", step: int, trainer_state: dict[str, Any], *,
+             engine: Optional["Engine"] = None) -> Path:
         """Save a resumable checkpoint for optimizer step ``step`` (call on every rank).
+
+        ``engine`` writes the model, optimizer, scheduler and RNG state (sharded where it
+        shards); without one, ``accelerator.save_state`` does.
 
         Returns:
             The final ``step-<N>`` directory.
@@ -295,9 +301,12 @@ class CheckpointManager:
                                 cleanup=(lambda: shutil.rmtree(tmp, ignore_errors=True))
                                 if accelerator.is_main_process else None)
         with guard:
-            # Model, optimizer, scheduler, grad scaler and every rank's RNG states; under
-            # DeepSpeed this writes its (sharded) engine checkpoint.
-            accelerator.save_state(str(tmp), safe_serialization=True)
+            # Model, optimizer, scheduler, grad scaler and every rank's RNG states, as the
+            # engine keeps them (sharded engines write every rank's shards).
+            if engine is not None:
+                engine.save_state(tmp)
+            else:
+                accelerator.save_state(str(tmp), safe_serialization=True)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 restore_default_modes(tmp)  # safetensors writes 0600 whatever the umask (io/permissions.py)
@@ -315,9 +324,14 @@ class CheckpointManager:
         for _, path in complete[: max(0, len(complete) - self.keep_last)]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, accelerator: "Accelerator", checkpoint: str | os.PathLike) -> dict[str, Any]:
-        """Restore model/optimizer/scheduler/RNG from ``checkpoint``; return its trainer state."""
-        accelerator.load_state(str(checkpoint))
+    def load(self, accelerator: "Accelerator", checkpoint: str | os.PathLike, *,
+             engine: Optional["Engine"] = None) -> dict[str, Any]:
+        """Restore model/optimizer/scheduler/RNG from ``checkpoint`` (through ``engine`` when
+        given); return its trainer state."""
+        if engine is not None:
+            engine.load_state(Path(checkpoint))
+        else:
+            accelerator.load_state(str(checkpoint))
         return read_trainer_state(checkpoint)
 
 
@@ -335,18 +349,14 @@ def intact_note(output_dir: str | os.PathLike) -> str:
             "to continue from it.")
 
 
-def _is_zero3(accelerator: "Accelerator") -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
 def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os.PathLike, *,
                save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool = True,
-               on_save_point: SavePointHook = None) -> Path:
+               on_save_point: SavePointHook = None, engine: Optional["Engine"] = None) -> Path:
     """Write ``out_dir`` as a normal HF checkpoint (call on every rank).
 
-    ``accelerator.get_state_dict`` gathers ZeRO-3 shards into full tensors on the main
-    process, so the result is ``from_pretrained``-able, not a DeepSpeed shard folder.
+    The engine (``accelerator.get_state_dict`` without one) gathers sharded weights into
+    full tensors on the main process, so the result is ``from_pretrained``-able, not an
+    engine's shard folder.
     A re-save never deletes the old copy before the new one is complete (see the module
     docstring). For a peft model, ``out_dir/adapter`` holds the adapter plus
     ``non_lora_trainables.safetensors`` (every trained non-LoRA weight, e.g. the
@@ -368,19 +378,21 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
         if tmp.exists():
             shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3
-    unwrapped = accelerator.unwrap_model(model)
+    # A collective under sharding engines: every rank takes part.
+    state_dict = engine.full_state_dict(model) if engine is not None else accelerator.get_state_dict(model)
+    unwrapped = engine.unwrap(model) if engine is not None else accelerator.unwrap_model(model)
+    merge_problem = engine.merge_problem() if engine is not None else ""
     if accelerator.is_main_process:
         previous = " The previous final/ is intact." if (out_dir / RUN_METADATA).is_file() else ""
         with disk_full_guard(tmp, "the final checkpoint", cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
                              intact=lambda: f"{out_dir} was not replaced.{previous} " + intact_note(out_dir.parent)):
-            _write_final(tmp, unwrapped, state_dict, accelerator, save_pretrained_extras, metadata, merge_lora)
+            _write_final(tmp, unwrapped, state_dict, merge_problem, save_pretrained_extras, metadata, merge_lora)
         _swap_into_place(tmp, out_dir, on_save_point)
     accelerator.wait_for_everyone()
     return out_dir
 
 
-def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], accelerator: "Accelerator",
+def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], merge_problem: str,
                  save_pretrained_extras: list[Any], metadata: dict[str, Any], merge_lora: bool) -> None:
     """The complete ``final/`` copy in ``tmp``, its marker file last (main process)."""
     from mmtune.training.peft_setup import is_peft_model, merged_model
@@ -394,11 +406,10 @@ def _write_final(tmp: Path, unwrapped: "nn.Module", state_dict: dict[str, Any], 
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in extra.items()}, str(tmp / "adapter" / "non_lora_trainables.safetensors"))
-        if merge_lora and not _is_zero3(accelerator):
+        if merge_lora and not merge_problem:
             merged_model(unwrapped).save_pretrained(tmp, safe_serialization=True)
         elif merge_lora:
-            metadata = {**metadata, "merged": False,
-                        "merged_note": "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline"}
+            metadata = {**metadata, "merged": False, "merged_note": merge_problem}
     else:
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     for extra_obj in save_pretrained_extras:

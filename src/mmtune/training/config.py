@@ -40,6 +40,10 @@ from mmtune.training.sequence_parallel.config import SequenceParallelConfig
 __all__ = [
     "ConfigError",
     "GroupConfig",
+    "BackendConfig",
+    "DDPEngineConfig",
+    "DeepSpeedEngineConfig",
+    "FSDP2EngineConfig",
     "TrainingConfig",
     "PeftConfig",
     "LoggingConfig",
@@ -75,6 +79,75 @@ class GroupConfig:
     weight_decay: Optional[float] = None
     """Weight decay of this group's matrices; ``None`` uses ``training.weight_decay``.
     Norm weights and biases never decay."""
+
+
+@dataclass
+class DDPEngineConfig:
+    """``training.backend.ddp``: PyTorch DistributedDataParallel, full weights on every rank."""
+
+    find_unused_parameters: Optional[bool] = None
+    """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
+    the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
+
+
+@dataclass
+class DeepSpeedEngineConfig:
+    """``training.backend.deepspeed``: DeepSpeed ZeRO through accelerate."""
+
+    stage: int = 3
+    """ZeRO stage: 2 shards optimizer states and gradients, 3 the weights too (less memory
+    per GPU, one all-gather per layer and step)."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and their step) in CPU memory: frees 12 bytes per trained
+    parameter on the GPU, the step runs on the CPU."""
+    offload_params: bool = False
+    """ZeRO-3 only: keep the weights' shards in CPU memory between uses."""
+    config_file: Optional[str] = None
+    """A DeepSpeed JSON with tuning values (bucket sizes, prefetch); its
+    ``zero_optimization.stage`` must equal ``stage``. ``None``: DeepSpeed's defaults.
+    Batch size, accumulation, clipping and precision always come from this config."""
+
+
+@dataclass
+class FSDP2EngineConfig:
+    """``training.backend.fsdp2``: PyTorch FSDP2 (``fully_shard`` on a 1-D device mesh)."""
+
+    units: List[str] = field(default_factory=lambda: ["decoder_layers", "vision_tower"])
+    """Sharding units, each all-gathered as one piece around its forward and backward:
+    ``decoder_layers`` (each language-model layer), ``vision_layers`` (each vision-tower
+    block), ``vision_tower`` (the whole tower, what ``vision_layers`` leaves). The rest
+    (embeddings, projector, final norm, output head) is the root unit."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered weights after its forward (gathered again for backward):
+    less memory, one more all-gather per unit and step."""
+    mixed_precision: str = "auto"
+    """Weights' dtype inside forward and backward: ``auto`` (bf16 when
+    ``training.mixed_precision=bf16``, else fp32), ``bf16`` or ``fp32``. Gradients are
+    reduced and the optimizer steps in fp32 either way."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and optimizer states in CPU memory (GPU runs)."""
+
+
+ENGINE_NAMES = ("ddp", "deepspeed", "fsdp2")
+#: the engines sequence parallelism is tested under (2 CPU ranks against one process)
+SEQUENCE_PARALLEL_ENGINES = ("ddp", "fsdp2")
+
+
+@dataclass
+class BackendConfig:
+    """``training.backend``: the distributed engine and its settings (one section per engine)."""
+
+    engine: str = "ddp"
+    """``ddp`` (full weights on every rank; one process needs no launcher), ``deepspeed``
+    (ZeRO-2/3, ``accelerate launch`` with a DeepSpeed config or torchrun) or ``fsdp2``
+    (PyTorch ``fully_shard``, launched by ``torchrun``). A launcher that started another
+    engine is refused at start-up."""
+    ddp: DDPEngineConfig = field(default_factory=DDPEngineConfig)
+    """Settings of ``engine=ddp``."""
+    deepspeed: DeepSpeedEngineConfig = field(default_factory=DeepSpeedEngineConfig)
+    """Settings of ``engine=deepspeed``."""
+    fsdp2: FSDP2EngineConfig = field(default_factory=FSDP2EngineConfig)
+    """Settings of ``engine=fsdp2``."""
 
 
 @dataclass
@@ -144,9 +217,8 @@ class TrainingConfig:
     log_sample_ids: bool = False
     """Append the dialogue ids of every optimizer step to ``sample_ids.jsonl`` (rank 0
     gathers all ranks): proves exact resume and no overlap between ranks."""
-    deepspeed_config: Optional[str] = None
-    """A DeepSpeed JSON (``launch/deepspeed/zero3.json``) used when the process was not
-    started by ``accelerate launch --config_file`` with DeepSpeed already configured."""
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    """The distributed engine (``ddp``, ``deepspeed``, ``fsdp2``) and its settings."""
     eval_before: bool = False
     """Evaluate the ``eval`` benchmarks before training (the baseline score)."""
     eval_after: bool = False
@@ -170,9 +242,6 @@ class TrainingConfig:
     ``off``: transformers' block-diagonal mask (every row pays ``L²`` scores)."""
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     """Rows split across ranks (``size`` ranks per row); see :mod:`mmtune.training.sequence_parallel`."""
-    ddp_find_unused_parameters: Optional[bool] = None
-    """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
-    the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
 
 
 @dataclass
@@ -373,9 +442,9 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.sequence_parallel.size={sp} cannot split model.attn_implementation="
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
-    if sp > 1 and t.deepspeed_config is not None:
-        problems.append(f"training.sequence_parallel.size={sp} with training.deepspeed_config: sequence "
-                        "parallelism is tested with DDP only so far; drop training.deepspeed_config")
+    if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
+        problems.append(f"training.sequence_parallel.size={sp} with training.backend.engine={t.backend.engine}: "
+                        f"sequence parallelism runs under {' or '.join(SEQUENCE_PARALLEL_ENGINES)}; choose one")
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")
@@ -400,8 +469,12 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.num_workers={t.num_workers} must be >= 0 (0: load in the main process)")
     if not any(getattr(t, g).train for g in ("vision", "projector", "language_model")):
         problems.append("training.{vision,projector,language_model}.train are all false: nothing would train")
-    if t.deepspeed_config is not None and not os.path.isfile(t.deepspeed_config):
-        problems.append(f"training.deepspeed_config={t.deepspeed_config!r} does not exist")
+    if t.backend.engine not in ENGINE_NAMES:
+        problems.append(f"training.backend.engine={t.backend.engine!r}: use one of {', '.join(ENGINE_NAMES)}")
+    else:
+        from mmtune.training.engines import engine_class
+
+        problems += engine_class(t.backend.engine).config_problems(cfg)
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.resume_config_changes:

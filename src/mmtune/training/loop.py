@@ -18,7 +18,7 @@ must get exactly right are awkward to reach inside ``Trainer``.
 
    The global token count is all-reduced before the step's first backward; each
    micro-batch's *summed* loss is scaled by ``world_size * accum / global_tokens``.
-   accelerate (or DeepSpeed) divides by ``accum`` and DDP/ZeRO average gradients over
+   the engine divides by ``accum`` and averages gradients over
    ``world_size`` ranks, so the gradient is exactly that of the token-weighted mean.
    Every rank runs exactly ``accum`` micro-batches per step: where an epoch's plan runs
    out (an uneven last round, a partial last step) the data module tops ranks up with
@@ -28,9 +28,12 @@ must get exactly right are awkward to reach inside ``Trainer``.
    divided by ``N`` (each row counted once), and the ranks' gradients, averaged over
    ``world_size`` by DDP, add up to those of the rows (``mmtune.training.sequence_parallel``).
 
-accelerate still does what it does well: device placement, mixed precision, DDP and
-DeepSpeed wrapping, ``no_sync`` during accumulation, ZeRO-3 gathering on save, and
-save/load of model, optimizer, scheduler and RNG state.
+The distributed engine (``training.backend.engine``: DDP, DeepSpeed ZeRO or FSDP2) is one
+object behind :class:`~mmtune.training.engines.base.Engine`: it wraps or shards the model,
+syncs and clips gradients, saves and loads the resumable state and gathers ``final/``; the
+loop never asks which engine it runs under. accelerate still does what it does well:
+device placement, mixed precision, counting the accumulation, and save/load of the
+scheduler and RNG state.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from mmtune.io.disk import disk_full_guard
 from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, intact_note, latest_checkpoint,
                                        read_trainer_state, recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
+from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
 
@@ -75,33 +79,23 @@ def generate_synthetic_data(syn: Any) -> None:
                        image_size=syn.image_size, **dict(syn.options))
 
 
-def check_evaluation_layout(training: Any, *, zero_stage: int, num_processes: int) -> None:
-    """Refuse in-training evaluation where it cannot work: ZeRO-3 on several processes.
+def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -> None:
+    """Refuse in-training evaluation where the engine cannot generate (sharded weights on several ranks).
 
     Evaluation during training generates on every rank, each its own share of the
-    dialogues (:mod:`mmtune.evaluation.generation.data_parallel`). Under ZeRO-3 each rank
-    holds only a shard of every weight, and every forward pass gathers each layer from all
-    ranks at once: ranks answering different dialogues make different numbers of forward
-    passes, so those gathers would not line up and the job would hang. ZeRO-0/1/2 and DDP
-    keep full weights on every rank and are fine, as is ZeRO-3 on a single process.
+    dialogues (:mod:`mmtune.evaluation.generation.data_parallel`), so ranks make different
+    numbers of forward passes; an engine that gathers sharded weights in every forward
+    says why it cannot (:meth:`~mmtune.training.engines.base.Engine.evaluation_problem`).
 
     Raises:
         ValueError: naming the keys to change, at start-up rather than after training.
     """
     asked = [key for key in ("eval_before", "eval_after") if getattr(training, key)]
-    if zero_stage == 3 and num_processes > 1 and asked:
+    problem = engine.evaluation_problem(num_processes) if asked else ""
+    if problem:
         raise ValueError(
-            f"training.{' and training.'.join(asked)}=true cannot run under DeepSpeed ZeRO-3 on {num_processes} "
-            "processes: in-training evaluation generates on every rank, each its own dialogues, and ZeRO-3's "
-            "per-layer gathers need every rank in the same forward pass. Set "
-            + " ".join(f"training.{k}=false" for k in asked)
-            + " and evaluate the saved final/ checkpoint with recipes/evaluate.py (mmtune evaluate), or train with "
-            "ZeRO-2 (launch/accelerate/*zero2*.yaml)"
-        )
-
-
-def _launched_with_deepspeed() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+            f"training.{' and training.'.join(asked)}=true cannot run under {problem}. Or set "
+            + " ".join(f"training.{k}=false" for k in asked) + " to train without it")
 
 
 class SFTRecipe:
@@ -135,7 +129,6 @@ class SFTRecipe:
         """Build accelerator, model (+ context extension, LoRA, freezing), optimizer,
         scheduler and data; restore a checkpoint when resuming."""
         from accelerate import Accelerator
-        from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs
         from transformers import get_scheduler
 
         from mmtune.data.datamodule import SFTDataModule
@@ -145,30 +138,21 @@ class SFTRecipe:
         from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
 
         cfg, t = self.cfg, self.cfg.training
-        plugin = None
-        if t.deepspeed_config and not _launched_with_deepspeed():
-            plugin = DeepSpeedPlugin(hf_ds_config=os.path.abspath(t.deepspeed_config))
-        find_unused = t.ddp_find_unused_parameters
-        if find_unused is None:
-            find_unused = t.vision.train
+        self.engine = build_engine(cfg)
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             # We step the scheduler once per optimizer step ourselves; accelerate's default
             # would step it once per process per step.
             step_scheduler_with_optimizer=False,
-            deepspeed_plugin=plugin,
-            # Without a GPU, accelerate runs several torchrun processes as MULTI_CPU (gloo)
-            # only when told it is on CPU.
-            cpu=not torch.accelerator.is_available() and plugin is None and not _launched_with_deepspeed(),
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)],
+            # The engine's own (its plugin, its wrapper's options; cpu=True without a GPU so
+            # that several torchrun processes run as MULTI_CPU on gloo).
+            **self.engine.accelerator_kwargs(),
         )
         acc = self.accelerator
-        self.is_deepspeed = acc.state.deepspeed_plugin is not None
-        if self.is_deepspeed:
-            self._fill_deepspeed_auto_values()
-        check_evaluation_layout(t, zero_stage=acc.state.deepspeed_plugin.zero_stage if self.is_deepspeed else 0,
-                                num_processes=acc.num_processes)
+        self.engine.start(acc)  # a launch for another engine stops here, naming both
+        check_evaluation_layout(t, self.engine, num_processes=acc.num_processes)
+        acc.print(f"engine: {self.engine.describe(self.engine.config)} on {acc.num_processes} process(es)")
         seed_everything(t.seed)
         self._lock_output_dir()
         if acc.is_main_process:
@@ -220,9 +204,8 @@ class SFTRecipe:
                                                              attn_implementation=text_config._attn_implementation)
         # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
         sp_size = t.sequence_parallel.size
-        # ZeRO-3 partitions parameters at construction; ds_numel is the full size.
-        self.num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-        self.num_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+        self.num_params, self.num_trainable = self.engine.parameter_counts(model)
+        model = self.engine.shard(model, groups)  # before the optimizer takes the parameters
         self.optim_groups = param_groups(model, groups, t)
         optimizer = build_optimizer(self.optim_groups, t)
 
@@ -248,9 +231,9 @@ class SFTRecipe:
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
         scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=self.total_steps)
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = self.engine.prepare(model, optimizer, scheduler)
         self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
-                                 device=acc.device)
+                                 device=acc.device, engine=self.engine)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
         if self.sequence_parallel is not None:
@@ -268,7 +251,7 @@ class SFTRecipe:
             # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
             fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                      list(self.scheduler.scheduler.base_lrs))
-            state = self.checkpoints.load(acc, resume_from)
+            state = self.checkpoints.load(acc, resume_from, engine=self.engine)
             if self.resume_changes:
                 self._apply_allowed_changes(*fresh)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
@@ -325,20 +308,11 @@ class SFTRecipe:
                              "(see the truncation stats) or the sources have no records")
         return min(total, t.max_steps) if t.max_steps is not None else total
 
-    def _fill_deepspeed_auto_values(self) -> None:
-        # Our batches vary in size (token budgets, packing), so the micro-batch size DeepSpeed
-        # wants is nominal: 1 "batch" per forward. Clipping comes from our config.
-        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds["train_micro_batch_size_per_gpu"] = 1
-        if ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
-
     def _lock_output_dir(self) -> None:
         """Refuse a second job writing into this run's folder (every rank stops with the holder's details).
 
         Only the main process takes the lock: every rank of this job writes into the folder
-        (its RNG state, DeepSpeed shards), which is legitimate. Another job's main process
+        (its RNG state, its engine's shards), which is legitimate. Another job's main process
         then finds it held; the refusal is broadcast so that its other ranks stop at once
         with the same message instead of waiting at the next barrier.
         """
@@ -463,7 +437,7 @@ class SFTRecipe:
         return use_attention(self._language_model, self.attention.training_implementation)
 
     def _train_steps(self) -> None:
-        acc, t, cfg = self.accelerator, self.cfg.training, self.cfg
+        acc, t, cfg, engine = self.accelerator, self.cfg.training, self.cfg, self.engine
         accum = t.gradient_accumulation_steps
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -480,22 +454,15 @@ class SFTRecipe:
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
             for batch, meta in micro:
-                with acc.accumulate(self.model):
+                with engine.accumulate(self.model):
                     summed = self.batch_loss(batch)
-                    acc.backward(summed * scale)
-                    if acc.sync_gradients and not self.is_deepspeed:
+                    engine.backward(summed * scale)
+                    if engine.sync_gradients:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
-                        self.grad_norm = acc.clip_grad_norm_(self.model.parameters(), t.max_grad_norm or math.inf)
-                    elif acc.sync_gradients and self.is_deepspeed:
-                        # The engine stepped (and clipped) inside backward at the boundary and
-                        # kept the global norm it computed before clipping.
-                        self.grad_norm = _deepspeed_grad_norm(self.model)
-                    self.optimizer.step()
-                    if acc.sync_gradients:
-                        # Also under DeepSpeed: a torch scheduler is not handed to the engine
-                        # (accelerate wraps it and a DeepSpeed-owned one ignores this call).
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                        self.grad_norm = engine.clip_grad_norm(self.model, t.max_grad_norm)
+                        self.optimizer.step()
+                        self.scheduler.step()  # ours, once per optimizer step, whatever the engine
+                        self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += summed.detach()
                 self.data.note_skipped(meta)
                 seq_tokens += meta["tokens"]
@@ -546,7 +513,7 @@ class SFTRecipe:
             else:
                 summed = self.loss(self.model, inputs, batch["labels"])
             if all(inputs.get(name) is None for name in self.adapter.image_input_names):
-                # Text-only batch: still run the vision tower (ZeRO-3 must see the
+                # Text-only batch: still run the vision tower (sharded engines must see the
                 # same modules called on every rank); its value is exactly 0.
                 summed = summed + self.adapter.vision_dummy_loss(self.model)
         return summed
@@ -578,7 +545,7 @@ class SFTRecipe:
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Path:
         """A resumable checkpoint of the current step (atomic; keeps the last N)."""
-        return self.checkpoints.save(self.accelerator, self.step, {
+        return self.checkpoints.save(self.accelerator, self.step, engine=self.engine, trainer_state={
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
             # What a resume compares its own config with, and the changes made so far.
@@ -604,7 +571,7 @@ class SFTRecipe:
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
                                     save_pretrained_extras=extras, metadata=metadata,
-                                    merge_lora=self.cfg.peft.merge_on_save)
+                                    merge_lora=self.cfg.peft.merge_on_save, engine=self.engine)
         if self.cfg.training.eval_after:
             self.eval_results["after"] = self.evaluate(tag="after", checkpoint=str(self.final_dir))
         return self.final_dir
@@ -627,7 +594,7 @@ class SFTRecipe:
         from mmtune.training.evaluation import evaluate_in_training
 
         acc = self.accelerator
-        model = acc.unwrap_model(self.model)
+        model = self.engine.unwrap(self.model)
         results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
                                        output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
                                        wandb_run=self.logger.wandb_run if acc.is_main_process else None)
@@ -653,13 +620,6 @@ class SFTRecipe:
         gc.collect()
         if self.output_lock is not None:
             self.output_lock.release()
-
-
-def _deepspeed_grad_norm(engine: Any) -> Optional[float]:
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-    if norm is None:
-        return None
-    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
 def _to_dict(cfg: SFTConfig) -> dict[str, Any]:

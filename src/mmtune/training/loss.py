@@ -18,7 +18,7 @@ Three implementations, chosen by ``training.loss_impl``:
     label is ignored never reach a matmul (prompt, image and padding tokens are most of
     a multimodal dialogue), and with gradients disabled (evaluation) only the logits
     matmul runs. Works on every device, under autocast, with LoRA on the output head and
-    under DeepSpeed ZeRO-3. On CPU in fp32 the products run on oneDNN's kernel where
+    under engines that shard the head (they gather it). On CPU in fp32 the products run on oneDNN's kernel where
     PyTorch has it (:class:`_OneDnnMatmuls`: about twice torch's matmul on AMD processors).
 ``fused``
     Liger's fused linear cross-entropy (the optional ``liger`` extra; CUDA only), the
@@ -63,7 +63,6 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "describe",
     "fused_available",
-    "gathered",
     "liger_installed",
     "linear_cross_entropy_sum",
     "materialized_cross_entropy_sum",
@@ -142,7 +141,7 @@ def choose_loss_impl(requested: str, *, device_type: str, head_problem: str = ""
     return LossChoice(impl)
 
 
-def model_head_problem(adapter, model: nn.Module) -> str:
+def model_head_problem(adapter, model: nn.Module, engine=None) -> str:
     """Why the linear cross-entropy cannot read ``model``'s output head ("" when it can).
 
     Asks the adapter for the body and head (:meth:`~mmtune.models.base.ModelAdapter.loss_modules`)
@@ -153,23 +152,26 @@ def model_head_problem(adapter, model: nn.Module) -> str:
         _, head_module = adapter.loss_modules(getattr(model, "_orig_mod", model))
     except NotImplementedError as err:
         return str(err)
-    return output_head(head_module)[1]
+    return output_head(head_module, engine.head_problem(head_module) if engine else "")[1]
 
 
-def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
+def planned_loss_impl(cfg, model: nn.Module) -> LossChoice:
     """The loss a run of ``cfg`` (an :class:`~mmtune.training.config.SFTConfig`) trains with on CUDA GPUs.
 
     ``model`` is the run's model built on the meta device (no peft applied); the
     head's problems are predicted from the config the way the loop finds them on the
     live model: a family whose adapter names no body and head, a head that is not an
     ``nn.Linear``, LoRA on the output head (``peft.target_modules`` naming it) with
-    dropout, or under ZeRO-3. Liger counts as available when it is installed here.
+    dropout, or under an engine that cannot gather it (the engine class says,
+    :meth:`~mmtune.training.engines.base.Engine.planned_head_problem`). Liger counts as
+    available when it is installed here.
 
     Raises:
         ValueError: as :func:`choose_loss_impl` (``fused`` without Liger installed).
     """
     from mmtune.models.base import ModelAdapter
     from mmtune.models.registry import adapter_class
+    from mmtune.training.engines import engine_class
 
     adapter_cls = adapter_class(cfg.model.family)
     problem = ""
@@ -184,14 +186,17 @@ def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
         name = next(n for n, m in model.named_modules() if m is head)
         # peft wraps the linear layers whose last name is a target (see peft_setup.lora_target_names)
         if not problem and cfg.peft.method in ("lora", "qlora") and name.rsplit(".", 1)[-1] in targets:
+            backend = cfg.training.backend
+            engine = engine_class(backend.engine).planned_head_problem(getattr(backend, backend.engine),
+                                                                       lora_head=True)
             problems = _lora_head_problems(adapters=1, dropout=cfg.peft.dropout > 0, dora=False, merged=False,
-                                           zero3=zero_stage == 3)
+                                           engine=engine)
             problem = "LoRA output head with " + "; ".join(problems) if problems else ""
     return choose_loss_impl(cfg.training.loss_impl, device_type="cuda", head_problem=problem)
 
 
 # -------------------------------------------------------------------------------------------------
-# The output head as (weight, bias), under LoRA and ZeRO-3
+# The output head as (weight, bias), under LoRA and sharding engines
 # -------------------------------------------------------------------------------------------------
 
 
@@ -199,8 +204,8 @@ def planned_loss_impl(cfg, model: nn.Module, *, zero_stage: int) -> LossChoice:
 class OutputHead:
     """The output projection read as ``logits = hidden @ weight.T + bias``.
 
-    ``params`` are the module's parameters that ``weight``/``bias`` are built from; under
-    DeepSpeed ZeRO-3 they are gathered around every use (see :func:`gathered`).
+    ``params`` are the module's parameters that ``weight``/``bias`` are built from; an engine
+    that shards them gathers them around every use (``Engine.gathered``).
     ``build`` returns ``(weight, bias)`` from those parameters inside autograd, so LoRA
     factors get their gradients through the matmul that forms the effective weight.
     """
@@ -220,8 +225,11 @@ class OutputHead:
         return weight, base.bias
 
 
-def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
+def output_head(module: nn.Module, engine_problem: str = "") -> tuple[Optional[OutputHead], str]:
     """Read ``module`` (a model's output embeddings) as one matrix, or say why it cannot be.
+
+    ``engine_problem`` is why the run's engine cannot gather a LoRA head's factors
+    (``Engine.head_problem``), empty when it can.
 
     Returns:
         ``(head, "")`` for an ``nn.Linear`` or a peft LoRA ``Linear`` with one active
@@ -244,10 +252,7 @@ def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
             adapters=len(active),
             dropout=len(active) == 1 and not isinstance(module.lora_dropout[active[0]], nn.Identity),
             dora=len(active) == 1 and getattr(module, "use_dora", {}).get(active[0], False),
-            merged=bool(module.merged),
-            # ZeRO-3 hooks gather only a module's own parameters; a LoRA layer has none of its own,
-            # so the factors saved for the effective weight's backward would be empty shards.
-            zero3=any(hasattr(p, "ds_id") for p in module.parameters()))
+            merged=bool(module.merged), engine=engine_problem)
         if problems:
             return None, "LoRA output head with " + "; ".join(problems)
         name = active[0]
@@ -257,7 +262,7 @@ def output_head(module: nn.Module) -> tuple[Optional[OutputHead], str]:
     return None, f"output head is a {type(module).__name__}, not an nn.Linear or a LoRA Linear"
 
 
-def _lora_head_problems(*, adapters: int, dropout: bool, dora: bool, merged: bool, zero3: bool) -> list[str]:
+def _lora_head_problems(*, adapters: int, dropout: bool, dora: bool, merged: bool, engine: str) -> list[str]:
     """Why a LoRA output head cannot be read as ``W + s * B @ A`` (empty when it can).
 
     Shared by :func:`output_head` (facts read from the live module) and
@@ -273,39 +278,9 @@ def _lora_head_problems(*, adapters: int, dropout: bool, dora: bool, merged: boo
         problems.append("DoRA on the output head")
     if merged:
         problems.append("merged adapter weights")
-    if zero3:
-        problems.append("DeepSpeed ZeRO-3 parameters")
+    if engine:
+        problems.append(engine)
     return problems
-
-
-def _zero3_partitioned(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters DeepSpeed ZeRO-3 holds partitioned right now (empty on this rank)."""
-    partitioned = []
-    for p in params:
-        status = getattr(p, "ds_status", None)
-        if status is not None and getattr(status, "name", "") == "NOT_AVAILABLE":
-            partitioned.append(p)
-    return partitioned
-
-
-@contextlib.contextmanager
-def gathered(params: list[nn.Parameter]) -> Iterator[None]:
-    """Make ZeRO-3-partitioned ``params`` whole for the duration of the block (no-op otherwise).
-
-    The linear cross-entropy reads the output weight without the head module's own
-    forward, so it makes sure the weight is whole for its forward pass, where all of its
-    matmuls run (its backward pass reads no weight). Run as the head module's forward
-    (:func:`_call_as_forward`), DeepSpeed's hooks have usually gathered the module's
-    parameters already, and this finds nothing to gather.
-    """
-    partitioned = _zero3_partitioned(params)
-    if not partitioned:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        yield
 
 
 # -------------------------------------------------------------------------------------------------
@@ -564,7 +539,8 @@ def materialized_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, labels: torch.Tensor, *,
                              impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                             shifted: bool = False) -> torch.Tensor:
+                             gathered: Optional[Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]] = None,
+                             engine_problem: str = "", shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross-entropy of ``head_module(hidden)`` against ``labels``, in fp32.
 
     Args:
@@ -575,12 +551,16 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
         labels: ``[B, L]`` aligned with the input ids (the collator's convention).
         impl: a resolved implementation: ``chunked``, ``fused`` or ``materialized``.
         chunk_size: loss rows per chunk (``chunked`` only).
+        gathered: the engine's ``gathered(params)``: makes sharded head parameters whole
+            for the block (``Engine.gathered``); ``None`` when nothing is sharded.
+        engine_problem: the engine's ``head_problem`` for this head (see :func:`output_head`).
         shifted: ``labels`` are already each position's target (a sequence-parallel shard's,
             shifted on the whole row before it was cut).
     """
     if impl == "materialized":
         return materialized_cross_entropy_sum(head_module(hidden), labels, shifted=shifted)
-    head, reason = output_head(head_module)
+    head, reason = output_head(head_module, engine_problem)
+    gather = gathered or (lambda params: contextlib.nullcontext())
     if head is None:
         raise ValueError(f"training.loss_impl={impl} cannot read the output head: {reason}")
     if impl not in ("chunked", "fused"):
@@ -590,7 +570,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
 
     def loss_of(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.size(-1))
-        with gathered(head.params):
+        with gather(head.params):
             weight, bias = head.build()
             if impl == "chunked":
                 return chunked_linear_cross_entropy(flat, weight, targets, bias=bias, chunk_size=chunk_size)
@@ -602,8 +582,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
 def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor:
     """``fn(*args)`` run as ``module``'s forward, so the hooks on ``module`` bracket it.
 
-    DeepSpeed ZeRO-3 gathers a module's parameters in hooks around its forward *and* its
-    backward, and autograd accumulates a parameter's gradient right after the node that
+    A sharding engine (ZeRO-3, FSDP2) gathers a module's parameters in hooks
+    around its forward *and* its backward, and autograd accumulates a parameter's gradient right after the node that
     produced it, while the parameter is still gathered. A custom autograd function that
     reads ``lm_head.weight`` outside those hooks returns a full-size gradient for a
     parameter that is an empty shard by then, and accumulating it fails. Called through
@@ -652,7 +632,7 @@ def describe(impl: str, chunk_size: int) -> str:
 class TrainingLoss:
     """Runs a (wrapped) model on a batch and returns the summed next-token loss.
 
-    For ``chunked`` and ``fused`` the model still runs through its own (DDP / DeepSpeed /
+    For ``chunked`` and ``fused`` the model still runs through its own (engine wrapper /
     peft) forward, so every wrapper hook fires as usual, but with ``logits_to_keep=1``:
     the output head sees one position per row. The final hidden states are taken from
     the adapter's *body* module (``adapter.loss_modules``) by a forward hook, and the
@@ -670,12 +650,13 @@ class TrainingLoss:
     """
 
     def __init__(self, adapter, model: nn.Module, *, impl: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", engine=None):
         self.adapter = adapter
         self.chunk_size = chunk_size
         self.requested = impl
+        self.engine = engine  # gathers a sharded output head (None: nothing is sharded)
         choice = choose_loss_impl(impl, device_type=torch.device(device).type,
-                                  head_problem=model_head_problem(adapter, model))
+                                  head_problem=model_head_problem(adapter, model, engine))
         self.impl, self.reason = choice.impl, choice.reason
         if self.reason:
             log.warning("training.loss_impl=%s falls back to materialised logits: %s", impl, self.reason)
@@ -709,8 +690,11 @@ class TrainingLoss:
         if len(self._captured) != 1:
             raise RuntimeError(f"expected one call of {type(body).__name__} per forward, saw {len(self._captured)}")
         hidden = self._captured.pop()
-        return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device),
-                                        impl=self.impl, chunk_size=self.chunk_size, shifted=shifted)
+        engine = self.engine
+        return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device), impl=self.impl,
+                                        chunk_size=self.chunk_size, gathered=engine.gathered if engine else None,
+                                        engine_problem=engine.head_problem(head_module) if engine else "",
+                                        shifted=shifted)
 
     def _keep(self, _module: nn.Module, _args: tuple, output) -> None:
         if self._armed:

@@ -209,8 +209,9 @@ def launcher_processes(accelerate_config: str) -> Optional[int]:
 def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
     """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config);
     relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`)."""
-    ds_path = training_cfg.deepspeed_config
-    origin = "training.deepspeed_config"
+    backend = training_cfg.backend
+    ds_path = backend.deepspeed.config_file if backend.engine == "deepspeed" else None
+    origin = "training.backend.deepspeed.config_file"
     if accelerate_config:
         from omegaconf import OmegaConf
 
@@ -224,6 +225,9 @@ def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
         else:
             return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
+    if not ds_path and backend.engine == "deepspeed":
+        d = backend.deepspeed
+        return d.stage, d.offload_optimizer, d.offload_params, "training.backend.deepspeed"
     if not ds_path:
         return 0, False, False, "no DeepSpeed config: DDP assumed (pass --accelerate-config to plan a ZeRO launch)"
     try:

@@ -212,7 +212,7 @@ def plan_run(
     cost = None
     if params is not None and data is not None:
         try:  # the training loop's own resolution and fallbacks, for CUDA GPUs
-            loss = planned_loss_impl(cfg, meta_model(cfg.model)[0], zero_stage=stage)
+            loss = planned_loss_impl(cfg, meta_model(cfg.model)[0])
         except ValueError as err:
             raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
         loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")

@@ -1,0 +1,66 @@
+"""Distributed engines behind one seam: DDP, DeepSpeed ZeRO and PyTorch FSDP2.
+
+``training.backend.engine`` names the engine; :func:`build_engine` makes it from the run's
+config. Each engine is one class (:class:`~mmtune.training.engines.base.Engine`) in its own
+module and registers itself here by name; nothing outside these modules branches on an
+engine's name.
+
+=========  ===================================================  ==============================
+name       class                                                launch
+=========  ===================================================  ==============================
+ddp        :class:`~mmtune.training.engines.ddp.DDPEngine`       python / torchrun / accelerate
+deepspeed  :class:`~mmtune.training.engines.deepspeed.DeepSpeedEngine`  accelerate launch (DeepSpeed config) or torchrun
+fsdp2      :class:`~mmtune.training.engines.fsdp2.FSDP2Engine`   torchrun / accelerate (multi-GPU config)
+=========  ===================================================  ==============================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from mmtune.training.engines.base import Engine, EngineLaunchError, StateMemory, launched_engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.training.config import SFTConfig
+
+__all__ = ["Engine", "EngineLaunchError", "StateMemory", "build_engine", "engine_class", "engine_names",
+           "launched_engine", "register_engine"]
+
+_ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(cls: type[Engine]) -> type[Engine]:
+    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``."""
+    if cls.name in _ENGINES and _ENGINES[cls.name] is not cls:
+        raise ValueError(f"engine {cls.name!r} is registered twice ({_ENGINES[cls.name].__name__}, {cls.__name__})")
+    _ENGINES[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # Imported on first use: the modules import torch, the config module must not.
+    from mmtune.training.engines import ddp, deepspeed, fsdp2  # noqa: F401
+
+
+def engine_names() -> list[str]:
+    """Every registered engine name."""
+    _load_builtin()
+    return sorted(_ENGINES)
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine class registered as ``name``.
+
+    Raises:
+        KeyError: no engine has that name (the message lists those that exist).
+    """
+    _load_builtin()
+    if name not in _ENGINES:
+        raise KeyError(f"training.backend.engine={name!r}: no such engine; use one of {', '.join(sorted(_ENGINES))}")
+    return _ENGINES[name]
+
+
+def build_engine(cfg: "SFTConfig") -> Engine:
+    """The engine ``cfg.training.backend.engine`` names, with its settings."""
+    factory: Callable[["SFTConfig"], Engine] = engine_class(cfg.training.backend.engine)
+    return factory(cfg)

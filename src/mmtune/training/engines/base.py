@@ -1,0 +1,252 @@
+"""The seam between the training core and a distributed engine.
+
+The loop (:mod:`mmtune.training.loop`), the loss (:mod:`mmtune.training.loss`) and the
+checkpoints (:mod:`mmtune.training.checkpoint`) talk to one :class:`Engine` and never ask
+which one it is. An engine wraps the model and optimizer, says when gradients are synced,
+clips them, gathers a sharded parameter for the loss's output head, saves and loads the
+resumable (possibly sharded) state, gives the full weights for ``final/`` and states what
+it needs from the launch. ``mmtune plan`` asks the same classes for their memory per GPU
+(:meth:`Engine.state_memory`).
+
+Engines register by name (:func:`mmtune.training.engines.register_engine`); the config
+key ``training.backend.engine`` picks one and ``training.backend.<name>`` holds its
+typed settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from accelerate import Accelerator
+    from torch import nn
+
+    from mmtune.models.base import ModuleGroups
+    from mmtune.training.config import SFTConfig
+
+__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launched_engine"]
+
+
+class EngineLaunchError(RuntimeError):
+    """The process was launched for another engine than ``training.backend.engine`` names."""
+
+
+def launched_engine() -> Optional[str]:
+    """The engine the launcher set this process up for, as ``accelerate launch`` records it.
+
+    ``accelerate launch --config_file X`` passes its ``distributed_type`` to the process it
+    starts (the ``ACCELERATE_USE_*`` flags of accelerate's launch protocol): ``deepspeed``
+    for a DeepSpeed config, ``accelerate-fsdp`` for accelerate's own FSDP plugin, ``None``
+    for plain process launches (``python``, ``torchrun``, a multi-GPU accelerate config),
+    which every engine accepts. Only read to refuse a mismatch with the config; the config
+    alone chooses the engine.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        return "deepspeed"
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return "accelerate-fsdp"
+    return None
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes per GPU of the training state under an engine (what ``mmtune plan`` adds up).
+
+    ``gathered`` is the working set of full weights an engine that shards them holds
+    while computing (a layer, or DeepSpeed's live-parameter budget).
+    """
+
+    weights: float
+    gradients: float
+    optimizer: float
+    gathered: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.gathered
+
+
+class Engine(ABC):
+    """One distributed engine behind the training core.
+
+    Lifecycle, as the loop calls it::
+
+        engine = build_engine(cfg)                      # typed config, no side effects
+        acc = Accelerator(**engine.accelerator_kwargs(), ...)
+        engine.start(acc)                               # a launch for another engine is refused
+        model = engine.shard(model, groups)             # before the optimizer sees the parameters
+        model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+        with engine.accumulate(model):                  # one micro-batch
+            engine.backward(loss)
+            if engine.sync_gradients: norm = engine.clip_grad_norm(model, max_norm)
+        engine.save_state(directory) / engine.load_state(directory)
+        state_dict = engine.full_state_dict(model)      # final/, on the main process
+    """
+
+    name: ClassVar[str]
+    """The value of ``training.backend.engine`` that selects this engine."""
+    package: ClassVar[Optional[str]] = None
+    """The importable package the engine needs beyond torch and accelerate (checked at start-up)."""
+
+    def __init__(self, cfg: "SFTConfig"):
+        self.cfg = cfg
+        self.config = getattr(cfg.training.backend, self.name)
+        self.accelerator: Optional["Accelerator"] = None
+
+    # -- start-up --------------------------------------------------------------------------
+    @classmethod
+    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
+        """What is wrong with ``cfg`` for this engine, each with its key (empty when fine).
+
+        Called by :func:`mmtune.training.config.validate`, before anything is built.
+        """
+        import importlib.util
+
+        if cls.package and importlib.util.find_spec(cls.package) is None:
+            return [f"training.backend.engine={cls.name} needs the {cls.package!r} package, which is not installed: "
+                    f"install it (pip install {cls.package}) or choose another training.backend.engine"]
+        return []
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``accelerate.Accelerator`` this engine needs."""
+        import torch
+
+        return {"cpu": not torch.accelerator.is_available()}
+
+    def start(self, accelerator: "Accelerator") -> None:
+        """Take the run's accelerator; refuse a process the launcher set up for another engine (both named).
+
+        Raises:
+            EngineLaunchError: the launch and ``training.backend.engine`` disagree.
+        """
+        self.accelerator = accelerator
+        launched = launched_engine()
+        if launched is not None and launched != self.name:
+            raise EngineLaunchError(
+                f"training.backend.engine={self.name} but the launcher started this process for {launched} "
+                f"(accelerate launch --config_file with distributed_type "
+                f"{'DEEPSPEED' if launched == 'deepspeed' else 'FSDP'}): launch with "
+                f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
+
+    launch_hint: ClassVar[str] = "torchrun --nproc_per_node N recipes/sft.py (or python recipes/sft.py)"
+    """How to launch this engine, for error messages and docs."""
+
+    def evaluation_problem(self, num_processes: int) -> str:
+        """Why in-training generation (``training.eval_before/eval_after``) cannot run under
+        this engine on ``num_processes`` processes; empty when it can."""
+        return ""
+
+    # -- model -----------------------------------------------------------------------------
+    def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":
+        """Split ``model`` into this engine's sharding units before the optimizer is built
+        (engines that shard inside :meth:`prepare`, or not at all, return it unchanged)."""
+        return model
+
+    def prepare(self, model: "nn.Module", optimizer: Any, scheduler: Any) -> tuple["nn.Module", Any, Any]:
+        """Wrap ``model``, its optimizer and scheduler for training (accelerate's ``prepare``)."""
+        assert self.accelerator is not None
+        self.model, self.optimizer = model, optimizer
+        model, optimizer, scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer, scheduler
+
+    def parameter_counts(self, model: "nn.Module") -> tuple[int, int]:
+        """``(all, trainable)`` parameters of ``model`` at their full size, however sharded."""
+        params = list(model.parameters())
+        return (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+
+    def unwrap(self, model: "nn.Module") -> "nn.Module":
+        """The model without this engine's wrapper (the module ``save_pretrained`` belongs to)."""
+        assert self.accelerator is not None
+        return self.accelerator.unwrap_model(model)
+
+    # -- one step --------------------------------------------------------------------------
+    def accumulate(self, model: "nn.Module") -> contextlib.AbstractContextManager:
+        """The context of one micro-batch: gradients sync only on the step's last one."""
+        assert self.accelerator is not None
+        return self.accelerator.accumulate(model)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current micro-batch is the last of its optimizer step."""
+        assert self.accelerator is not None
+        return self.accelerator.sync_gradients
+
+    def backward(self, loss: "torch.Tensor") -> None:
+        """Backward of one micro-batch's (scaled) loss; accelerate divides it by the accumulation."""
+        assert self.accelerator is not None
+        self.accelerator.backward(loss)
+
+    def clip_grad_norm(self, model: "nn.Module", max_norm: Optional[float]) -> Optional[float]:
+        """Clip the step's gradients to ``max_norm`` (``None``: only measure); the norm before clipping."""
+        assert self.accelerator is not None
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        return None if norm is None else float(norm)
+
+    # -- the loss's output head ------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params: list["nn.Parameter"]) -> Iterator[None]:
+        """Make ``params`` whole for the block (the loss reads the output head's weight)."""
+        yield
+
+    def head_problem(self, head: "nn.Module") -> str:
+        """Why the linear cross-entropy cannot read ``head`` under this engine (empty when it can)."""
+        return ""
+
+    @classmethod
+    def planned_head_problem(cls, config: Any, *, lora_head: bool) -> str:
+        """:meth:`head_problem` predicted from the config (``mmtune plan``)."""
+        return ""
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_state(self, directory: Path) -> None:
+        """Write the resumable state of every rank into ``directory`` (call on every rank)."""
+        assert self.accelerator is not None
+        self.accelerator.save_state(str(directory), safe_serialization=True)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what :meth:`save_state` wrote (call on every rank)."""
+        assert self.accelerator is not None
+        self.accelerator.load_state(str(directory))
+
+    def full_state_dict(self, model: "nn.Module") -> dict[str, Any]:
+        """The full (unsharded) weights, complete on the main process (a collective: every rank calls it)."""
+        assert self.accelerator is not None
+        return self.accelerator.get_state_dict(model)
+
+    def merge_problem(self) -> str:
+        """Why ``final/`` cannot fold LoRA into the weights here (empty when it can)."""
+        return ""
+
+    # -- planning --------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
+                     num_gpus: int) -> StateMemory:
+        """Bytes per GPU of weights, gradients and AdamW states under this engine.
+
+        Args:
+            config: the engine's ``training.backend.<name>`` section.
+            total, trainable: parameters of the model, all and trained.
+            weight_bytes: bytes per weight in its stored dtype.
+            num_gpus: data-parallel ranks.
+        """
+
+    @classmethod
+    def describe(cls, config: Any) -> str:
+        """One line for logs and ``mmtune plan``."""
+        return cls.name
+
+
+def adamw_bytes(trainable: int, weight_bytes: int) -> float:
+    """AdamW's m and v in fp32, plus an fp32 master copy when the weights are 16-bit."""
+    return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
+

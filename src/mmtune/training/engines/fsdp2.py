@@ -1,0 +1,235 @@
+"""PyTorch FSDP2: ``torch.distributed.fsdp.fully_shard`` on a one-dimensional device mesh.
+
+Each sharding unit (``training.backend.fsdp2.units``: the language model's decoder layers,
+the vision tower's blocks or the whole tower) is all-gathered around its own forward and
+backward and holds only ``1/world_size`` of its weights, gradients and AdamW states in
+between; the rest of the model (embeddings, projector, final norm, output head) is the root
+unit. The units come from the adapter's module groups (:class:`~mmtune.models.base.ModuleGroups`),
+found the same way for every family: no family is named here.
+
+Launched by ``torchrun`` (or an accelerate multi-GPU config), not through accelerate's FSDP
+plugin: with ``cpu=True`` that plugin silently runs DDP. accelerate still places the
+devices, autocasts, counts the accumulation and saves the scheduler and every rank's RNG;
+the model and optimizer states are saved sharded by ``torch.distributed.checkpoint``, so a
+run resumes on another number of ranks as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from mmtune.training.engines import register_engine
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accelerate import Accelerator
+    from torch import nn
+
+    from mmtune.models.base import ModuleGroups
+    from mmtune.training.config import SFTConfig
+
+__all__ = ["FSDP2Engine", "UNITS", "sharding_units"]
+
+UNITS = ("decoder_layers", "vision_layers", "vision_tower")
+SHARDED_DIR = "sharded"
+"""Where, inside a checkpoint, ``torch.distributed.checkpoint`` writes model and optimizer shards."""
+
+
+def _largest_layer_list(modules: list["nn.Module"]) -> list["nn.Module"]:
+    """The blocks of a stack: the ``nn.ModuleList`` with the most parameters under ``modules``."""
+    from torch import nn
+
+    best, best_size = [], 0
+    for top in modules:
+        for module in top.modules():
+            if isinstance(module, nn.ModuleList) and len(module) > 1:
+                size = sum(p.numel() for p in module.parameters())
+                if size > best_size:
+                    best, best_size = list(module), size
+    return best
+
+
+def sharding_units(groups: "ModuleGroups") -> dict[str, list["nn.Module"]]:
+    """Every unit name of :data:`UNITS` with the modules it makes, from a model's groups.
+
+    ``decoder_layers``: the blocks of the language model's layer stack; ``vision_layers``:
+    the blocks of the vision tower's; ``vision_tower``: the vision tower's top modules.
+    A name whose modules the model does not have maps to an empty list.
+    """
+    return {"decoder_layers": _largest_layer_list(groups.language_model),
+            "vision_layers": _largest_layer_list(groups.vision),
+            "vision_tower": list(groups.vision)}
+
+
+@register_engine
+class FSDP2Engine(Engine):
+    """Fully sharded data parallel, PyTorch's ``fully_shard`` (``training.backend.engine=fsdp2``)."""
+
+    name = "fsdp2"
+    launch_hint = "torchrun --nproc_per_node N recipes/sft.py"
+
+    # -- start-up --------------------------------------------------------------------------
+    @classmethod
+    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
+        problems = super().config_problems(cfg)
+        c = cfg.training.backend.fsdp2
+        unknown = [u for u in c.units if u not in UNITS]
+        if unknown:
+            problems.append(f"training.backend.fsdp2.units: {', '.join(map(repr, unknown))} unknown; use any of "
+                            f"{', '.join(UNITS)}")
+        if len(set(c.units)) != len(c.units):
+            problems.append(f"training.backend.fsdp2.units={list(c.units)} names a unit twice")
+        if c.mixed_precision not in ("auto", "bf16", "fp32"):
+            problems.append(f"training.backend.fsdp2.mixed_precision={c.mixed_precision!r}: use auto, bf16 or fp32")
+        if cfg.training.mixed_precision == "fp16":
+            problems.append("training.mixed_precision=fp16 with training.backend.engine=fsdp2: FSDP2 has no loss "
+                            "scaler here; use bf16 (A100/H100) or ddp/deepspeed for fp16")
+        if cfg.training.compile:
+            problems.append("training.compile=true with training.backend.engine=fsdp2 is not supported yet: set "
+                            "training.compile=false")
+        return problems
+
+    def evaluation_problem(self, num_processes: int) -> str:
+        if num_processes > 1:
+            return (f"FSDP2 on {num_processes} processes: in-training evaluation generates on every rank, each "
+                    "its own dialogues and number of forward passes, and every sharded unit's forward all-gathers "
+                    "from all ranks at once (the job would hang). Evaluate the saved final/ checkpoint with "
+                    "recipes/evaluate.py (mmtune evaluate), or train with training.backend.engine=ddp")
+        return ""
+
+    # -- model -----------------------------------------------------------------------------
+    def _param_dtype(self) -> Optional["Any"]:
+        import torch
+
+        wanted = self.config.mixed_precision
+        if wanted == "auto":
+            wanted = "bf16" if self.cfg.training.mixed_precision == "bf16" else "fp32"
+        return torch.bfloat16 if wanted == "bf16" else None
+
+    def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":
+        """``fully_shard`` each configured unit, then the root; parameters become DTensor shards.
+
+        Raises:
+            ValueError: a configured unit the model does not have (the key and the units it has).
+        """
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        acc = self.accelerator
+        assert acc is not None
+        found = sharding_units(groups)
+        missing = [u for u in self.config.units if not found[u]]
+        if missing:
+            have = [u for u in UNITS if found[u]]
+            raise ValueError(f"training.backend.fsdp2.units names {', '.join(missing)}, which this model does not "
+                             f"have; it has {', '.join(have) or 'none of ' + ', '.join(UNITS)}: remove "
+                             f"{', '.join(missing)} from training.backend.fsdp2.units")
+        model.to(acc.device)
+        self.mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
+        kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.config.reshard_after_forward,
+                                  "mp_policy": MixedPrecisionPolicy(param_dtype=self._param_dtype(),
+                                                                    reduce_dtype=torch.float32)}
+        if self.config.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        done: set[int] = set()
+        for unit in self.config.units:
+            for module in found[unit]:
+                # vision_tower after vision_layers: the tower unit keeps what its blocks leave.
+                if id(module) not in done:
+                    fully_shard(module, **kwargs)
+                    done.add(id(module))
+        fully_shard(model, **kwargs)
+        self.units = {u: len(found[u]) for u in self.config.units}
+        return model
+
+    def prepare(self, model: "nn.Module", optimizer: Any, scheduler: Any) -> tuple["nn.Module", Any, Any]:
+        # The model is sharded already and the optimizer holds its shards; accelerate only
+        # wraps the scheduler (saved with the RNG states by save_state).
+        acc = self.accelerator
+        assert acc is not None
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer, acc.prepare(scheduler)
+
+    def unwrap(self, model: "nn.Module") -> "nn.Module":
+        return model  # fully_shard changes the modules' classes in place; there is no wrapper
+
+    # -- one step --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: "nn.Module") -> Iterator[None]:
+        acc = self.accelerator
+        assert acc is not None
+        with acc.accumulate(model):
+            # Reduce-scatter once per optimizer step: earlier micro-batches keep unsharded
+            # gradients locally (accelerate's no_sync does this for DDP).
+            model.set_requires_gradient_sync(acc.sync_gradients)
+            yield
+
+    def clip_grad_norm(self, model: "nn.Module", max_norm: Optional[float]) -> Optional[float]:
+        import torch
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor: the global norm
+        return float(norm)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        acc = self.accelerator
+        assert acc is not None
+        acc.save_state(str(directory), safe_serialization=True)  # scheduler and every rank's RNG
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
+
+    def load_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        acc = self.accelerator
+        assert acc is not None
+        acc.load_state(str(directory))
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        # Resharded on load: the checkpoint may come from another number of ranks.
+        dcp.load(state, checkpoint_id=str(Path(directory) / SHARDED_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def full_state_dict(self, model: "nn.Module") -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Every rank takes part in the all-gathers; the main process keeps full CPU tensors.
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def merge_problem(self) -> str:
+        return "FSDP2 LoRA runs save the adapter only; merge it with peft offline (or train with ddp to merge)"
+
+    # -- planning --------------------------------------------------------------------------
+    @classmethod
+    def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
+                     num_gpus: int) -> StateMemory:
+        g = max(1, num_gpus)
+        weights = float(4 * total) / g  # sharded fp32 parameters (bf16 only inside the units' compute)
+        grads = float(4 * trainable) / g
+        optim = 8.0 * trainable / g  # AdamW m and v in fp32; the fp32 shard is its own master copy
+        if config.cpu_offload:
+            weights = grads = optim = 0.0
+        # One unit gathered at a time (two with prefetching): about two decoder layers of weights
+        # in the compute dtype; bounded here by 2/num_layers of the model is not known, so one
+        # tenth of the weights stands in for a 20-40-layer model.
+        gathered = float(weight_bytes * total) / 10 if g > 1 else 0.0
+        return StateMemory(weights=weights, gradients=grads, optimizer=optim, gathered=gathered)
+
+    @classmethod
+    def describe(cls, config: Any) -> str:
+        return (f"FSDP2 (fully_shard units: {', '.join(config.units) or 'root only'}; "
+                f"reshard after forward: {config.reshard_after_forward}"
+                + ("; CPU offload" if config.cpu_offload else "") + ")")
