@@ -44,8 +44,9 @@ def main() -> None:
     changed = 0
     for name, param in sorted(model.named_parameters()):
         digest.update(name.encode())
-        digest.update(param.detach().cpu().float().numpy().tobytes())
-        if name in before and not torch.equal(before[name], param.detach()):
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # an FSDP2 shard: the whole weight
+        digest.update(full.detach().cpu().float().numpy().tobytes())
+        if name in before and not torch.equal(before[name], param.detach()):  # own shards compared under FSDP2
             changed += 1
     recipe.save()
     recipe.cleanup()

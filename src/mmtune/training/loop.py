@@ -59,6 +59,7 @@ from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
+from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
 
@@ -234,6 +235,10 @@ class SFTRecipe:
         self.model, self.optimizer, self.scheduler = self.engine.prepare(model, optimizer, scheduler)
         self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
                                  device=acc.device, engine=self.engine)
+        self.vision = VisionOnEveryRank(self.adapter, self.model, groups.language_model)
+        self.objective = TokenWeightedCrossEntropy(
+            self.batch_loss, reduce_sum=lambda x: acc.reduce(x, reduction="sum"), world_size=acc.num_processes,
+            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=sp_size)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
         if self.sequence_parallel is not None:
@@ -445,18 +450,14 @@ class SFTRecipe:
             started = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
             # Global loss-token count of this step, before any backward (see module docstring).
-            # The ranks of a sequence-parallel group hold the same rows: each row is counted once.
-            sp_size = self.cfg.training.sequence_parallel.size
-            local_tokens = sum(int(b["num_loss_tokens"].sum()) for b, _ in micro)
-            global_tokens = int(acc.reduce(torch.tensor(local_tokens, device=acc.device), reduction="sum").item())
-            global_tokens //= sp_size
-            scale = acc.num_processes * accum / max(global_tokens, 1)
+            global_tokens = self.objective.begin_step([b for b, _ in micro])
+            sp_size = t.sequence_parallel.size  # ranks holding each micro-batch: its tokens and images count once
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
             for batch, meta in micro:
                 with engine.accumulate(self.model):
-                    summed = self.batch_loss(batch)
-                    engine.backward(summed * scale)
+                    scaled, summed = self.objective(batch)
+                    engine.backward(scaled)
                     if engine.sync_gradients:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
                         self.grad_norm = engine.clip_grad_norm(self.model, t.max_grad_norm)
@@ -477,7 +478,7 @@ class SFTRecipe:
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 tokens_per_s = float(stats[1]) / elapsed
                 metrics = {
-                    "train/loss": float(stats[0]) / max(global_tokens, 1),
+                    "train/loss": self.objective.step_loss(float(stats[0])),
                     "train/lr": self.scheduler.get_last_lr()[0],
                     "train/loss_tokens": global_tokens,
                     "train/epoch": self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
@@ -498,7 +499,8 @@ class SFTRecipe:
                 self.save_checkpoint()
 
     def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The summed next-token loss of one micro-batch (fp32 scalar), under autocast.
+        """The summed next-token loss of one micro-batch (fp32 scalar), under autocast (the
+        objective's loss, :class:`~mmtune.training.objective.TokenWeightedCrossEntropy`).
 
         The batch's model inputs (the adapter's image inputs and position layout among them)
         pass to the forward by name (:func:`~mmtune.data.collator.forward_inputs`)."""
@@ -506,17 +508,16 @@ class SFTRecipe:
 
         acc = self.accelerator
         inputs = {k: v.to(acc.device) if v is not None else None for k, v in forward_inputs(batch).items()}
-        with acc.autocast():
+        # Text-only batch: the vision tower still runs, inside the forward where images would
+        # (sharded engines gather its weights from every rank there); its value is exactly 0.
+        text_only = all(inputs.get(name) is None for name in self.adapter.image_input_names)
+        with acc.autocast(), self.vision.armed(text_only):
             if self.sequence_parallel is not None:  # this rank's shard of the rows, its shifted targets
                 with self.sequence_parallel.step(self.model, inputs, batch["labels"].to(acc.device)) as targets:
                     summed = self.loss(self.model, inputs, targets, shifted=True)
             else:
                 summed = self.loss(self.model, inputs, batch["labels"])
-            if all(inputs.get(name) is None for name in self.adapter.image_input_names):
-                # Text-only batch: still run the vision tower (sharded engines must see the
-                # same modules called on every rank); its value is exactly 0.
-                summed = summed + self.adapter.vision_dummy_loss(self.model)
-        return summed
+        return summed + self.vision.take()
 
     def _report_skipped(self) -> None:
         """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""

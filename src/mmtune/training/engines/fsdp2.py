@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from mmtune.training.engines import register_engine
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes
+from mmtune.training.engines.base import Engine, StateMemory
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -62,6 +62,25 @@ def sharding_units(groups: "ModuleGroups") -> dict[str, list["nn.Module"]]:
     return {"decoder_layers": _largest_layer_list(groups.language_model),
             "vision_layers": _largest_layer_list(groups.vision),
             "vision_tower": list(groups.vision)}
+
+
+def _fully_shard(module: "nn.Module", **kwargs: Any) -> None:
+    """``fully_shard(module)``, keeping transformers' output capture of ``module`` working.
+
+    ``fully_shard`` gives the module a new class (``FSDP<Name>``); transformers looks up
+    which outputs a model can record (``output_hidden_states``, which LLaVA reads from its
+    vision tower) by the model's class, so the new class is registered with the old one's.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # older transformers record outputs without a registry
+        _CAN_RECORD_REGISTRY = None
+    recorded = _CAN_RECORD_REGISTRY.get(module) if _CAN_RECORD_REGISTRY is not None else None
+    fully_shard(module, **kwargs)
+    if recorded:
+        _CAN_RECORD_REGISTRY[module] = recorded
 
 
 @register_engine
@@ -117,7 +136,7 @@ class FSDP2Engine(Engine):
         """
         import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         acc = self.accelerator
         assert acc is not None
@@ -140,9 +159,16 @@ class FSDP2Engine(Engine):
             for module in found[unit]:
                 # vision_tower after vision_layers: the tower unit keeps what its blocks leave.
                 if id(module) not in done:
-                    fully_shard(module, **kwargs)
+                    _fully_shard(module, **kwargs)
                     done.add(id(module))
-        fully_shard(model, **kwargs)
+        # The output head is a unit of its own (unless tied to the input embeddings): the loss
+        # reads its weight outside the model's forward, run as the head's forward, whose hooks
+        # gather it then (see mmtune.training.loss._call_as_forward).
+        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and id(head) not in done and not (
+                embeddings is not None and {id(p) for p in head.parameters()} & {id(p) for p in embeddings.parameters()}):
+            _fully_shard(head, **kwargs)
+        _fully_shard(model, **kwargs)
         self.units = {u: len(found[u]) for u in self.config.units}
         return model
 
@@ -156,6 +182,26 @@ class FSDP2Engine(Engine):
 
     def unwrap(self, model: "nn.Module") -> "nn.Module":
         return model  # fully_shard changes the modules' classes in place; there is no wrapper
+
+    @contextlib.contextmanager
+    def gathered(self, params: list["nn.Parameter"]) -> Iterator[None]:
+        """Unshard the unit that owns any still-sharded ``params`` (a tied head in the root unit).
+
+        Run as the head's forward, a head that is its own unit is gathered by its hooks already.
+        The unit stays unsharded until its backward is done, where FSDP reshards it.
+        """
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        sharded = {id(p) for p in params if isinstance(p, DTensor)}
+        if sharded:
+            owner = None
+            for module in self.model.modules():  # pre-order: the last match is the innermost unit
+                if isinstance(module, FSDPModule) and sharded & {id(p) for p in module.parameters()}:
+                    owner = module
+            if owner is not None:
+                owner.unshard()
+        yield
 
     # -- one step --------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,0 +1,207 @@
+"""FSDP2 on 2 gloo ranks (torchrun, CPU) against one process: the same losses and final weights
+(full and LoRA, tiny LLaVA and Qwen2-VL), a text-only micro-batch on one rank beside images on
+the other, SIGKILL of one rank and resume, ``final/`` loading with ``from_pretrained``; and the
+start-up refusals of the engine (fast)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.support.processes import free_port, read_jsonl
+
+REPO = Path(__file__).resolve().parents[3]
+SFT = str(REPO / "recipes" / "sft.py")
+FAMILIES = {"llava": (), "qwen2_vl": ("model=qwen2_vl_tiny",)}
+PEFT = {"full": (), "lora": ("peft=lora", "peft.dropout=0.0")}  # no dropout: the ranks' RNG streams differ
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(free_port()), SFT]
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def _losses(run: Path) -> list[float]:
+    return [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def _weights(final: Path, family: str) -> dict[str, torch.Tensor]:
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    model = build_adapter(ModelConfig(family=family, path=str(final))).load_model()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _adapter_weights(final: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(final / "adapter" / "adapter_model.safetensors"))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft", PEFT)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_fsdp2_ranks_match_one_process(family, peft, tmp_path, synthetic_dir, tiny_overrides):
+    """Same global batch (2 ranks x 1 micro-batch against 1 process x 2): same losses and weights at 1e-5."""
+    common = (*FAMILIES[family], *PEFT[peft], "training.max_steps=4", "training.lr=2e-4",
+              "training.log_sample_ids=true")
+    sharded, single = tmp_path / "fsdp2", tmp_path / "one"
+    out = _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2")])
+    assert "engine: FSDP2 (fully_shard units: decoder_layers, vision_tower" in out
+    _run([sys.executable, SFT, *tiny_overrides(single, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+
+    # The same samples in each step: rank r of the sharded run took the step's r-th micro-batch.
+    ids = [[i for r in s["ranks"] for mb in r["ids"] for i in mb] for s in read_jsonl(sharded / "sample_ids.jsonl")]
+    assert ids == [[i for r in s["ranks"] for mb in r["ids"] for i in mb]
+                   for s in read_jsonl(single / "sample_ids.jsonl")]
+    assert len(_losses(sharded)) == 4
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+    if peft == "full":
+        trained = _weights(sharded / "final", family)
+        _assert_same_weights(trained, _weights(single / "final", family))
+    else:
+        _assert_same_weights(_adapter_weights(sharded / "final"), _adapter_weights(single / "final"))
+        run = json.loads((sharded / "final" / "mmtune_run.json").read_text())
+        assert run["merged"] is False and "FSDP2" in run["merged_note"]
+
+
+@pytest.mark.slow
+def test_a_text_only_rank_beside_an_image_rank_completes_the_step(tmp_path, synthetic_dir, tiny_overrides):
+    """The vision tower runs on the text-only rank too (a zero-weighted dummy image inside the
+    forward, where images would go), so the ranks' gathers line up; the result is one process's."""
+    records = json.loads((synthetic_dir / "llava.json").read_text())
+    records += [{"id": f"text-{i}", "conversations": [{"from": "human", "value": f"Say {i} please"},
+                                                       {"from": "gpt", "value": f"{i} then"}]} for i in range(8)]
+    data = tmp_path / "mixed.json"
+    data.write_text(json.dumps(records))
+    common = ("synthetic.enabled=false", "data.mixture.sources.0.format=llava", f"data.mixture.sources.0.path={data}",
+              f"data.mixture.sources.0.image_root={synthetic_dir / 'images'}", "collator.batch_size=1",
+              "training.max_steps=6", "training.lr=2e-4", "training.log_sample_ids=true", "training.vision.train=true")
+    sharded, single = tmp_path / "fsdp2", tmp_path / "one"
+    _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2")])
+    _run([sys.executable, SFT, *tiny_overrides(single, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+    mixed_steps = [s for s in read_jsonl(sharded / "sample_ids.jsonl")
+                   if sorted(r["ids"][0][0].startswith("text-") for r in s["ranks"]) == [False, True]]
+    assert mixed_steps, "no step had a text-only rank beside an image rank; the test data does not exercise it"
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+    _assert_same_weights(_weights(sharded / "final", "llava"), _weights(single / "final", "llava"))
+
+
+def _kill_one_rank_after_checkpoint(cmd: list[str], out: Path, step: int) -> None:
+    """Start ``cmd`` (torchrun, 2 ranks); SIGKILL rank 1 once ``checkpoints/step-<step>`` is complete
+    and a later step is logged; torchrun then stops the other rank."""
+    import psutil
+
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    deadline, killed = time.time() + 600, False
+    while time.time() < deadline and launcher.poll() is None and not killed:
+        done = (out / "checkpoints" / f"step-{step}" / "trainer_state.json").is_file()
+        if done and any(m["step"] > step for m in read_jsonl(out / "metrics.jsonl")):
+            for child in psutil.Process(launcher.pid).children():
+                if "LOCAL_RANK" in child.environ() and child.environ()["LOCAL_RANK"] == "1":
+                    child.send_signal(signal.SIGKILL)
+                    killed = True
+        time.sleep(0.01)
+    output = launcher.communicate(timeout=300)[0]
+    assert killed and launcher.returncode != 0, "the run ended before a rank could be killed:\n" + output[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_then_resume_on_two_ranks_matches_the_uninterrupted_run(tmp_path, synthetic_dir,
+                                                                                   tiny_overrides):
+    common = ("training.max_steps=6", "training.save_every_steps=2", "training.resume=auto", "training.lr=2e-4",
+              "training.backend.engine=fsdp2", "training.log_sample_ids=true")
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    _run([*_torchrun(2), *tiny_overrides(reference, synthetic_dir, *common)])
+    _kill_one_rank_after_checkpoint([*_torchrun(2), *tiny_overrides(killed, synthetic_dir, *common)], killed, 2)
+    assert (killed / "checkpoints" / "step-2" / "sharded" / ".metadata").is_file()  # torch.distributed.checkpoint
+    out = _run([*_torchrun(2), *tiny_overrides(killed, synthetic_dir, *common)])
+    assert "resumed from" in out
+    assert _losses(killed) == pytest.approx(_losses(reference), rel=1e-6)
+    assert read_jsonl(killed / "sample_ids.jsonl") == read_jsonl(reference / "sample_ids.jsonl")
+    _assert_same_weights(_weights(killed / "final", "llava"), _weights(reference / "final", "llava"))
+
+
+# -- start-up refusals (fast) ---------------------------------------------------------------------
+
+
+def _config(*overrides: str):
+    from mmtune.training.config import to_sft_config
+    from mmtune.training.demo import compose_sft_config
+
+    return to_sft_config(compose_sft_config(["experiment=demo_single_image", *overrides]))
+
+
+def test_an_unknown_sharding_unit_is_refused_at_start_up_naming_the_key():
+    from mmtune.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training.backend.fsdp2.units: 'decoder' unknown; use any of "
+                                          r"decoder_layers, vision_layers, vision_tower"):
+        _config("training.backend.engine=fsdp2", "training.backend.fsdp2.units=[decoder]")
+
+
+def test_a_unit_the_model_does_not_have_is_refused_naming_the_key_and_what_it_has():
+    from mmtune.models.base import ModuleGroups
+    from mmtune.training.engines import build_engine
+
+    engine = build_engine(_config("training.backend.engine=fsdp2", "training.backend.fsdp2.units=[vision_layers]"))
+    engine.accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    groups = ModuleGroups(vision=[torch.nn.Linear(4, 4)], projector=[], language_model=[layers])
+    with pytest.raises(ValueError, match=r"training.backend.fsdp2.units names vision_layers, which this model does "
+                                         r"not have; it has decoder_layers, vision_tower"):
+        engine.shard(torch.nn.Sequential(layers), groups)
+
+
+def test_a_launch_for_another_engine_is_refused_with_both_names(monkeypatch):
+    from mmtune.training.engines import EngineLaunchError, build_engine
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
+    engine = build_engine(_config("training.backend.engine=fsdp2"))
+    with pytest.raises(EngineLaunchError, match=r"training.backend.engine=fsdp2 but the launcher started this "
+                                                r"process for deepspeed.*or set training.backend.engine=deepspeed"):
+        engine.start(SimpleNamespace())
+
+
+def test_a_deepspeed_file_whose_stage_disagrees_is_refused_with_both_values():
+    from mmtune.training.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training.backend.deepspeed.stage=2 but .*zero3.json has 3"):
+        _config("training.backend.engine=deepspeed", "training.backend.deepspeed.stage=2",
+                f"training.backend.deepspeed.config_file={REPO}/launch/deepspeed/zero3.json")
+
+
+def test_an_engine_whose_package_is_missing_is_refused_at_start_up(monkeypatch):
+    import importlib.util
+
+    from mmtune.training.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"training.backend.engine=deepspeed needs the 'deepspeed' package"):
+        _config("training.backend.engine=deepspeed")
