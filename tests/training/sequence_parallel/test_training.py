@@ -55,3 +55,22 @@ def test_two_sequence_parallel_ranks_train_as_one_process(engine, tmp_path, synt
     assert one_grads.keys() == sp_grads.keys() and one_grads
     for name in one_grads:
         torch.testing.assert_close(sp_grads[name], one_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_resume_with_sequence_parallelism_repeats_the_uninterrupted_losses(tmp_path, synthetic_dir, tiny_overrides):
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, synthetic_dir, "training.max_steps=4", "training.save_every_steps=2",
+                               "training.save_final=false", "training.lr=3e-3", "collator.batching=packing",
+                               "collator.max_length=512", "collator.batch_size=1",
+                               "training.sequence_parallel.size=2")
+    _run(2, tmp_path, overrides, "")
+    uninterrupted = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in uninterrupted] == [1, 2, 3, 4]
+    # again from the step-2 checkpoint: steps 3 and 4 are trained a second time
+    _run(2, tmp_path, [*overrides, f"training.resume={run / 'checkpoints' / 'step-2'}"], "")
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(uninterrupted[2:], resumed[2:]):
+        assert a["train/loss_tokens"] == b["train/loss_tokens"]
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-6, (a, b)
