@@ -310,6 +310,13 @@ class ModelAdapter(ABC):
 
         return {"pixel_values": torch.stack(list(images))}
 
+    def split_image_inputs(self, inputs: dict[str, "torch.Tensor"]) -> list[dict[str, "torch.Tensor"]]:
+        """A batch's image inputs one image at a time, in order (concatenating the pieces along
+        dim 0 gives ``inputs`` back): how sequence parallelism shares a row's images among its
+        ranks. Default: one row of every input per image."""
+        first = inputs[self.image_input_names[0]]
+        return [{name: inputs[name][i:i + 1] for name in self.image_input_names} for i in range(int(first.shape[0]))]
+
     def pixel_settings(self) -> dict[str, Any]:
         """Everything that decides what :meth:`load_image` returns: the pixel cache's key, so
         a setting that changes the pixels always changes the cache. ``"uint8"`` says whether the

@@ -36,6 +36,7 @@ from mmtune.experiment import Recipe
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
 from mmtune.training.packed_attention import resolve_attention
+from mmtune.training.sequence_parallel.config import SequenceParallelConfig
 
 __all__ = [
     "ConfigError",
@@ -129,6 +130,8 @@ class FSDP2EngineConfig:
 
 
 ENGINE_NAMES = ("ddp", "deepspeed", "fsdp2")
+#: the engines sequence parallelism is tested under (2 CPU ranks against one process)
+SEQUENCE_PARALLEL_ENGINES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -240,6 +243,8 @@ class TrainingConfig:
     kernel call: no ``L x L`` block mask, the cost of the samples); flash_attention_2 keeps
     its varlen kernel. ``per_sample``: the same, failing at start-up where it cannot work.
     ``off``: transformers' block-diagonal mask (every row pays ``L²`` scores)."""
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    """Rows split across ranks (``size`` ranks per row); see :mod:`mmtune.training.sequence_parallel`."""
 
 
 @dataclass
@@ -443,6 +448,16 @@ def validate(cfg: SFTConfig) -> None:
                           attn_implementation=cfg.model.attn_implementation)
     except ValueError as err:
         problems.append(str(err))
+    sp = t.sequence_parallel.size
+    if sp < 1:
+        problems.append(f"training.sequence_parallel.size={sp} must be >= 1 (1: off)")
+    elif sp > 1 and cfg.model.attn_implementation not in ("sdpa", "eager"):
+        problems.append(f"training.sequence_parallel.size={sp} cannot split model.attn_implementation="
+                        f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
+                        "causal kernel is FlashAttention) or eager")
+    if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
+        problems.append(f"training.sequence_parallel.size={sp} with training.backend.engine={t.backend.engine}: "
+                        f"sequence parallelism runs under {' or '.join(SEQUENCE_PARALLEL_ENGINES)}; choose one")
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")

@@ -23,6 +23,10 @@ must get exactly right are awkward to reach inside ``Trainer``.
    Every rank runs exactly ``accum`` micro-batches per step: where an epoch's plan runs
    out (an uneven last round, a partial last step) the data module tops ranks up with
    filler micro-batches that have no loss token, so they add nothing to either sum.
+   With sequence parallelism (``training.sequence_parallel.size = N``) the ``N`` ranks of a
+   group hold the same rows, each computing its shard's summed loss: the token count is
+   divided by ``N`` (each row counted once), and the ranks' gradients, averaged over
+   ``world_size`` by DDP, add up to those of the rows (``mmtune.training.sequence_parallel``).
 
 The distributed engine (``training.backend.engine``: DDP, ZeRO or FSDP2) is one
 object behind :class:`~mmtune.training.engines.base.Engine`: it wraps or shards the model,
@@ -203,6 +207,14 @@ class SFTRecipe:
         groups = self.adapter.module_groups(model)
         apply_freezing(model, groups, t, lora=lora)
         self._choose_attention(model, text_config)
+        self.sequence_parallel = None
+        if t.sequence_parallel.size > 1:
+            from mmtune.training.sequence_parallel import SequenceParallel
+
+            self.sequence_parallel = SequenceParallel.create(t.sequence_parallel.size, self.adapter, model,
+                                                             attn_implementation=text_config._attn_implementation)
+        # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
+        sp_size = t.sequence_parallel.size
         self.num_params, self.num_trainable = self.engine.parameter_counts(model)
         model = self.engine.shard(model, groups)  # before the optimizer takes the parameters
         self.optim_groups = param_groups(model, groups, t)
@@ -212,8 +224,9 @@ class SFTRecipe:
         # epoch), padded per rank to whole optimizer steps, so no step straddles two epochs
         # and every rank runs the same micro-batches per step and the same steps.
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index,
-                          world_size=acc.num_processes, gradient_accumulation_steps=t.gradient_accumulation_steps)
+        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index // sp_size,
+                          world_size=acc.num_processes // sp_size,
+                          gradient_accumulation_steps=t.gradient_accumulation_steps)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -231,9 +244,11 @@ class SFTRecipe:
         self.vision = VisionOnEveryRank(self.adapter, self.model, groups.language_model)
         self.objective = TokenWeightedCrossEntropy(
             self.batch_loss, reduce_sum=lambda x: acc.reduce(x, reduction="sum"), world_size=acc.num_processes,
-            accumulation=t.gradient_accumulation_steps, device=acc.device)
+            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=sp_size)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
+        if self.sequence_parallel is not None:
+            acc.print(self.sequence_parallel.description)
         if t.compile:
             self.model = torch.compile(self.model)
 
@@ -450,7 +465,7 @@ class SFTRecipe:
         and generation outside them keep ``model.attn_implementation``."""
         from mmtune.training.packed_attention import use_attention
 
-        if not self.attention.per_sample:
+        if not self.attention.per_sample or self.sequence_parallel is not None:  # SP sets its own per step
             return contextlib.nullcontext()
         return use_attention(self._language_model, self.attention.training_implementation)
 
@@ -464,6 +479,7 @@ class SFTRecipe:
             micro = [next(batches) for _ in range(accum)]
             # Global loss-token count of this step, before any backward (see module docstring).
             global_tokens = self.objective.begin_step([b for b, _ in micro])
+            sp_size = t.sequence_parallel.size  # ranks holding each micro-batch: its tokens and images count once
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
             for batch, meta in micro:
@@ -481,7 +497,9 @@ class SFTRecipe:
                 seq_tokens += meta["tokens"]
                 images += meta["images"]
             self.step += 1
-            stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens, images], device=acc.device), reduction="sum")
+            # each rank's loss_sum is its shard's (they add up to the rows'); tokens and images are the rows'
+            stats = acc.reduce(torch.tensor([float(loss_sum), seq_tokens / sp_size, images / sp_size],
+                                            device=acc.device), reduction="sum")
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
                 self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
@@ -522,7 +540,11 @@ class SFTRecipe:
         # (sharded engines gather its weights from every rank there); its value is exactly 0.
         text_only = all(inputs.get(name) is None for name in self.adapter.image_input_names)
         with acc.autocast(), self.vision.armed(text_only):
-            summed = self.loss(self.model, inputs, batch["labels"])
+            if self.sequence_parallel is not None:  # this rank's shard of the rows, its shifted targets
+                with self.sequence_parallel.step(self.model, inputs, batch["labels"].to(acc.device)) as targets:
+                    summed = self.loss(self.model, inputs, targets, shifted=True)
+            else:
+                summed = self.loss(self.model, inputs, batch["labels"])
         return summed + self.vision.take()
 
     def _report_skipped(self) -> None:

@@ -526,8 +526,12 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return targets
 
 
-def materialized_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies from full ``logits [B, L, V]`` (fp32), labels aligned with inputs."""
+def materialized_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
+    """Sum of next-token cross-entropies from full ``logits [B, L, V]`` (fp32), labels aligned with
+    inputs (``shifted``: already the targets of each position, as a sequence-parallel shard's are)."""
+    if shifted:
+        flat = logits.reshape(-1, logits.size(-1)).float()
+        return F.cross_entropy(flat, labels.reshape(-1).to(flat.device), ignore_index=IGNORE_INDEX, reduction="sum")
     shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -536,7 +540,7 @@ def materialized_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -
 def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, labels: torch.Tensor, *,
                              impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE,
                              gathered: Optional[Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]] = None,
-                             engine_problem: str = "") -> torch.Tensor:
+                             engine_problem: str = "", shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross-entropy of ``head_module(hidden)`` against ``labels``, in fp32.
 
     Args:
@@ -550,16 +554,19 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
         gathered: the engine's ``gathered(params)``: makes sharded head parameters whole
             for the block (``Engine.gathered``); ``None`` when nothing is sharded.
         engine_problem: the engine's ``head_problem`` for this head (see :func:`output_head`).
+        shifted: ``labels`` are already each position's target (a sequence-parallel shard's,
+            shifted on the whole row before it was cut).
     """
     if impl == "materialized":
-        return materialized_cross_entropy_sum(head_module(hidden), labels)
+        return materialized_cross_entropy_sum(head_module(hidden), labels, shifted=shifted)
     head, reason = output_head(head_module, engine_problem)
     gather = gathered or (lambda params: contextlib.nullcontext())
     if head is None:
         raise ValueError(f"training.loss_impl={impl} cannot read the output head: {reason}")
     if impl not in ("chunked", "fused"):
         raise ValueError(f"unknown loss implementation {impl!r}; use one of {', '.join(LOSS_IMPLS[1:])}")
-    targets = shifted_targets(labels.to(hidden.device)).reshape(-1)
+    labels = labels.to(hidden.device)
+    targets = (labels if shifted else shifted_targets(labels)).reshape(-1)
 
     def loss_of(hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.size(-1))
@@ -661,10 +668,11 @@ class TrainingLoss:
         text = describe(self.impl, self.chunk_size)
         return f"{text} (fallback: {self.reason})" if self.reason else text
 
-    def __call__(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, model: nn.Module, inputs: dict, labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
+        """``shifted``: ``labels`` are the targets of each position (see :func:`linear_cross_entropy_sum`)."""
         if self.impl == "materialized":
             logits = model(**inputs, use_cache=False).logits
-            return materialized_cross_entropy_sum(logits, labels)
+            return materialized_cross_entropy_sum(logits, labels, shifted=shifted)
         # A torch.compile'd model keeps the real module tree under _orig_mod.
         body, head_module = self.adapter.loss_modules(getattr(model, "_orig_mod", model))
         if self._tapped is not body:
@@ -685,7 +693,8 @@ class TrainingLoss:
         engine = self.engine
         return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device), impl=self.impl,
                                         chunk_size=self.chunk_size, gathered=engine.gathered if engine else None,
-                                        engine_problem=engine.head_problem(head_module) if engine else "")
+                                        engine_problem=engine.head_problem(head_module) if engine else "",
+                                        shifted=shifted)
 
     def _keep(self, _module: nn.Module, _args: tuple, output) -> None:
         if self._armed:

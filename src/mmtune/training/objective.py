@@ -113,11 +113,14 @@ class TokenWeightedCrossEntropy:
         reduce_sum: all-reduces a tensor by sum over ranks (``accelerator.reduce``).
         world_size, accumulation: ranks and micro-batches per optimizer step.
         device: where the token count is reduced.
+        row_replicas: ranks that hold each micro-batch (the sequence-parallel size: each
+            computes its shard's loss), so each row's loss tokens are counted once.
     """
 
     def __init__(self, loss: Callable[..., torch.Tensor], *, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                 world_size: int, accumulation: int, device: torch.device):
+                 world_size: int, accumulation: int, device: torch.device, row_replicas: int = 1):
         self.loss, self.reduce_sum = loss, reduce_sum
+        self.row_replicas = row_replicas
         self.world_size, self.accumulation, self.device = world_size, accumulation, device
         self.global_tokens = 0
         self.scale = 1.0
@@ -129,7 +132,7 @@ class TokenWeightedCrossEntropy:
     def begin_step(self, micro_batches: list[dict[str, Any]]) -> int:
         """Count the step's loss tokens on every rank (a collective, before any backward); returns the count."""
         local = sum(int(batch["num_loss_tokens"].sum()) for batch in micro_batches)
-        self.global_tokens = int(self.reduce_sum(torch.tensor(local, device=self.device)).item())
+        self.global_tokens = int(self.reduce_sum(torch.tensor(local, device=self.device)).item()) // self.row_replicas
         self.scale = self.world_size * self.accumulation / max(self.global_tokens, 1)
         return self.global_tokens
 

@@ -66,6 +66,7 @@ __all__ = [
     "fallback",
     "language_model",
     "model_support_problem",
+    "per_sample_attention",
     "register_packed_attention",
     "resolve_attention",
     "use_attention",
@@ -348,6 +349,12 @@ def _packed_attention(base: str) -> Callable:
 
     attention.__name__ = f"packed_{base}_attention"
     return torch.compiler.disable(attention)
+
+
+def per_sample_attention(base: str) -> Callable:
+    """The attention function of the packed variant of ``base`` (``sdpa`` or ``eager``): called
+    with a :class:`PackedSegments` in place of the mask, it attends inside each sample."""
+    return _packed_attention(base)
 
 
 def _causal_additive(size: int, like: torch.Tensor) -> torch.Tensor:

@@ -291,3 +291,25 @@ def test_a_small_source_repeated_to_reach_its_ratio_is_warned_about(tmp_path, mo
     assert "source 'llava' has 5 record(s) but its ratio draws 50 samples per epoch" in warning
     assert "repeated 10.0 times an epoch" in warning and "data.ratios" in warning
     assert "WARNING: source 'llava'" in skewed.render()
+
+
+def test_sequence_parallel_divides_activations_and_lengthens_the_longest_row():
+    params = ParamCounts(total=8_000_000_000, vision=670_000_000, projector=45_000_000, language_model=7_300_000_000,
+                         trainable=7_300_000_000, trainable_language_model=7_300_000_000, lora=0, hidden_size=3584,
+                         num_layers=28, vocab_size=152064, image_tokens=64, source="test")
+    common = dict(train_tokens=10**6, train_images=10, mean_sample_tokens=5000, micro_batch_tokens=32768,
+                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, zero_stage=3,
+                  offload_optimizer=False, offload_params=False, num_gpus=8, gpu=GPU_TYPES["h100"],
+                  utilization=0.35, loss_impl="chunked")
+    gib, s, d, L = 1024**3, 32768, 3584, 28
+    one = estimate_cost(params, sequence_parallel=1, **common)
+    four = estimate_cost(params, sequence_parallel=4, **common)
+    assert one.memory_gib["activations"] == pytest.approx((2 * s * d * L + 34 * s * d) / gib)
+    r = s // 4  # a GPU's tokens of the row, plus the whole row's embeddings
+    assert four.memory_gib["activations"] == pytest.approx((2 * r * d * L + 34 * r * d + 2 * s * d) / gib)
+    assert four.memory_gib["total"] < one.memory_gib["total"]
+    assert four.sequence_parallel == 4 and four.longest_row_tokens % 4 == 0
+    assert four.longest_row_tokens > 3 * one.longest_row_tokens > 0
+    # the longest row is where the total meets the GPU's memory
+    at = estimate_cost(params, sequence_parallel=4, **{**common, "micro_batch_tokens": four.longest_row_tokens})
+    assert at.memory_gib["total"] == pytest.approx(GPU_TYPES["h100"].memory_gib, rel=1e-3)

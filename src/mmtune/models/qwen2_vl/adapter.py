@@ -335,6 +335,12 @@ class Qwen2VLAdapter(PieceAdapter):
         """:meth:`image_inputs_uint8`: ``pixel_values`` and ``image_grid_thw`` of cached images."""
         return self.image_inputs_uint8(images)
 
+    def split_image_inputs(self, inputs: dict[str, "torch.Tensor"]) -> list[dict[str, "torch.Tensor"]]:
+        """One image at a time: its grid row and its ``t x h x w`` rows of patches."""
+        grid = inputs["image_grid_thw"]
+        patches = inputs["pixel_values"].split(grid.prod(-1).tolist())
+        return [{"pixel_values": p, "image_grid_thw": grid[i:i + 1]} for i, p in enumerate(patches)]
+
     def pixel_settings(self) -> dict[str, Any]:
         """Every setting of the image processor (its ``to_dict()``), which alone turns a file into
         the cached uint8 image: a changed bound, resample filter or factor changes the key."""

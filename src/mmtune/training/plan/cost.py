@@ -63,6 +63,9 @@ class CostEstimate:
     memory_gib: dict[str, float]
     fits: bool
     formula: str
+    sequence_parallel: int = 1
+    longest_row_tokens: int = 0
+    """The longest row (tokens) whose memory per GPU still fits, at this sequence-parallel size."""
 
 
 def estimate_cost(
@@ -87,6 +90,7 @@ def estimate_cost(
     head_trains: bool = True,
     state: Optional[StateMemory] = None,
     engine: str = "",
+    sequence_parallel: int = 1,
 ) -> CostEstimate:
     """Compute and memory estimate (formulas in the module docstring).
 
@@ -105,6 +109,11 @@ def estimate_cost(
     * ``fused`` (Liger): ``2·c·V`` B with Liger's chunk ``c = 2^ceil(log2(s / ceil(V/d)))``
       plus the gradients it computes in the forward pass and holds until backward,
       ``2·s·d + 4·V·d`` B.
+
+    With ``sequence_parallel = N`` a GPU holds ``s / N`` tokens of each row through the
+    decoder and the loss (activations and the loss term at ``s / N``), plus the whole row's
+    merged embeddings ``2·s·d`` B (before the shard is taken). ``longest_row_tokens`` solves
+    the memory total for the row length that still fits the GPU.
     """
     n_lm, n_train_lm = params.language_model, params.trainable_language_model
     d, L, V = params.hidden_size, params.num_layers, params.vocab_size
@@ -139,39 +148,47 @@ def estimate_cost(
     gathered = wbytes * min(params.total, ZERO3_LIVE_PARAMETERS) if zero_stage >= 3 else 0.0
     if state is not None:  # the engine's own accounting (training.backend)
         weights, grads, optim, gathered = state.weights, state.gradients, state.optimizer, state.gathered
-    s = micro_batch_tokens
-    act = (2 * s * d * L + 34 * s * d) if gradient_checkpointing else 34 * s * d * L
     if loss_impl == "auto":
         from mmtune.training.loss import choose_loss_impl
 
         loss_impl = choose_loss_impl(loss_impl, device_type="cuda").impl  # planned on GPUs; Liger as installed
     head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
-    if loss_impl == "chunked":
-        c = min(s, max(1, loss_chunk_size))
-        logits = 6 * c * V + 2 * s * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
-    elif loss_impl == "fused":
-        c = min(s, 2 ** math.ceil(math.log2(max(1.0, s / math.ceil(V / d)))))
-        logits = 2 * c * V + 2 * s * d + (4 * V * d if head_trains else 0)
-    else:
-        logits = 14 * s * V
+    n = max(1, sequence_parallel)
     gib = 1024**3
-    mem = {
-        "weights": weights / gib,
-        "zero3_gathered": gathered / gib,
-        "gradients": grads / gib,
-        "optimizer": optim / gib,
-        "activations": act / gib,
-        "logits": logits / gib,
-        "overhead": OVERHEAD_GIB,
-    }
-    mem["total"] = sum(mem.values())
+
+    def memory(s: int) -> dict[str, float]:
+        r = math.ceil(s / n)  # this GPU's tokens of the row
+        act = (2 * r * d * L + 34 * r * d) if gradient_checkpointing else 34 * r * d * L
+        if n > 1:
+            act += 2 * s * d  # the whole row's merged embeddings, before the shard is taken
+        if loss_impl == "chunked":
+            c = min(r, max(1, loss_chunk_size))
+            logits = 6 * c * V + 2 * r * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
+        elif loss_impl == "fused":
+            c = min(r, 2 ** math.ceil(math.log2(max(1.0, r / math.ceil(V / d)))))
+            logits = 2 * c * V + 2 * r * d + (4 * V * d if head_trains else 0)
+        else:
+            logits = 14 * r * V
+        out = {"weights": weights / gib, "zero3_gathered": gathered / gib, "gradients": grads / gib,
+               "optimizer": optim / gib, "activations": act / gib, "logits": logits / gib, "overhead": OVERHEAD_GIB}
+        out["total"] = sum(out.values())
+        return out
+
+    s = micro_batch_tokens
+    mem = memory(s)
+    # Past one loss chunk per GPU the total grows linearly with the row: solve it for the GPU's memory.
+    first = n * max(1, loss_chunk_size) * 2
+    low, high = memory(first)["total"], memory(2 * first)["total"]
+    longest = int(first + (gpu.memory_gib - low) * first / max(high - low, 1e-12)) if high > low else 0
+    longest = max(0, longest // n * n)
     formula = (
         "FLOPs = tokens·(4·N_lm + 2·N_trainable_lm [+2·N_lm ckpt] + 6·L·d·s̄ [×4/3 ckpt]) + "
         "(2|6)·N_vision·patches; GPU-h = FLOPs / (peak·utilization) / 3600. "
         "Memory = weights + grads + AdamW (8 or 12 B/param) "
         + (f"as {engine} holds them" if engine else "sharded by ZeRO stage (+1e9 gathered params under ZeRO-3)")
         + " + activations "
-        "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt) + logits/loss term (training.loss_impl=" + loss_impl + ": "
+        "(34·s·d·L B, or 2·s·d·L + 34·s·d with ckpt; s = a row's tokens / sequence-parallel size, "
+        "+ 2·row·d B for the whole row's embeddings when it is > 1) + logits/loss term (training.loss_impl=" + loss_impl + ": "
         + {"chunked": "6·c·V + 2·s·d [+2·V·d +4·V·d fp32 head grad] B, c = loss_chunk_size rows",
            "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
     )
@@ -180,6 +197,7 @@ def estimate_cost(
         offload_optimizer=offload_optimizer, offload_params=offload_params, optimizer_steps=optimizer_steps,
         train_tokens=train_tokens, micro_batch_tokens=s, flops=flops, gpu_hours=gpu_hours,
         wall_hours=gpu_hours / G, memory_gib=mem, fits=mem["total"] <= gpu.memory_gib, formula=formula,
+        sequence_parallel=n, longest_row_tokens=longest,
     )
 
 

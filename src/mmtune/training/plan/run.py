@@ -92,6 +92,10 @@ class RunPlan:
             mem = k["memory_gib"]
             lines.append("  memory/GPU  " + ", ".join(f"{key} {val:.1f}" for key, val in mem.items() if key != "total")
                          + f" => {mem['total']:.1f} GiB " + ("(fits)" if k["fits"] else "(DOES NOT FIT)"))
+            sp = k.get("sequence_parallel", 1)
+            lines.append(f"  longest row ~{human(k['longest_row_tokens'])} tokens fit a GPU with "
+                         + (f"sequence parallelism over {sp} GPUs per row" if sp > 1
+                            else "one GPU per row (training.sequence_parallel.size=1)"))
         e = self.evaluation
         if e["benchmarks"]:
             lines.append(f"  evaluation  {', '.join(e['benchmarks'])} at window {e['context_length'] or 'model default'}"
@@ -262,6 +266,7 @@ def plan_run(
             loss_impl=loss.impl,
             loss_chunk_size=cfg.training.loss_chunk_size,
             head_trains=cfg.training.language_model.train and cfg.peft.method == "none",
+            sequence_parallel=cfg.training.sequence_parallel.size,
         )
     ev = cfg.eval
     return RunPlan(
