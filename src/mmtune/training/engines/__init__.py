@@ -18,24 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from mmtune.training.engines.base import Engine, EngineLaunchError, StateMemory, launched_engine
+from mmtune.training.engines.base import _ENGINES, Engine, EngineLaunchError, StateMemory, launched_engine, register_engine  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.config import SFTConfig
 
 __all__ = ["Engine", "EngineLaunchError", "StateMemory", "build_engine", "engine_class", "engine_names",
            "launched_engine", "register_engine"]
-
-_ENGINES: dict[str, type[Engine]] = {}
-
-
-def register_engine(cls: type[Engine]) -> type[Engine]:
-    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``."""
-    if cls.name in _ENGINES and _ENGINES[cls.name] is not cls:
-        raise ValueError(f"engine {cls.name!r} is registered twice ({_ENGINES[cls.name].__name__}, {cls.__name__})")
-    _ENGINES[cls.name] = cls
-    return cls
-
 
 def _load_builtin() -> None:
     # Imported on first use: the modules import torch, the config module must not.

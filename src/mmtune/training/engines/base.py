@@ -8,7 +8,7 @@ resumable (possibly sharded) state, gives the full weights for ``final/`` and st
 it needs from the launch. ``mmtune plan`` asks the same classes for their memory per GPU
 (:meth:`Engine.state_memory`).
 
-Engines register by name (:func:`mmtune.training.engines.register_engine`); the config
+Engines register by name (:func:`register_engine`, below); the config
 key ``training.backend.engine`` picks one and ``training.backend.<name>`` holds its
 typed settings.
 """
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModuleGroups
     from mmtune.training.config import SFTConfig
 
-__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launched_engine"]
+__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launched_engine", "register_engine"]
 
 
 class EngineLaunchError(RuntimeError):
@@ -251,3 +251,14 @@ def adamw_bytes(trainable: int, weight_bytes: int) -> float:
     """AdamW's m and v in fp32, plus an fp32 master copy when the weights are 16-bit."""
     return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
 
+
+# The registry lives beside the interface so each engine module imports only this one.
+_ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(cls: type[Engine]) -> type[Engine]:
+    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``."""
+    if cls.name in _ENGINES and _ENGINES[cls.name] is not cls:
+        raise ValueError(f"engine {cls.name!r} is registered twice ({_ENGINES[cls.name].__name__}, {cls.__name__})")
+    _ENGINES[cls.name] = cls
+    return cls

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmtune.training.engines import register_engine
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, register_engine
 
 __all__ = ["DDPEngine"]
 

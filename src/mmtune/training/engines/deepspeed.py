@@ -18,8 +18,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from mmtune.training.engines import register_engine
-from mmtune.training.engines.base import Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine
+from mmtune.training.engines.base import (Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine,
+                                          register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator

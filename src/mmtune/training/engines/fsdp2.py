@@ -21,8 +21,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from mmtune.training.engines import register_engine
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, register_engine
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
