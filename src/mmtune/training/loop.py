@@ -130,19 +130,34 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Build accelerator, model (+ context extension, LoRA, freezing), optimizer,
-        scheduler and data; restore a checkpoint when resuming."""
+        """Build the run in the order its parts depend on; restore a checkpoint when resuming.
+
+        The engine comes first (it chooses the accelerator's plugin), then the output folder
+        is claimed. A resume is checked against the checkpoint's config and data before
+        anything is built, so a refused one stops at once. The engine shards the model
+        before the optimizer takes its parameters; the scheduler's length is the data
+        plan's; the engine wraps model, optimizer and scheduler together, and a checkpoint
+        is loaded into what it wrapped.
+        """
+        self._start_engine()
+        seed_everything(self.cfg.training.seed)
+        self._claim_output_dir()
+        self._prepare_data_files()
+        self._choose_resume()
+        model, groups = self._build_model()
+        model, optimizer = self._build_optimizer(model, groups)
+        self._build_data()
+        scheduler = self._build_scheduler(optimizer)
+        self._wrap(model, optimizer, scheduler, groups)
+        self._restore()
+        self._start_logger()
+
+    def _start_engine(self) -> None:
+        """The engine chosen by ``training.backend.engine`` and the accelerator it configures."""
         from accelerate import Accelerator
-        from transformers import get_scheduler
 
-        from mmtune.data.datamodule import SFTDataModule
-        from mmtune.models.registry import build_adapter
-        from mmtune.models.rope import apply_context_extension
-        from mmtune.training.optim import apply_freezing, build_optimizer, param_groups
-        from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
-
-        cfg, t = self.cfg, self.cfg.training
-        self.engine = build_engine(cfg)
+        t = self.cfg.training
+        self.engine = build_engine(self.cfg)
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -157,27 +172,58 @@ class SFTRecipe:
         self.engine.start(acc)  # a launch for another engine stops here, naming both
         check_evaluation_layout(t, self.engine, num_processes=acc.num_processes)
         acc.print(f"engine: {self.engine.describe(self.engine.config)} on {acc.num_processes} process(es)")
-        seed_everything(t.seed)
+
+    def _claim_output_dir(self) -> None:
+        """Lock ``training.output_dir``, finish saves an earlier attempt left half-renamed, and refuse
+        a folder with checkpoints unless resuming."""
+        acc = self.accelerator
         self._lock_output_dir()
         if acc.is_main_process:
             recover_interrupted_saves(self.output_dir)  # a save killed between its renames
         acc.wait_for_everyone()
         self._check_output_dir()
-        # The data files first (generated when synthetic), so that a resume compares their content too.
-        if cfg.synthetic.enabled:
+
+    def _prepare_data_files(self) -> None:
+        """The data files (generated when synthetic) and their content identities.
+
+        This comes before :meth:`_choose_resume`, so that a resume compares the data's content too.
+        """
+        acc = self.accelerator
+        if self.cfg.synthetic.enabled:
             if acc.is_main_process:
-                generate_synthetic_data(cfg.synthetic)
+                generate_synthetic_data(self.cfg.synthetic)
             acc.wait_for_everyone()
         self.data_identities = self._data_identities()
-        # Before building anything: a resume with a changed config is refused at once.
-        # The newest checkpoint whose files are all there (training/manifest.py).
+
+    def _choose_resume(self) -> None:
+        """Pick the checkpoint to resume from and check this run's config against its own.
+
+        Before building anything: a resume with a changed config is refused at once. The
+        checkpoint is the newest whose files are all there (:mod:`mmtune.training.manifest`).
+        """
+        t = self.cfg.training
         self.resume_from, passed_over = choose_resume_checkpoint(
             t.resume, lambda: complete_checkpoints(self.output_dir), lambda c: read_trainer_state(c).get("step"))
         if passed_over:
-            acc.print(passed_over)
+            self.accelerator.print(passed_over)
         self.config_changes = self._check_resume_config() if self.resume_from is not None else []
 
-        # Model. Random-weight models are seeded identically on every rank.
+    def _build_model(self) -> tuple[torch.nn.Module, Any]:
+        """Load the model through the adapter, extend its context, apply LoRA, freeze, choose attention.
+
+        Returns:
+            The model (unwrapped) and its module groups (the adapter's ``module_groups``).
+
+        Raises:
+            ValueError: when the training window exceeds the model's context window.
+        """
+        from mmtune.models.registry import build_adapter
+        from mmtune.models.rope import apply_context_extension
+        from mmtune.training.optim import apply_freezing
+        from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
+
+        cfg, t = self.cfg, self.cfg.training
+        # Random-weight models are seeded identically on every rank.
         self.adapter = build_adapter(cfg.model)
         load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
         if cfg.peft.method == "qlora":
@@ -213,16 +259,34 @@ class SFTRecipe:
 
             self.sequence_parallel = SequenceParallel.create(t.sequence_parallel.size, self.adapter, model,
                                                              attn_implementation=text_config._attn_implementation)
-        # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
-        sp_size = t.sequence_parallel.size
+        return model, groups
+
+    def _build_optimizer(self, model: torch.nn.Module, groups: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Count the parameters, let the engine shard the model, then build the optimizer over its groups.
+
+        Returns:
+            The model as the engine sharded it, and the optimizer over its parameters.
+        """
+        from mmtune.training.optim import build_optimizer, param_groups
+
+        t = self.cfg.training
         self.num_params, self.num_trainable = self.engine.parameter_counts(model)
         model = self.engine.shard(model, groups)  # before the optimizer takes the parameters
         self.optim_groups = param_groups(model, groups, t)
-        optimizer = build_optimizer(self.optim_groups, t)
+        return model, build_optimizer(self.optim_groups, t)
 
-        # Data: every epoch has its own plan (packing and token budgets differ from epoch to
-        # epoch), padded per rank to whole optimizer steps, so no step straddles two epochs
-        # and every rank runs the same micro-batches per step and the same steps.
+    def _build_data(self) -> None:
+        """The data module, its report of what it left out, and the run's optimizer steps.
+
+        Every epoch has its own plan (packing and token budgets differ from epoch to epoch),
+        padded per rank to whole optimizer steps, so no step straddles two epochs and every
+        rank runs the same micro-batches per step and the same steps.
+        """
+        from mmtune.data.datamodule import SFTDataModule
+
+        cfg, t, acc = self.cfg, self.cfg.training, self.accelerator
+        # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
+        sp_size = t.sequence_parallel.size
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
         self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index // sp_size,
                           world_size=acc.num_processes // sp_size,
@@ -235,16 +299,25 @@ class SFTRecipe:
                 self.data.loss_report.write(str(report))
         acc.print(self.data.loss_report.render())
         self.total_steps = self._count_steps()
+
+    def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The learning-rate schedule over the run's optimizer steps (so after :meth:`_build_data`)."""
+        from transformers import get_scheduler
+
+        t = self.cfg.training
         warmup = t.warmup_steps if t.warmup_steps is not None else math.ceil(t.warmup_ratio * self.total_steps)
-        scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=self.total_steps)
+        return get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps)
+
+    def _wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, groups: Any) -> None:
+        """Let the engine wrap model, optimizer and scheduler; build the loss and the objective on the wrapped model."""
+        t, acc = self.cfg.training, self.accelerator
         self.model, self.optimizer, self.scheduler = self.engine.prepare(model, optimizer, scheduler)
         self.loss = TrainingLoss(self.adapter, self.model, impl=t.loss_impl, chunk_size=t.loss_chunk_size,
                                  device=acc.device, engine=self.engine)
         self.vision = VisionOnEveryRank(self.adapter, self.model, groups.language_model)
         self.objective = TokenWeightedCrossEntropy(
             self.batch_loss, reduce_sum=lambda x: acc.reduce(x, reduction="sum"), world_size=acc.num_processes,
-            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=sp_size)
+            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=t.sequence_parallel.size)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
         if self.sequence_parallel is not None:
@@ -252,7 +325,14 @@ class SFTRecipe:
         if t.compile:
             self.model = torch.compile(self.model)
 
-        self.checkpoints = CheckpointManager(self.output_dir, keep_last=t.keep_last)
+    def _restore(self) -> None:
+        """Load the chosen checkpoint (:meth:`_choose_resume`) into the wrapped run, or start the logs afresh.
+
+        Raises:
+            ResumeConfigError: when the checkpoint's data plan does not match this run's data.
+        """
+        acc = self.accelerator
+        self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
         resume_from = self.resume_from
         if resume_from is None and acc.is_main_process:
             # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
@@ -278,6 +358,10 @@ class SFTRecipe:
                     cut_jsonl_after(self.output_dir / log, self.step)
             acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
                       f"micro-batch {self.micro_batches_done} of the epoch")
+
+    def _start_logger(self) -> None:
+        """The run logger, from the step the run starts at, and the run's one-line summary."""
+        cfg, acc = self.cfg, self.accelerator
         self.logger = RunLogger(cfg.logging, output_dir=str(self.output_dir), resolved_config=self.resolved_config,
                                 is_main=acc.is_main_process, total_steps=self.total_steps, initial_step=self.step,
                                 run_name=cfg.logging.run_name or cfg.run_name, secret_names=self.secret_names)
