@@ -1,7 +1,7 @@
 """FSDP2 on 2 gloo ranks (torchrun, CPU) against one process: the same losses and final weights
 (full and LoRA, tiny LLaVA and Qwen2-VL), a text-only micro-batch on one rank beside images on
-the other, SIGKILL of one rank and resume (refused on one process), ``final/`` loading with ``from_pretrained``; and the
-start-up refusals of the engine (fast)."""
+the other, SIGKILL of one rank and resume (refused on one process), ``final/`` loading with
+``from_pretrained``; and the start-up refusals of the engine (fast)."""
 
 import json
 import os
