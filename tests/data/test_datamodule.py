@@ -51,3 +51,40 @@ def test_ranks_get_equal_whole_steps_and_fillers_train_nothing(synthetic, adapte
     assert batch["input_ids"].shape == served[1][1][0]["input_ids"].shape  # a real batch's shape, masked
     # Resuming inside the epoch serves the same tail, filler included.
     assert [meta for _, meta in modules[1].dataloader(0, start=1)] == [meta for _, meta in served[1][1:]]
+
+
+def test_the_main_process_data_position_is_accepted_on_every_rank(synthetic, adapter, tmp_path):
+    """The checkpoint records rank 0's data state only; every rank of the resumed run checks it."""
+    modules = [_module(synthetic, adapter, tmp_path, rank=r, world_size=2, batching="padding", batch_size=2)
+               for r in (0, 1)]
+    assert modules[0].rank_plan(0).batches != modules[1].rank_plan(0).batches  # the ranks' shares differ
+    saved = modules[0].state_dict(0, consumed=2)
+    for module in modules:
+        module.check_state(saved)
+    changed = _module(synthetic, adapter, tmp_path, rank=1, world_size=2, accumulation=2, batching="padding",
+                      batch_size=2)
+    with pytest.raises(ValueError, match="the batch plan differs"):
+        changed.check_state(saved)
+
+
+def test_a_checkpoint_saved_before_the_whole_plan_hash_still_resumes(synthetic, adapter, tmp_path):
+    import hashlib
+
+    modules = [_module(synthetic, adapter, tmp_path, rank=r, world_size=2, batching="padding", batch_size=2)
+               for r in (0, 1)]
+    rp = modules[0].rank_plan(0)
+    old = {"epoch": 0, "consumed": 2, "plan_hash": hashlib.sha1(repr((rp.batches, rp.real)).encode()).hexdigest()[:16],
+           "world_size": 2}  # rank 0's share, as written before
+    for module in modules:
+        module.check_state(old)
+
+
+def test_a_data_position_from_another_number_of_ranks_is_refused_saying_why_and_what_to_do(synthetic, adapter,
+                                                                                          tmp_path):
+    saved = _module(synthetic, adapter, tmp_path, rank=0, world_size=2, batching="padding",
+                    batch_size=2).state_dict(0, consumed=2)
+    one = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=2)
+    with pytest.raises(ValueError, match=r"it was saved on 2 ranks, this run has 1\. Its data position counts each "
+                                         r"rank's micro-batches .* Relaunch on 2 ranks \(torchrun --nproc_per_node 2\) "
+                                         r"and training.gradient_accumulation_steps=1"):
+        one.check_state(saved)

@@ -89,6 +89,7 @@ class SFTDataModule:
         self.adapter: Optional["ModelAdapter"] = None
         self.rank, self.world_size, self.accumulation = 0, 1, 1
         self._plans: dict[int, "RankPlan"] = {}
+        self._plan_hashes: dict[int, str] = {}
         self._steps: dict[int, int] = {}
         self.skipped_items: list[dict[str, Any]] = []
         """Samples dropped while loading on this rank (see :meth:`note_skipped`)."""
@@ -131,6 +132,7 @@ class SFTDataModule:
         self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, cfg)
         self.collate = CollateWithMeta(self.dataset.collator())
         self._plans = {}
+        self._plan_hashes = {}
         self._steps: dict[int, int] = {}
 
     def note_skipped(self, meta: dict[str, Any]) -> int:
@@ -161,6 +163,11 @@ class SFTDataModule:
                               self.collator_config, num_images=self.lengths.num_images.tolist())
             self._plans = {epoch: rank_plan(plan, self.rank, self.world_size, self.accumulation)}  # one in memory
             self._steps[epoch] = self._plans[epoch].steps
+            # Of the whole epoch's plan, not of this rank's share: the checkpoint records the
+            # main process's hash and every rank compares its own with it on resume.
+            # The rank layout is hashed too: it decides which batches a count of micro-batches means.
+            key = repr((plan, self.world_size, self.accumulation))
+            self._plan_hashes = {epoch: hashlib.sha1(key.encode()).hexdigest()[:16]}
         return self._plans[epoch]
 
     def plan(self, epoch: int) -> list[list]:
@@ -180,20 +187,40 @@ class SFTDataModule:
         return self._steps[epoch]
 
     def plan_hash(self, epoch: int) -> str:
-        rp = self.rank_plan(epoch)
-        return hashlib.sha1(repr((rp.batches, rp.real)).encode()).hexdigest()[:16]
+        """A hash of the whole epoch's batch plan (all ranks' micro-batches, before they are dealt
+        out): the same on every rank, so one rank's record checks every rank's plan."""
+        if epoch not in self._plan_hashes:
+            self._plans.pop(epoch, None)
+            self.rank_plan(epoch)
+        return self._plan_hashes[epoch]
 
     def state_dict(self, epoch: int, consumed: int) -> dict[str, Any]:
-        """Data position to store with a checkpoint."""
+        """Data position to store with a checkpoint (the same on every rank).
+
+        ``consumed`` counts this rank's micro-batches of ``epoch``; with the rank layout
+        (``world_size``, ``accumulation``) it fixes which of the plan's batches were trained."""
         return {"epoch": epoch, "consumed": consumed, "plan_hash": self.plan_hash(epoch),
-                "world_size": self.world_size}
+                "world_size": self.world_size, "accumulation": self.accumulation}
+
+    def _saved_kind_of_hash(self, state: dict[str, Any]) -> str:
+        """This run's plan hash as ``state`` recorded it: checkpoints without ``accumulation``
+        (saved before the hash covered the whole plan) hold the hash of rank 0's share."""
+        epoch = int(state["epoch"])
+        if "accumulation" in state:
+            return self.plan_hash(epoch)
+        from mmtune.data.batching import build_plan, rank_plan
+
+        plan = build_plan(list(self.order.global_order(epoch)), self.lengths.lengths.tolist(),
+                          self.collator_config, num_images=self.lengths.num_images.tolist())
+        rp = rank_plan(plan, 0, self.world_size, self.accumulation)
+        return hashlib.sha1(repr((rp.batches, rp.real)).encode()).hexdigest()[:16]
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise when a checkpoint's data position would not mean the same samples now."""
         problems = []
         if state.get("world_size") != self.world_size:
-            problems.append(f"it was saved with {state.get('world_size')} ranks, this run has {self.world_size}")
-        elif state.get("plan_hash") != self.plan_hash(int(state["epoch"])):
+            problems.append(_world_size_problem(state, self.world_size))
+        elif state.get("plan_hash") != self._saved_kind_of_hash(state):
             problems.append("the batch plan differs (data files, data/collator config, window, seed or "
                             "gradient accumulation changed)")
         if problems:
@@ -236,6 +263,17 @@ class SFTDataModule:
             generator=generator, persistent_workers=False, pin_memory=torch.cuda.is_available(),
         )
         return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
+
+
+def _world_size_problem(state: dict[str, Any], world_size: int) -> str:
+    """Why a data position saved on another number of ranks is refused, and what to do."""
+    saved, saved_acc = state.get("world_size"), state.get("accumulation")
+    acc_note = f" and training.gradient_accumulation_steps={saved_acc}" if saved_acc is not None else ""
+    return (f"it was saved on {saved} ranks, this run has {world_size}. Its data position counts each rank's "
+            f"micro-batches of an epoch plan dealt out to {saved} ranks (rank r takes batches r, r+{saved}, ...), "
+            f"and resuming does not re-deal that position onto another number of ranks, so the remaining "
+            f"samples would not be the uninterrupted run's (model and optimizer shards would load, the data "
+            f"order would not match). Relaunch on {saved} ranks (torchrun --nproc_per_node {saved}){acc_note}")
 
 
 def _as_filler(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,8 +10,9 @@ found the same way for every family: no family is named here.
 Launched by ``torchrun`` (or an accelerate multi-GPU config), not through accelerate's FSDP
 plugin: with ``cpu=True`` that plugin silently runs DDP. accelerate still places the
 devices, autocasts, counts the accumulation and saves the scheduler and every rank's RNG;
-the model and optimizer states are saved sharded by ``torch.distributed.checkpoint``, so a
-run resumes on another number of ranks as well.
+the model and optimizer states are saved sharded by ``torch.distributed.checkpoint``, which
+reshards them on load. A resume on another number of ranks is still refused, by the data
+module's position check (:meth:`~mmtune.data.datamodule.SFTDataModule.check_state`).
 """
 
 from __future__ import annotations
