@@ -161,8 +161,8 @@ def _changed(value):
         return value + "-other"
     if isinstance(value, list):
         return [*value, "other"]
-    if isinstance(value, dict):
-        return {**value, "other": 1}
+    if isinstance(value, dict):  # an empty one is a family's section without settings: it can only go away
+        return {**value, "other": 1} if value else None
     return "other"  # None
 
 
