@@ -45,7 +45,7 @@ BAD_OVERRIDES = [
      "of mmtune.evaluation.benchmarks.mmdu.MMDUConfig"),
     (["checkpont=x"], "evaluate", "(closest: checkpoint)"),
     (["model=llava_tin"], "sft", "no model config 'llava_tin' (closest: llava_tiny); the choices are the files in "
-     "configs/model/: auto_example,"),
+     "configs/model/ ("),
     (["experiment=dmeo"], "sft", "no experiment config 'dmeo' (closest: demo); the choices are the files in "
      "configs/experiment/ ("),
     (["training.lr=fast"], "sft", "training.lr: Value 'fast' of type 'str' could not be converted to Float"),
