@@ -66,7 +66,10 @@ def main() -> None:
                     proc.wait()
                 runs.append((name, proc, out))
             for name, proc, out in runs:
-                if proc.wait() != 0:
+                # without evaluation the demo has no score and exits 1 ("below the target"): the steps
+                # it logged are what is measured
+                proc.wait()
+                if not (out / "metrics.jsonl").is_file():
                     sys.exit(f"{name}: exit {proc.returncode}:\n" + (Path(tmp) / f"{name}-{round_}.log").read_text()[-3000:])
                 medians[name] = _median_step(out)
             shown = ", ".join(f"{name} {value:.4f} s" for name, value in medians.items())
