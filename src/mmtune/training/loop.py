@@ -60,8 +60,8 @@ from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, Resume
 from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
-from mmtune.training.manifest import choose_resume_checkpoint
 from mmtune.training.loss import TrainingLoss
+from mmtune.training.manifest import choose_resume_checkpoint
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
@@ -491,9 +491,8 @@ class SFTRecipe:
 
     def config_record(self) -> dict[str, Any]:
         """This run's typed config, secrets redacted, as JSON would give it back: what checkpoints record."""
-        from mmtune.io.secrets import redact
-
         from mmtune.data.identity import with_identities
+        from mmtune.io.secrets import redact
 
         record = json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
         return with_identities(record, getattr(self, "data_identities", None))

@@ -20,7 +20,6 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Optional, Sequence
 
 from mmtune.compose import RECIPES
