@@ -23,7 +23,7 @@ from typing import Optional
 
 from mmtune.core.dialogue import turn_label
 
-__all__ = ["CorruptImageError", "ImageLimits", "ImageTooLargeError", "header_size", "image_size"]
+__all__ = ["CorruptImageError", "ImageLimits", "ImageTooLargeError", "UnsupportedImageError", "header_size", "image_size"]
 
 
 @dataclass
@@ -145,6 +145,26 @@ class CorruptImageError(ValueError):
             f"{what} or set data.validation.mode=skip (or collator.image_errors=skip) to leave such samples out, "
             "counted and reported; data.validation.check_images=decode finds them all before training"
         )
+
+
+class UnsupportedImageError(CorruptImageError):
+    """An image a family's image processor refuses (too small, extreme aspect ratio).
+
+    Families subclass it to say whose processor refused the image (``refused_by``) and what
+    to do about it (``fix``); the location and the skip policy are the same for all.
+    """
+
+    code = "unsupported_image"
+    refused_by = "the checkpoint's processor"
+    fix = "Resize, crop or pad the image, or set data.validation.mode=skip to leave such samples out, counted " \
+          "and reported"
+
+    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
+                 system_first: bool = False):
+        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
+        self.turn_text = turn_label(turn, system_first)
+        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
+        ValueError.__init__(self, f"image {path!r} ({where}) is refused by {self.refused_by}: {detail}. {self.fix}")
 
 
 def image_size(path: str) -> tuple[int, int]:

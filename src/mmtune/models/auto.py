@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mmtune.core.dialogue import Image
 from mmtune.core.images import CorruptImageError
+from mmtune.core.images import UnsupportedImageError as BaseUnsupportedImageError
 from mmtune.models._utils import load_dtype_and_attention, state_fingerprint
 from mmtune.models.base import (
     EncodedDialogue,
@@ -89,23 +90,8 @@ class RemoteCodeError(ValueError):
     """The checkpoint needs code shipped with it and ``model.trust_remote_code`` is off."""
 
 
-class UnsupportedImageError(CorruptImageError):
+class UnsupportedImageError(BaseUnsupportedImageError):
     """An image the checkpoint's processor refuses (too small, extreme aspect ratio)."""
-
-    code = "unsupported_image"
-
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
-                 system_first: bool = False):
-        from mmtune.core.dialogue import turn_label
-
-        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        self.turn_text = turn_label(turn, system_first)
-        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
-        ValueError.__init__(
-            self,
-            f"image {path!r} ({where}) is refused by the checkpoint's processor: {detail}. Resize, crop or pad the "
-            "image, or set data.validation.mode=skip to leave such samples out, counted and reported",
-        )
 
 
 @dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mmtune.core.images import CorruptImageError, ImageLimits, ImageTooLargeError
+from mmtune.core.images import UnsupportedImageError as BaseUnsupportedImageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -38,23 +39,11 @@ _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 
-class UnsupportedImageError(CorruptImageError):
+class UnsupportedImageError(BaseUnsupportedImageError):
     """An image the Qwen-VL image processor refuses (aspect ratio above 200)."""
 
-    code = "unsupported_image"
-
-    def __init__(self, path: str, dialogue_id: str | None, turn: int | None, detail: str,
-                 system_first: bool = False):
-        from mmtune.core.dialogue import turn_label
-
-        self.path, self.dialogue_id, self.turn = path, dialogue_id, turn
-        self.turn_text = turn_label(turn, system_first)
-        where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
-        ValueError.__init__(
-            self,
-            f"image {path!r} ({where}) cannot be used with the Qwen-VL image processor: {detail}. Crop or pad the "
-            "image to an aspect ratio of at most 200:1, or remove the record",
-        )
+    refused_by = "the Qwen-VL image processor"
+    fix = "Crop or pad the image to an aspect ratio of at most 200:1, or remove the record"
 
 
 def oriented_size(path: str) -> tuple[int, int]:
