@@ -10,10 +10,10 @@ Each adapter declares ``settings_class``, the dataclass of its ``model.<family>`
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from mmtune.core.plugins import import_package_modules
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModelAdapter
@@ -56,8 +56,7 @@ def _import_builtins() -> None:
     _IMPORTED = True  # first: a family module that builds a config while it is imported must not recurse
     # every module of this package; the family modules register themselves (the others are
     # their shared parts), so adding a family is adding its module: there is no list to keep
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        importlib.import_module(f"{__package__}.{info.name}")
+    import_package_modules(__package__, str(Path(__file__).parent))
 
 
 def adapter_class(family: str) -> type["ModelAdapter"]:

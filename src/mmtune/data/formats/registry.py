@@ -7,10 +7,10 @@ there is no list to keep.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from mmtune.core.plugins import import_package_modules
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.formats.base import DataFormat
@@ -48,8 +48,7 @@ def _discover() -> None:
     if _DISCOVERED:
         return
     _DISCOVERED = True  # first: a module that asks the registry while it is imported must not recurse
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        importlib.import_module(f"{__package__}.{info.name}")
+    import_package_modules(__package__, str(Path(__file__).parent))
 
 
 def format_names() -> tuple[str, ...]:
