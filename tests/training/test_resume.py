@@ -73,6 +73,30 @@ def test_a_checkpoint_of_two_ddp_ranks_resumes_on_one_with_twice_the_accumulatio
         assert_same_weights(final_weights(on_one / "final", "llava"), final_weights(reference / "final", "llava"))
 
 
+@pytest.mark.slow
+def test_a_checkpoint_of_one_process_resumes_on_two_ddp_ranks_with_half_the_accumulation(tmp_path, synthetic_dir,
+                                                                                         tiny_overrides):
+    """The other way: the second rank has no random state of its own in the checkpoint (said at start-up)
+    and the two ranks continue the one-process run's losses and final weights."""
+    import shutil
+
+    common = ("training.max_steps=4", "training.save_every_steps=2", "training.resume=auto", "training.lr=2e-4",
+              "training.log_sample_ids=true")
+    reference, on_two = tmp_path / "reference", tmp_path / "on_two"
+    run_ok([*torchrun(1), *tiny_overrides(reference, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+    shutil.copytree(reference, on_two, ignore=shutil.ignore_patterns("final"))
+    out = run_ok([*torchrun(2), *tiny_overrides(on_two, synthetic_dir, *common)])
+    assert "step 2, epoch 0, micro-batch 2 of the epoch" in out  # 4 micro-batches of one process, 2 on each rank
+    assert "the checkpoint holds those of 1 process(es); processes 1..1 have none" in out
+    logged, expected = read_jsonl(on_two / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert [m["step"] for m in logged] == [m["step"] for m in expected] == [1, 2, 3, 4]
+    for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens"):
+        assert [m[key] for m in logged[2:]] == pytest.approx([m[key] for m in expected[2:]], rel=1e-5), key
+    assert [len(s["ranks"]) for s in read_jsonl(on_two / "sample_ids.jsonl")] == [1, 1, 2, 2]
+    assert step_sample_ids(on_two) == step_sample_ids(reference)
+    assert_same_weights(final_weights(on_two / "final", "llava"), final_weights(reference / "final", "llava"))
+
+
 def _train(tmp_path, synthetic_dir, tiny_overrides, *extra, name="run"):
     """One in-process run into ``tmp_path / name``: setup, train, save, cleanup."""
     from accelerate.state import AcceleratorState, GradientState
