@@ -314,7 +314,10 @@ def layout_problem(state: dict[str, Any], world_size: int, accumulation: int, *,
         processes_per_rank: processes sharing one data rank (the sequence-parallel size),
             for the launch command a refusal names.
     """
-    from mmtune.data.batching import _ranks, layout_problem as problem_of_layouts
+    from mmtune.data.batching import layout_problem as problem_of_layouts
+
+    def _ranks(n: int) -> str:
+        return f"{n} rank" + ("s" if n != 1 else "")
 
     saved_ranks = int(state.get("world_size", world_size))
     if "accumulation" not in state:
