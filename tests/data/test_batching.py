@@ -6,12 +6,14 @@ import pytest
 from mmtune.data.batching import (
     PlannedBatchSampler,
     build_plan,
+    layout_problem,
     plan_length_grouped,
     plan_packing,
     plan_padding,
     plan_stats,
     plan_token_budget,
     rank_plan,
+    resume_micro_batch,
     shard_plan,
     steps_per_epoch,
 )
@@ -140,6 +142,66 @@ def test_rank_plans_stay_in_step_and_deal_every_batch_once(world_size, accumulat
         assert sorted(real) == sorted(plan)
         assert sum(s.fillers for s in shares) < world_size * accumulation
         assert all(s.batches[s.real:] == [s.batches[s.real - 1]] * s.fillers for s in shares if s.real)
+
+
+def _steps(plan, world_size, accumulation, start=0):
+    """From every rank's micro-batch ``start`` on: each optimizer step's real batches over all ranks
+    (fillers left out, as they carry no loss token), and its filler count."""
+    shares = [rank_plan(plan, r, world_size, accumulation) for r in range(world_size)]
+    steps = []
+    for first in range(start, len(shares[0].batches), accumulation):
+        span = range(first, first + accumulation)
+        steps.append((sorted(s.batches[k] for s in shares for k in span if k < s.real),
+                      sum(k >= s.real for s in shares for k in span)))
+    return steps
+
+
+# (saved ranks, accumulation) -> (resumed ranks, accumulation), each pair with the same global batch.
+_SAME_GLOBAL_BATCH = [((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (4, 1)), ((4, 1), (1, 4)), ((2, 3), (3, 2)),
+                      ((3, 2), (1, 6)), ((1, 6), (6, 1)), ((2, 2), (2, 2))]
+
+
+@pytest.mark.parametrize("saved,resumed", _SAME_GLOBAL_BATCH, ids=lambda layout: "x".join(map(str, layout)))
+@pytest.mark.parametrize("num_batches", [1, 5, 7, 12, 13])
+def test_a_position_continues_on_another_rank_layout_of_the_same_global_batch(saved, resumed, num_batches):
+    """Resumed at every step boundary of the epoch (its start, the start of the partial last step,
+    its end), the new layout trains step for step the batches of the uninterrupted run."""
+    plan = [((i,),) for i in range(num_batches)]
+    reference = _steps(plan, *saved)
+    assert len(reference) == steps_per_epoch(num_batches, *resumed) == -(-num_batches // (saved[0] * saved[1]))
+    partial = [step for step, (real, fillers) in enumerate(reference) if fillers]
+    assert partial in ([], [len(reference) - 1])  # the epoch-end fillers sit in the last step only
+    for step in range(len(reference) + 1):
+        consumed = step * saved[1]  # every checkpoint ends an optimizer step
+        assert layout_problem(*saved, *resumed, consumed=consumed) == ""
+        start = resume_micro_batch(consumed * saved[0], resumed[0])
+        assert start == step * resumed[1]
+        # The same real batches in each remaining step; the step's micro-batches over all ranks
+        # stay the global batch, so the fillers make up the same count.
+        assert _steps(plan, *resumed, start=start) == reference[step:]
+
+
+def test_a_position_inside_an_optimizer_step_stays_on_its_layout():
+    assert layout_problem(2, 2, 2, 2, consumed=3) == ""  # the same layout resumes as it always did
+    assert layout_problem(2, 2, 4, 1, consumed=3) == (
+        "its data position (3 micro-batches per rank) is inside an optimizer step of 2 micro-batches, so it cannot "
+        "move onto another rank layout; resume it on 2 ranks (torchrun --nproc_per_node 2) with "
+        "training.gradient_accumulation_steps=2")
+    with pytest.raises(ValueError, match="6 micro-batches of the epoch done do not divide over 4 ranks"):
+        resume_micro_batch(6, 4)
+
+
+def test_another_global_batch_is_refused_naming_both_layouts_and_the_fix():
+    assert layout_problem(2, 1, 1, 1, consumed=4) == (
+        "it was saved on 2 ranks x training.gradient_accumulation_steps=1 (2 micro-batches per optimizer step), this "
+        "run has 1 rank x 1 (1): the steps after the checkpoint would group the epoch's batches otherwise than the "
+        "interrupted run. Set training.gradient_accumulation_steps=2 to keep 2 micro-batches per step on 1 rank")
+    # No accumulation keeps 4 micro-batches on 3 ranks: the rank counts that can, and the saved launch.
+    said = layout_problem(2, 2, 3, 1, processes_per_rank=2)
+    assert said.endswith("4 micro-batches do not divide over 3 ranks: relaunch on a number of ranks N that divides 4 "
+                         "(1, 2, 4) with training.gradient_accumulation_steps=4/N, e.g. torchrun --nproc_per_node 4 "
+                         "with training.gradient_accumulation_steps=2")
+    assert "saved on 2 ranks x training.gradient_accumulation_steps=2 (4 micro-batches per optimizer step)" in said
 
 
 def test_steps_per_epoch_counts_a_partial_last_step():

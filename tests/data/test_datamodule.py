@@ -61,8 +61,7 @@ def test_the_main_process_data_position_is_accepted_on_every_rank(synthetic, ada
     saved = modules[0].state_dict(0, consumed=2)
     for module in modules:
         module.check_state(saved)
-    changed = _module(synthetic, adapter, tmp_path, rank=1, world_size=2, accumulation=2, batching="padding",
-                      batch_size=2)
+    changed = _module(synthetic, adapter, tmp_path, rank=1, world_size=2, batching="padding", batch_size=3)
     with pytest.raises(ValueError, match="the batch plan differs"):
         changed.check_state(saved)
 
@@ -77,14 +76,58 @@ def test_a_checkpoint_saved_before_the_whole_plan_hash_still_resumes(synthetic, 
            "world_size": 2}  # rank 0's share, as written before
     for module in modules:
         module.check_state(old)
+        assert module.resume_position(old) == 2
+    # Without its accumulation, such a position stays on its own number of ranks.
+    one = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=2, accumulation=2)
+    with pytest.raises(ValueError, match=r"it was saved on 2 ranks by an mmtune that did not record its gradient "
+                                         r"accumulation, so its data position cannot move onto 1 rank\. Relaunch on "
+                                         r"2 ranks \(torchrun --nproc_per_node 2\)"):
+        one.check_state(old)
 
 
-def test_a_data_position_from_another_number_of_ranks_is_refused_saying_why_and_what_to_do(synthetic, adapter,
-                                                                                          tmp_path):
+def _served(module, start):
+    """Per optimizer step, the sorted dialogue ids one rank trains from its micro-batch ``start`` on."""
+    metas = [meta for _, meta in module.dataloader(0, start=start)]
+    return [sorted(i for meta in metas[k:k + module.accumulation] for i in meta["ids"])
+            for k in range(0, len(metas), module.accumulation)]
+
+
+@pytest.mark.parametrize("saved_format", ["current", "without_global_batch"])
+def test_a_position_saved_on_two_ranks_continues_on_one_with_double_accumulation(synthetic, adapter, tmp_path,
+                                                                                 saved_format):
+    import hashlib
+
+    two = [_module(synthetic, adapter, tmp_path, rank=r, world_size=2, batching="padding", batch_size=5)
+           for r in (0, 1)]
+    one = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=5, accumulation=2)
+    # 24 samples in 5 batches: 3 steps of 2 micro-batches, the last one a real batch and a filler.
+    saved = two[0].state_dict(0, consumed=1)
+    assert (saved["global_consumed"], saved["global_batch"]) == (2, 2)
+    assert one.plan_hash(0) == saved["plan_hash"]  # the same plan and global batch, another layout
+    if saved_format == "without_global_batch":  # as written before: the hash of the plan with its layout
+        saved = {k: v for k, v in saved.items() if k not in ("global_consumed", "global_batch")}
+        saved["plan_hash"] = hashlib.sha1(repr((one._global_plan(0), 2, 1)).encode()).hexdigest()[:16]
+    one.check_state(saved)
+    assert one.resume_position(saved) == 2
+    # The remaining steps train the same samples: one rank's two micro-batches are the two ranks' one each.
+    remaining = [sorted(a + b) for a, b in zip(_served(two[0], 1), _served(two[1], 1))]
+    assert _served(one, 2) == remaining and len(remaining) == 2
+    assert len(remaining[0]) == 10 and len(remaining[1]) == 4  # the partial last step: 4 samples and a filler
+    # And back: from one rank onto two, at the start of the partial last step.
+    back = one.state_dict(0, consumed=4)
+    for module in two:
+        module.check_state(back)
+        assert module.resume_position(back) == 2
+
+
+def test_a_data_position_from_another_global_batch_is_refused_naming_both_layouts_and_the_fix(synthetic, adapter,
+                                                                                             tmp_path):
     saved = _module(synthetic, adapter, tmp_path, rank=0, world_size=2, batching="padding",
                     batch_size=2).state_dict(0, consumed=2)
     one = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=2)
-    with pytest.raises(ValueError, match=r"it was saved on 2 ranks, this run has 1\. Its data position counts each "
-                                         r"rank's micro-batches .* Relaunch on 2 ranks \(torchrun --nproc_per_node 2\) "
-                                         r"and training.gradient_accumulation_steps=1"):
+    with pytest.raises(ValueError, match=r"cannot resume exactly: it was saved on 2 ranks x "
+                                         r"training.gradient_accumulation_steps=1 \(2 micro-batches per optimizer "
+                                         r"step\), this run has 1 rank x 1 \(1\).* Set "
+                                         r"training.gradient_accumulation_steps=2 to keep 2 micro-batches per step "
+                                         r"on 1 rank; or start afresh in another training.output_dir"):
         one.check_state(saved)

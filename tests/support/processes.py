@@ -1,5 +1,5 @@
-"""Tests that run mmtune in child processes: a free port, the SFT recipe killed and resumed,
-and the one-process ZeRO-3 loss worker.
+"""Tests that run mmtune in child processes: a free port, the SFT recipe under torchrun or killed
+and resumed, the weights of its ``final/``, and the one-process ZeRO-3 loss worker.
 
 Test tooling, outside the installed package (see :mod:`tests.support.fake_judge`).
 """
@@ -20,7 +20,43 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+SFT = str(REPO / "recipes" / "sft.py")
 ZERO3_LOSS_WORKER = REPO / "tests" / "training" / "zero3_loss_worker.py"
+
+
+def child_env() -> dict:
+    """The environment of an mmtune child process: one thread per process, no hub."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def torchrun(ranks: int) -> list[str]:
+    """``torchrun --nproc_per_node <ranks> recipes/sft.py`` on a free port (append the overrides)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(free_port()), SFT]
+
+
+def run_ok(cmd: list[str]) -> str:
+    """Run ``cmd`` in the repository to its end, which must succeed; its stdout and stderr."""
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def final_weights(final: Path, family: str) -> dict[str, torch.Tensor]:
+    """The parameters of a run's ``final/`` checkpoint, loaded as the family's model."""
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    model = build_adapter(ModelConfig(family=family, path=str(final))).load_model()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> float:
+    """Assert the same names and every tensor within ``atol``; returns the largest difference."""
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=name)
+    return max(float((a[name].float() - b[name].float()).abs().max()) for name in a)
 
 
 def free_port() -> int:
@@ -41,10 +77,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def step_sample_ids(run: Path) -> list[list[str]]:
+    """Each logged step's sample ids over its ranks and micro-batches, in the order of the epoch's plan
+    (rank r of W takes the plan's batches r, r + W, ...), so runs on other rank layouts compare."""
+    return [[i for r in s["ranks"] for mb in r["ids"] for i in mb] for s in read_jsonl(run / "sample_ids.jsonl")]
+
+
 def start_sft(overrides: list[str]) -> subprocess.Popen:
     """``recipes/sft.py`` with ``overrides`` in a child process, its output in ``stdout``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, str(REPO / "recipes" / "sft.py"), *overrides], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, SFT, *overrides], cwd=REPO, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -179,6 +179,67 @@ def test_in_training_evaluation_is_refused_where_weights_are_sharded_on_several_
     check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero3, num_processes=8)
 
 
+def _saved_on(ranks, accumulation, consumed=2):
+    """A trainer state as a run on ``ranks`` processes x ``accumulation`` saves it (the parts a layout check reads)."""
+    return {"step": consumed // accumulation, "num_processes": ranks,
+            "data": {"epoch": 0, "consumed": consumed, "global_consumed": consumed * ranks,
+                     "global_batch": ranks * accumulation, "world_size": ranks, "accumulation": accumulation}}
+
+
+def test_a_resume_on_another_number_of_ranks_is_checked_by_the_engine_and_the_global_batch():
+    from mmtune.training.checkpoint import ResumeConfigError
+    from mmtune.training.loop import check_resume_layout
+
+    layout = {"processes_per_rank": 1}
+    # DDP and FSDP2 load on any number of processes: only the global batch must stay.
+    for name in ("ddp", "fsdp2"):
+        assert _engine(name).reshard_problem(2, 1) == ""
+        said = check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=1, accumulation=2, **layout)
+        assert said.startswith("resuming on 1 rank(s) x 2 micro-batch(es) per step, saved on 2 x 1: the same 2 ")
+        assert check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=2, accumulation=1,
+                                   **layout) == ""
+    with pytest.raises(ResumeConfigError, match=r"cannot resume from ckpt \(step 2\) on 1 process\(es\): it was "
+                                                r"saved on 2 ranks x training.gradient_accumulation_steps=1 .* Set "
+                                                r"training.gradient_accumulation_steps=2 to keep 2 micro-batches"):
+        check_resume_layout("ckpt", _saved_on(2, 1), _engine("fsdp2"), num_processes=1, accumulation=1, **layout)
+    # DeepSpeed's ZeRO partitions load on their own number of processes only: refused, checked without
+    # launching DeepSpeed, with the data's problem in the same message.
+    zero = _engine("deepspeed", stage=2)
+    assert zero.reshard_problem(2, 2) == ""
+    with pytest.raises(ResumeConfigError) as refused:
+        check_resume_layout("ckpt", _saved_on(2, 1), zero, num_processes=1, accumulation=1, **layout)
+    said = str(refused.value)
+    assert ("DeepSpeed ZeRO-2 saved its optimizer states in 2 per-rank partitions, which its load_checkpoint "
+            "restores onto 2 processes only (this run has 1)") in said
+    assert "Relaunch on 2 processes (accelerate launch --num_processes 2 --config_file" in said
+    assert "deepspeed.checkpoint.ds_to_universal" in said and "Set training.gradient_accumulation_steps=2" in said
+    assert "optimizer states and weights in 4 per-rank" in _engine("deepspeed", stage=3).reshard_problem(4, 8)
+
+
+def test_a_resume_with_another_global_batch_is_refused_before_the_model_is_built(make_recipe, tmp_path,
+                                                                                   synthetic_dir, tiny_overrides,
+                                                                                   monkeypatch):
+    from mmtune.training.checkpoint import ResumeConfigError
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    saving = make_recipe("training.max_steps=2", "training.save_every_steps=1", "training.gradient_accumulation_steps=2",
+                         "training.save_final=false")
+    saving.train()
+    saving.cleanup()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    resumed = SFTRecipe(to_sft_config(compose_sft_config(tiny_overrides(
+        tmp_path / "run", synthetic_dir, "training.max_steps=2", "training.resume=auto",
+        "training.gradient_accumulation_steps=1"))))
+    monkeypatch.setattr(SFTRecipe, "_build_model", lambda self: pytest.fail("the model was built before the refusal"))
+    with pytest.raises(ResumeConfigError, match=r"saved on 1 rank x training.gradient_accumulation_steps=2 \(2 "
+                                                r"micro-batches per optimizer step\), this run has 1 rank x 1 \(1\).* "
+                                                r"Set training.gradient_accumulation_steps=2"):
+        resumed.setup()
+    resumed.output_lock.release()
+
+
 def test_a_second_training_job_in_the_same_output_dir_is_refused(make_recipe, tmp_path, synthetic_dir, tiny_overrides):
     import os
     import subprocess

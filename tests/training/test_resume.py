@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import kill_and_resume, read_jsonl
+from tests.support.processes import (assert_same_weights, final_weights, kill_and_resume, read_jsonl, run_ok,
+                                     step_sample_ids, torchrun)
 
 # Packed rows (one row of up to 768 tokens per micro-batch; epochs of 8 and 9 rows, two per
 # step, so each epoch ends in a partial group) must resume as exactly as padded batches.
@@ -40,6 +41,60 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, synthetic_dir, 
     for epoch in range(2):
         seen = [i for s in ids if s["epoch"] == epoch for r in s["ranks"] for mb in r["ids"] for i in mb]
         assert len(seen) == len(set(seen)) == 32
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ddp_ranks_resumes_on_one_with_twice_the_accumulation(tmp_path, synthetic_dir,
+                                                                                  tiny_overrides):
+    """accelerate saves DDP's full weights and optimizer once: on one process with 2 micro-batches per
+    step (the same global batch) the run continues to the 2-rank run's losses and final weights, from
+    inside the first epoch and from its end."""
+    import shutil
+
+    common = ("training.epochs=2", "training.max_steps=6", "training.save_every_steps=2", "training.resume=auto",
+              "training.lr=2e-4", "training.log_sample_ids=true")  # 4 steps per epoch
+    reference = tmp_path / "reference"
+    run_ok([*torchrun(2), *tiny_overrides(reference, synthetic_dir, *common)])
+    expected = read_jsonl(reference / "metrics.jsonl")
+    assert [m["step"] for m in expected] == [1, 2, 3, 4, 5, 6]
+    for step, position in ((2, "step 2, epoch 0, micro-batch 4"), (4, "step 4, epoch 0, micro-batch 8")):
+        # The step-N checkpoint, as a run stopped after it leaves it (a save is whole or absent).
+        on_one = tmp_path / f"on_one_from_{step}"
+        shutil.copytree(reference, on_one, ignore=lambda _, names: [n for n in names if n == "final" or (
+            n.startswith("step-") and n != f"step-{step}")])
+        out = run_ok([*torchrun(1), *tiny_overrides(on_one, synthetic_dir, *common,
+                                                   "training.gradient_accumulation_steps=2")])
+        assert f"{position} of the epoch" in out  # 2 ranks' micro-batches each step
+        logged = read_jsonl(on_one / "metrics.jsonl")
+        assert [m["step"] for m in logged] == [1, 2, 3, 4, 5, 6]
+        for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens", "train/epoch"):
+            assert [m[key] for m in logged[step:]] == pytest.approx([m[key] for m in expected[step:]], rel=1e-5), key
+        assert step_sample_ids(on_one) == step_sample_ids(reference)
+        assert_same_weights(final_weights(on_one / "final", "llava"), final_weights(reference / "final", "llava"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_one_process_resumes_on_two_ddp_ranks_with_half_the_accumulation(tmp_path, synthetic_dir,
+                                                                                         tiny_overrides):
+    """The other way: the second rank has no random state of its own in the checkpoint (said at start-up)
+    and the two ranks continue the one-process run's losses and final weights."""
+    import shutil
+
+    common = ("training.max_steps=4", "training.save_every_steps=2", "training.resume=auto", "training.lr=2e-4",
+              "training.log_sample_ids=true")
+    reference, on_two = tmp_path / "reference", tmp_path / "on_two"
+    run_ok([*torchrun(1), *tiny_overrides(reference, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+    shutil.copytree(reference, on_two, ignore=shutil.ignore_patterns("final"))
+    out = run_ok([*torchrun(2), *tiny_overrides(on_two, synthetic_dir, *common)])
+    assert "step 2, epoch 0, micro-batch 2 of the epoch" in out  # 4 micro-batches of one process, 2 on each rank
+    assert "the checkpoint holds those of 1 process(es); processes 1..1 have none" in out
+    logged, expected = read_jsonl(on_two / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert [m["step"] for m in logged] == [m["step"] for m in expected] == [1, 2, 3, 4]
+    for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens"):
+        assert [m[key] for m in logged[2:]] == pytest.approx([m[key] for m in expected[2:]], rel=1e-5), key
+    assert [len(s["ranks"]) for s in read_jsonl(on_two / "sample_ids.jsonl")] == [1, 1, 2, 2]
+    assert step_sample_ids(on_two) == step_sample_ids(reference)
+    assert_same_weights(final_weights(on_two / "final", "llava"), final_weights(reference / "final", "llava"))
 
 
 def _train(tmp_path, synthetic_dir, tiny_overrides, *extra, name="run"):

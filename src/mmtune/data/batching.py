@@ -26,6 +26,12 @@ Modes:
 Ranks: :func:`rank_plan` deals an epoch's batches round-robin and tops every rank up to
 the same whole number of optimizer steps with filler batches (trained with no loss
 token), so ranks stay in step; :func:`steps_per_epoch` is the resulting step count.
+
+Rank layouts: on ``W`` ranks with ``a`` micro-batches per optimizer step, step ``s`` trains
+exactly the epoch's batches ``[s*W*a, (s+1)*W*a)`` (those past the plan's end are fillers),
+spread over the ranks. A layout is therefore known to the data by its *global batch*
+``W*a`` alone: a position saved under one layout continues exactly under any other with
+the same global batch (:func:`resume_micro_batch`, :func:`layout_problem`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ __all__ = [
     "steps_per_epoch",
     "RankPlan",
     "rank_plan",
+    "resume_micro_batch",
+    "layout_problem",
     "plan_stats",
     "PlannedBatchSampler",
 ]
@@ -295,6 +303,74 @@ def rank_plan(plan: Plan, rank: int, world_size: int, accumulation: int = 1) -> 
     real = len(own)
     own += [filler] * (steps * accumulation - real)
     return RankPlan(batches=own, real=real, steps=steps)
+
+
+def resume_micro_batch(global_consumed: int, world_size: int) -> int:
+    """The micro-batch each of ``world_size`` ranks resumes at, where the first ``global_consumed``
+    batches of an epoch's plan are done.
+
+    Rank ``r`` of ``W`` takes the batches ``r, r + W, ...`` (:func:`rank_plan`), so after
+    ``c`` micro-batches per rank exactly the first ``c * W`` batches of the epoch (fillers
+    counted on from the plan's end) are done, whatever ``W``: a position saved on ``W``
+    ranks is ``global_consumed = c * W``, and on ``W'`` ranks it ends at micro-batch
+    ``c * W / W'`` of every rank.
+
+    Raises:
+        ValueError: the position does not end at the same micro-batch of every rank (check
+            the layouts with :func:`layout_problem` first).
+    """
+    if global_consumed % world_size:
+        raise ValueError(f"{global_consumed} micro-batches of the epoch done do not divide over {world_size} ranks")
+    return int(global_consumed) // world_size
+
+
+def _launch(ranks: int, processes_per_rank: int) -> str:
+    return f"torchrun --nproc_per_node {ranks * processes_per_rank}"
+
+
+def layout_problem(saved_world_size: int, saved_accumulation: int, world_size: int, accumulation: int, *,
+                   consumed: int = 0, processes_per_rank: int = 1) -> str:
+    """Why a data position saved on ``saved_world_size`` ranks x ``saved_accumulation`` micro-batches
+    per step cannot continue exactly on ``world_size`` x ``accumulation``; empty when it can.
+
+    It can when both layouts have the same global batch (micro-batches per optimizer step over
+    all ranks) and the position ends an optimizer step (every checkpoint does): each step
+    after it then trains the same batches as the uninterrupted run, and the loss, weighted by
+    the step's loss tokens over all ranks, sums them in another order only.
+
+    Args:
+        consumed: micro-batches each saved rank had consumed of its epoch.
+        processes_per_rank: processes that share one data rank (the sequence-parallel size),
+            for the launch command the message names.
+
+    Returns:
+        One sentence naming both layouts and the fix: the accumulation that keeps the global
+        batch on ``world_size`` ranks, or the rank counts that can hold it.
+    """
+    saved = saved_world_size * saved_accumulation
+    now = world_size * accumulation
+    if saved == now:
+        if (saved_world_size, saved_accumulation) != (world_size, accumulation) and consumed % saved_accumulation:
+            return (f"its data position ({consumed} micro-batches per rank) is inside an optimizer step of "
+                    f"{saved_accumulation} micro-batches, so it cannot move onto another rank layout; resume it on "
+                    f"{_ranks(saved_world_size)} ({_launch(saved_world_size, processes_per_rank)}) with "
+                    f"training.gradient_accumulation_steps={saved_accumulation}")
+        return ""
+    said = (f"it was saved on {_ranks(saved_world_size)} x training.gradient_accumulation_steps={saved_accumulation} "
+            f"({saved} micro-batches per optimizer step), this run has {_ranks(world_size)} x {accumulation} ({now}): "
+            f"the steps after the checkpoint would group the epoch's batches otherwise than the interrupted run. ")
+    if saved % world_size == 0:
+        return said + (f"Set training.gradient_accumulation_steps={saved // world_size} to keep {saved} micro-batches "
+                       f"per step on {_ranks(world_size)}")
+    fitting = [n for n in range(1, saved + 1) if saved % n == 0]
+    return said + (f"{saved} micro-batches do not divide over {_ranks(world_size)}: relaunch on a number of ranks N "
+                   f"that divides {saved} ({', '.join(map(str, fitting))}) with training.gradient_accumulation_steps="
+                   f"{saved}/N, e.g. {_launch(saved_world_size, processes_per_rank)} with "
+                   f"training.gradient_accumulation_steps={saved_accumulation}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def plan_stats(plan: Plan, lengths: Sequence[int], row_length: int | None = None) -> dict[str, float]:

@@ -10,10 +10,14 @@ to the same whole number of optimizer steps on every rank
 (:func:`~mmtune.data.batching.rank_plan`).
 
 Exact resume: each epoch's batch plan is a pure function of (data config, seed,
-epoch, lengths, collator settings, world size, accumulation). The training loop records how many
-micro-batches of the epoch it consumed; resuming rebuilds the plan and starts the
-DataLoader at that micro-batch, without loading the skipped ones. A hash of the plan
-is stored with the checkpoint and checked on resume, so a changed data or collator
+epoch, lengths, collator settings); how it is dealt out depends on the rank layout. The
+training loop records how many micro-batches of the epoch it consumed; the data position
+keeps that count in global terms too (batches of the epoch's plan done, and the global
+batch: ranks x gradient accumulation). Resuming rebuilds the plan and starts the
+DataLoader at this rank's share of that position, without loading the skipped ones, on
+the saved number of ranks or on any other with the same global batch
+(:func:`~mmtune.data.batching.resume_micro_batch`). A hash of the plan and the global
+batch is stored with the checkpoint and checked on resume, so a changed data or collator
 config fails loudly instead of silently training on a different order.
 
 Example::
@@ -43,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.config import DataConfig
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["SFTDataModule", "CollateWithMeta"]
+__all__ = ["SFTDataModule", "CollateWithMeta", "layout_problem", "saved_global_batch"]
 
 
 class CollateWithMeta:
@@ -156,19 +160,29 @@ class SFTDataModule:
         Packed and token-budget plans differ from epoch to epoch (the order changes how
         samples fit), so every epoch has its own plan and its own number of steps.
         """
-        from mmtune.data.batching import build_plan, rank_plan
+        from mmtune.data.batching import rank_plan
 
         if epoch not in self._plans:
-            plan = build_plan(list(self.order.global_order(epoch)), self.lengths.lengths.tolist(),
-                              self.collator_config, num_images=self.lengths.num_images.tolist())
+            plan = self._global_plan(epoch)
             self._plans = {epoch: rank_plan(plan, self.rank, self.world_size, self.accumulation)}  # one in memory
             self._steps[epoch] = self._plans[epoch].steps
             # Of the whole epoch's plan, not of this rank's share: the checkpoint records the
-            # main process's hash and every rank compares its own with it on resume.
-            # The rank layout is hashed too: it decides which batches a count of micro-batches means.
-            key = repr((plan, self.world_size, self.accumulation))
-            self._plan_hashes = {epoch: hashlib.sha1(key.encode()).hexdigest()[:16]}
+            # main process's hash and every rank compares its own with it on resume. The global
+            # batch is hashed too: it decides which batches each optimizer step trains, while
+            # how many ranks share a step does not.
+            self._plan_hashes = {epoch: _hash(repr((plan, self.global_batch)))}
         return self._plans[epoch]
+
+    def _global_plan(self, epoch: int) -> list:
+        from mmtune.data.batching import build_plan
+
+        return build_plan(list(self.order.global_order(epoch)), self.lengths.lengths.tolist(),
+                          self.collator_config, num_images=self.lengths.num_images.tolist())
+
+    @property
+    def global_batch(self) -> int:
+        """Micro-batches per optimizer step over all ranks (ranks x gradient accumulation)."""
+        return self.world_size * self.accumulation
 
     def plan(self, epoch: int) -> list[list]:
         """This rank's micro-batches of ``epoch`` as DataLoader batches (lists of dataset keys)."""
@@ -188,7 +202,8 @@ class SFTDataModule:
 
     def plan_hash(self, epoch: int) -> str:
         """A hash of the whole epoch's batch plan (all ranks' micro-batches, before they are dealt
-        out): the same on every rank, so one rank's record checks every rank's plan."""
+        out) and the global batch: the same on every rank and for every rank layout of that
+        global batch, so one rank's record checks every rank's plan."""
         if epoch not in self._plan_hashes:
             self._plans.pop(epoch, None)
             self.rank_plan(epoch)
@@ -197,35 +212,56 @@ class SFTDataModule:
     def state_dict(self, epoch: int, consumed: int) -> dict[str, Any]:
         """Data position to store with a checkpoint (the same on every rank).
 
-        ``consumed`` counts this rank's micro-batches of ``epoch``; with the rank layout
-        (``world_size``, ``accumulation``) it fixes which of the plan's batches were trained."""
-        return {"epoch": epoch, "consumed": consumed, "plan_hash": self.plan_hash(epoch),
+        ``consumed`` counts this rank's micro-batches of ``epoch``; ``global_consumed`` is the
+        same position as batches of the epoch's plan (``consumed * world_size``), which with
+        ``global_batch`` lets a run on another number of ranks continue it."""
+        return {"epoch": epoch, "consumed": consumed, "global_consumed": consumed * self.world_size,
+                "global_batch": self.global_batch, "plan_hash": self.plan_hash(epoch),
                 "world_size": self.world_size, "accumulation": self.accumulation}
 
+    def layout_problem(self, state: dict[str, Any], *, processes_per_rank: int = 1) -> str:
+        """Why ``state`` cannot continue under this module's rank layout (:func:`layout_problem`)."""
+        return layout_problem(state, self.world_size, self.accumulation, processes_per_rank=processes_per_rank)
+
     def _saved_kind_of_hash(self, state: dict[str, Any]) -> str:
-        """This run's plan hash as ``state`` recorded it: checkpoints without ``accumulation``
-        (saved before the hash covered the whole plan) hold the hash of rank 0's share."""
+        """This run's plan hash as ``state`` recorded it: checkpoints without ``global_batch`` hold
+        the hash of the plan with their rank layout; those without ``accumulation`` too (saved
+        before the hash covered the whole plan) that of rank 0's share."""
         epoch = int(state["epoch"])
-        if "accumulation" in state:
+        if "global_batch" in state:
             return self.plan_hash(epoch)
-        from mmtune.data.batching import build_plan, rank_plan
+        plan = self._global_plan(epoch)
+        if "accumulation" in state:
+            return _hash(repr((plan, int(state["world_size"]), int(state["accumulation"]))))
+        from mmtune.data.batching import rank_plan
 
-        plan = build_plan(list(self.order.global_order(epoch)), self.lengths.lengths.tolist(),
-                          self.collator_config, num_images=self.lengths.num_images.tolist())
         rp = rank_plan(plan, 0, self.world_size, self.accumulation)
-        return hashlib.sha1(repr((rp.batches, rp.real)).encode()).hexdigest()[:16]
+        return _hash(repr((rp.batches, rp.real)))
 
-    def check_state(self, state: dict[str, Any]) -> None:
-        """Raise when a checkpoint's data position would not mean the same samples now."""
-        problems = []
-        if state.get("world_size") != self.world_size:
-            problems.append(_world_size_problem(state, self.world_size))
-        elif state.get("plan_hash") != self._saved_kind_of_hash(state):
-            problems.append("the batch plan differs (data files, data/collator config, window, seed or "
-                            "gradient accumulation changed)")
-        if problems:
-            raise ValueError("cannot resume exactly: " + "; ".join(problems)
-                             + ". Resume with the same configuration, or start a new output_dir")
+    def check_state(self, state: dict[str, Any], *, processes_per_rank: int = 1) -> None:
+        """Raise when a checkpoint's data position would not mean the same samples now.
+
+        Raises:
+            ValueError: the rank layouts cannot continue one another (:meth:`layout_problem`,
+                naming both and the fix), or the epoch's batch plan differs.
+        """
+        problem = self.layout_problem(state, processes_per_rank=processes_per_rank)
+        if problem:
+            raise ValueError(f"cannot resume exactly: {problem}; or start afresh in another training.output_dir")
+        if state.get("plan_hash") != self._saved_kind_of_hash(state):
+            raise ValueError("cannot resume exactly: the batch plan differs (data files, data/collator config, window, "
+                             "seed or gradient accumulation changed). Resume with the same configuration, or start a "
+                             "new output_dir")
+
+    def resume_position(self, state: dict[str, Any]) -> int:
+        """The micro-batch of ``state["epoch"]`` this rank resumes at (``state`` passed :meth:`check_state`).
+
+        The saved position in this rank layout: the same batches of the epoch's plan done,
+        dealt out to this run's ranks."""
+        from mmtune.data.batching import resume_micro_batch
+
+        done = state.get("global_consumed", int(state["consumed"]) * int(state.get("world_size", self.world_size)))
+        return resume_micro_batch(int(done), self.world_size)
 
     def stats(self, epoch: int = 0) -> dict[str, Any]:
         """Sample counts, truncation and the token utilisation of this rank's real batches of ``epoch``."""
@@ -265,15 +301,45 @@ class SFTDataModule:
         return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
 
 
-def _world_size_problem(state: dict[str, Any], world_size: int) -> str:
-    """Why a data position saved on another number of ranks is refused, and what to do."""
-    saved, saved_acc = state.get("world_size"), state.get("accumulation")
-    acc_note = f" and training.gradient_accumulation_steps={saved_acc}" if saved_acc is not None else ""
-    return (f"it was saved on {saved} ranks, this run has {world_size}. Its data position counts each rank's "
-            f"micro-batches of an epoch plan dealt out to {saved} ranks (rank r takes batches r, r+{saved}, ...), "
-            f"and resuming does not re-deal that position onto another number of ranks, so the remaining "
-            f"samples would not be the uninterrupted run's (model and optimizer shards would load, the data "
-            f"order would not match). Relaunch on {saved} ranks (torchrun --nproc_per_node {saved}){acc_note}")
+def layout_problem(state: dict[str, Any], world_size: int, accumulation: int, *, processes_per_rank: int = 1) -> str:
+    """Why the data position ``state`` (:meth:`SFTDataModule.state_dict`), saved under its rank
+    layout, cannot continue on ``world_size`` ranks x ``accumulation``; empty when it can.
+
+    Needs no data and no plan, so a resume checks it before anything is built. Positions
+    saved before the global batch was recorded name their accumulation and continue on
+    another layout as newer ones do; the oldest, without it, resume on their own number of
+    ranks only.
+
+    Args:
+        processes_per_rank: processes sharing one data rank (the sequence-parallel size),
+            for the launch command a refusal names.
+    """
+    from mmtune.data.batching import layout_problem as problem_of_layouts
+
+    def _ranks(n: int) -> str:
+        return f"{n} rank" + ("s" if n != 1 else "")
+
+    saved_ranks = int(state.get("world_size", world_size))
+    if "accumulation" not in state:
+        if saved_ranks == world_size:
+            return ""
+        return (f"it was saved on {_ranks(saved_ranks)} by an mmtune that did not record its gradient accumulation, "
+                f"so its data position cannot move onto {_ranks(world_size)}. Relaunch on {_ranks(saved_ranks)} "
+                f"(torchrun --nproc_per_node {saved_ranks * processes_per_rank})")
+    return problem_of_layouts(saved_ranks, int(state["accumulation"]), world_size, accumulation,
+                              consumed=int(state["consumed"]), processes_per_rank=processes_per_rank)
+
+
+def saved_global_batch(state: dict[str, Any]) -> Optional[int]:
+    """The global batch (ranks x accumulation) a data position was saved with; ``None`` for the
+    oldest positions, which did not record their accumulation."""
+    if "accumulation" not in state:
+        return None
+    return int(state.get("global_batch", int(state["world_size"]) * int(state["accumulation"])))
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _as_filler(item: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -114,18 +114,20 @@ def _shown(value: Any) -> str:
 
 
 def check_resume_config(checkpoint: str | os.PathLike, state: dict[str, Any], current: dict[str, Any],
-                        allowed: list[str]) -> dict[str, dict[str, Any]]:
+                        allowed: list[str], *, free: Optional[dict[str, str]] = None) -> dict[str, dict[str, Any]]:
     """The changes of ``current`` from the config ``state["config"]`` was saved with, where allowed.
 
-    Keys under :data:`RESUME_FREE_KEYS` may differ freely and are not returned; keys the
+    Keys under :data:`RESUME_FREE_KEYS` (and under ``free``: keys this resume has already
+    checked otherwise, with why) may differ freely and are not returned; keys the
     user allowed (``training.resume_config_changes``) are returned as ``{key: {"old",
     "new"}}`` to be recorded; any other difference raises.
 
     Raises:
         ResumeConfigError: listing every refused key as ``key: old -> new`` and how to fix it.
     """
+    free_keys = [*RESUME_FREE_KEYS, *(free or {})]
     changed = {key: values for key, values in config_differences(state["config"], current).items()
-               if not any(key_covers(free, key) for free in RESUME_FREE_KEYS)}
+               if not any(key_covers(free_key, key) for free_key in free_keys)}
     refused = {key: values for key, values in changed.items() if not any(key_covers(a, key) for a in allowed)}
     if refused:
         step = state.get("step")

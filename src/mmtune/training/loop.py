@@ -64,7 +64,8 @@ from mmtune.training.loss import TrainingLoss
 from mmtune.training.manifest import choose_resume_checkpoint
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
-__all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout"]
+__all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout",
+           "check_resume_layout"]
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
@@ -100,6 +101,47 @@ def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -
         raise ValueError(
             f"training.{' and training.'.join(asked)}=true cannot run under {problem}. Or set "
             + " ".join(f"training.{k}=false" for k in asked) + " to train without it")
+
+
+def check_resume_layout(checkpoint: Any, state: dict[str, Any], engine: Any, *, num_processes: int,
+                        processes_per_rank: int, accumulation: int) -> str:
+    """Refuse a resume whose rank layout cannot continue the checkpoint's exactly, before anything loads.
+
+    A checkpoint continues on another number of processes when the engine can load its
+    state there (:meth:`~mmtune.training.engines.base.Engine.reshard_problem`) and the
+    data position keeps its global batch, ranks x gradient accumulation
+    (:func:`~mmtune.data.datamodule.layout_problem`).
+
+    Args:
+        state: the checkpoint's ``trainer_state.json``.
+        processes_per_rank: processes sharing one data rank (``training.sequence_parallel.size``).
+
+    Returns:
+        A line saying how the layout changed (empty when it did not).
+
+    Raises:
+        ResumeConfigError: one message with every problem and its fix.
+    """
+    from mmtune.data.datamodule import layout_problem
+
+    data = state.get("data")
+    if data is None:  # nothing recorded to compare with
+        return ""
+    saved_ranks = int(data.get("world_size", num_processes // processes_per_rank))
+    saved_processes = int(state.get("num_processes", saved_ranks * processes_per_rank))
+    ranks = num_processes // processes_per_rank
+    problems = [problem for problem in (
+        engine.reshard_problem(saved_processes, num_processes),
+        layout_problem(data, ranks, accumulation, processes_per_rank=processes_per_rank)) if problem]
+    if problems:
+        raise ResumeConfigError(f"cannot resume from {checkpoint} (step {state.get('step')}) on {num_processes} "
+                                f"process(es): " + "; ".join(problems))
+    saved_accumulation = data.get("accumulation", accumulation)
+    if (saved_ranks, saved_accumulation) == (ranks, accumulation):
+        return ""
+    return (f"resuming on {ranks} rank(s) x {accumulation} micro-batch(es) per step, saved on {saved_ranks} x "
+            f"{saved_accumulation}: the same {ranks * accumulation} micro-batches per optimizer step, so every step "
+            "trains the samples of the uninterrupted run")
 
 
 class SFTRecipe:
@@ -339,6 +381,11 @@ class SFTRecipe:
             for stale in ("metrics.jsonl", "sample_ids.jsonl"):
                 (self.output_dir / stale).unlink(missing_ok=True)
         if resume_from is not None:
+            saved = read_trainer_state(resume_from)
+            try:  # before anything loads
+                self.data.check_state(saved["data"], processes_per_rank=self.cfg.training.sequence_parallel.size)
+            except ValueError as err:  # a resume refusal like a changed config: one message, no traceback
+                raise ResumeConfigError(f"cannot resume from {resume_from} (step {saved['step']}): {err}") from None
             # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
             fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                      list(self.scheduler.scheduler.base_lrs))
@@ -346,11 +393,12 @@ class SFTRecipe:
             if self.resume_changes:
                 self._apply_allowed_changes(*fresh)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
-            self.micro_batches_done = int(state["micro_batches_done"])
-            try:
-                self.data.check_state(state["data"])
-            except ValueError as err:  # a resume refusal like a changed config: one message, no traceback
-                raise ResumeConfigError(f"cannot resume from {resume_from} (step {state['step']}): {err}") from None
+            # The saved position dealt out to this run's ranks (the same when the layout is the checkpoint's).
+            self.micro_batches_done = self.data.resume_position(state["data"])
+            # accelerate finds each step's last micro-batch by counting micro-batches; it restored
+            # the saved rank's count, which under another accumulation falls elsewhere in a step.
+            acc.step = self.step * self.cfg.training.gradient_accumulation_steps
+            self._note_random_states(state)
             if acc.is_main_process:
                 # Steps after the checkpoint were logged by the interrupted attempt and are
                 # about to be trained again: drop their rows so each step appears once.
@@ -358,6 +406,26 @@ class SFTRecipe:
                     cut_jsonl_after(self.output_dir / log, self.step)
             acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
                       f"micro-batch {self.micro_batches_done} of the epoch")
+
+    def _note_random_states(self, state: dict[str, Any]) -> None:
+        """Say which processes did not get their own random state back from a checkpoint saved on another number.
+
+        accelerate's ``load_state`` restores ``random_states_<i>.pkl`` on process ``i`` and, for
+        a process without that file, logs and goes on: its Python, NumPy and torch generators
+        keep the state they reached at start-up, seeded with ``training.seed`` like every
+        process of a fresh run. Files of processes this run does not have are not read.
+        """
+        acc = self.accelerator
+        ranks = state.get("data", {}).get("world_size", acc.num_processes // self.cfg.training.sequence_parallel.size)
+        saved = int(state.get("num_processes", ranks * self.cfg.training.sequence_parallel.size))
+        if saved == acc.num_processes:
+            return
+        if acc.num_processes > saved:
+            acc.print(f"random state: the checkpoint holds those of {saved} process(es); processes {saved}.."
+                      f"{acc.num_processes - 1} have none and continue from their start-up state (training.seed)")
+        else:
+            acc.print(f"random state: processes 0..{acc.num_processes - 1} restored their own; those of processes "
+                      f"{acc.num_processes}..{saved - 1} are not used")
 
     def _start_logger(self) -> None:
         """The run logger, from the step the run starts at, and the run's one-line summary."""
@@ -435,11 +503,14 @@ class SFTRecipe:
     def _check_resume_config(self) -> list[dict[str, Any]]:
         """The config changes of the run so far, this resume's included; refuses one not allowed.
 
-        Compares this run's config with the one the checkpoint was saved with (see
+        First the rank layout (:func:`check_resume_layout`: the engine loads the state on this
+        number of processes, and ranks x gradient accumulation is the checkpoint's), then this
+        run's config against the one the checkpoint was saved with (see
         :func:`~mmtune.training.checkpoint.check_resume_config`). Returns the checkpoint's
         record of earlier changes plus this resume's, if any: ``{"effective_from_step",
         "resumed_from", "changes": {key: {"old", "new"}}}``.
         """
+        from mmtune.data.datamodule import saved_global_batch
         from mmtune.data.identity import comparable_record
         from mmtune.training.checkpoint import check_resume_config
 
@@ -448,6 +519,15 @@ class SFTRecipe:
                 f"training.resume: {self.resume_from} has no {TRAINER_STATE}, so it is not a complete mmtune "
                 "checkpoint; name a <output_dir>/checkpoints/step-N folder, or use training.resume=auto")
         state = read_trainer_state(self.resume_from)
+        t, acc = self.cfg.training, self.accelerator
+        layout_change = check_resume_layout(self.resume_from, state, self.engine, num_processes=acc.num_processes,
+                                            processes_per_rank=t.sequence_parallel.size,
+                                            accumulation=t.gradient_accumulation_steps)
+        if layout_change:
+            acc.print(layout_change)
+        # The layout check compared ranks x accumulation, so the accumulation alone may differ.
+        free = ({"training.gradient_accumulation_steps": "the same global batch on another number of ranks"}
+                if saved_global_batch(state.get("data", {})) is not None else {})
         history = list(state.get("config_changes", []))
         if "config" not in state:
             self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
@@ -456,7 +536,7 @@ class SFTRecipe:
         current, unchecked = comparable_record(state["config"], self.config_record())
         if unchecked:
             self.accelerator.print(f"{self.resume_from}: {unchecked}")
-        changes = check_resume_config(self.resume_from, state, current, list(self.cfg.training.resume_config_changes))
+        changes = check_resume_config(self.resume_from, state, current, list(t.resume_config_changes), free=free)
         self.resume_changes = changes
         if changes:
             step = int(state["step"])
@@ -660,6 +740,7 @@ class SFTRecipe:
         return self.checkpoints.save(self.accelerator, self.step, engine=self.engine, trainer_state={
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
+            "num_processes": self.accelerator.num_processes,  # what the engine's state was saved on
             # What a resume compares its own config with, and the changes made so far.
             "config": self.config_record(), "config_changes": self.config_changes,
         })

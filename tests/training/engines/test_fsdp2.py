@@ -1,6 +1,6 @@
 """FSDP2 on 2 gloo ranks (torchrun, CPU) against one process: the same losses and final weights
 (full and LoRA, tiny LLaVA and Qwen2-VL), a text-only micro-batch on one rank beside images on
-the other, SIGKILL of one rank and resume (refused on one process), ``final/`` loading with
+the other, SIGKILL of one rank and resume on two ranks and on one, ``final/`` loading with
 ``from_pretrained``; and the start-up refusals of the engine (fast)."""
 
 import json
@@ -15,51 +15,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.processes import free_port, read_jsonl
+from tests.support.processes import REPO, SFT, read_jsonl, run_ok as _run, torchrun as _torchrun
+from tests.support.processes import assert_same_weights as _assert_same_weights, child_env as _env
+from tests.support.processes import final_weights as _weights, step_sample_ids
 
-REPO = Path(__file__).resolve().parents[3]
-SFT = str(REPO / "recipes" / "sft.py")
 FAMILIES = {"llava": (), "qwen2_vl": ("model=qwen2_vl_tiny",)}
 PEFT = {"full": (), "lora": ("peft=lora", "peft.dropout=0.0")}  # no dropout: the ranks' RNG streams differ
-
-
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(free_port()), SFT]
-
-
-def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
 
 
 def _losses(run: Path) -> list[float]:
     return [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl")]
 
 
-def _weights(final: Path, family: str) -> dict[str, torch.Tensor]:
-    from mmtune.models.config import ModelConfig
-    from mmtune.models.registry import build_adapter
-
-    model = build_adapter(ModelConfig(family=family, path=str(final))).load_model()
-    return {n: p.detach() for n, p in model.named_parameters()}
-
-
 def _adapter_weights(final: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(final / "adapter" / "adapter_model.safetensors"))
-
-
-def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys() and a
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
@@ -132,25 +103,44 @@ def _kill_one_rank_after_checkpoint(cmd: list[str], out: Path, step: int) -> Non
 
 
 @pytest.mark.slow
-def test_sigkill_of_one_rank_then_resume_on_two_ranks_matches_the_uninterrupted_run(tmp_path, synthetic_dir,
-                                                                                   tiny_overrides):
-    common = ("training.max_steps=6", "training.save_every_steps=2", "training.resume=auto", "training.lr=2e-4",
-              "training.backend.engine=fsdp2", "training.log_sample_ids=true")
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
+def test_sigkill_of_one_rank_then_resume_on_two_ranks_or_on_one_matches_the_uninterrupted_run(tmp_path, synthetic_dir,
+                                                                                              tiny_overrides):
+    """torch.distributed.checkpoint reshards model and optimizer on load, and the data position moves onto
+    one rank with twice the accumulation (the same 2 micro-batches per step): both resumes end with the
+    uninterrupted 2-rank run's weights and log its losses."""
+    import shutil
+
+    common = ("training.epochs=2", "training.max_steps=6", "training.save_every_steps=2", "training.resume=auto",
+              "training.lr=2e-4", "training.backend.engine=fsdp2", "training.log_sample_ids=true")
+    reference, killed, on_one = tmp_path / "reference", tmp_path / "killed", tmp_path / "on_one"
     _run([*_torchrun(2), *tiny_overrides(reference, synthetic_dir, *common)])
     _kill_one_rank_after_checkpoint([*_torchrun(2), *tiny_overrides(killed, synthetic_dir, *common)], killed, 2)
     assert (killed / "checkpoints" / "step-2" / "sharded" / ".metadata").is_file()  # torch.distributed.checkpoint
-    # On one process the data position could not continue exactly: refused, saying with what to relaunch.
-    one = subprocess.run([*_torchrun(1), *tiny_overrides(killed, synthetic_dir, *common)], cwd=REPO, env=_env(),
+    shutil.copytree(killed, on_one)
+    # One process with one micro-batch per step would group the samples otherwise: refused before
+    # anything loads, naming the accumulation that keeps the global batch.
+    one = subprocess.run([*_torchrun(1), *tiny_overrides(on_one, synthetic_dir, *common)], cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=900)
     said = one.stdout + one.stderr
-    assert one.returncode != 0 and "it was saved on 2 ranks, this run has 1" in said, said[-3000:]
-    assert "Relaunch on 2 ranks (torchrun --nproc_per_node 2)" in said
-    out = _run([*_torchrun(2), *tiny_overrides(killed, synthetic_dir, *common)])
-    assert "resumed from" in out
-    assert _losses(killed) == pytest.approx(_losses(reference), rel=1e-6)
-    assert read_jsonl(killed / "sample_ids.jsonl") == read_jsonl(reference / "sample_ids.jsonl")
-    _assert_same_weights(_weights(killed / "final", "llava"), _weights(reference / "final", "llava"))
+    assert one.returncode != 0 and "it was saved on 2 ranks x training.gradient_accumulation_steps=1" in said, said[-3000:]
+    assert "Set training.gradient_accumulation_steps=2 to keep 2 micro-batches per step on 1 rank" in said
+    out_one = _run([*_torchrun(1), *tiny_overrides(on_one, synthetic_dir, *common,
+                                                   "training.gradient_accumulation_steps=2")])
+    assert "resuming on 1 rank(s) x 2 micro-batch(es) per step, saved on 2 x 1" in out_one
+    assert "processes 0..0 restored their own; those of processes 1..1 are not used" in out_one
+    out_two = _run([*_torchrun(2), *tiny_overrides(killed, synthetic_dir, *common)])
+    assert "resumed from" in out_two
+    expected = read_jsonl(reference / "metrics.jsonl")
+    for run, out, rel in ((killed, out_two, 1e-6), (on_one, out_one, 1e-5)):
+        resumed_at = int(out.split("resumed from ")[1].split("step ")[1].split(",")[0])
+        logged = read_jsonl(run / "metrics.jsonl")
+        assert [m["step"] for m in logged] == [m["step"] for m in expected] == [1, 2, 3, 4, 5, 6]
+        after = [m for m in logged if m["step"] > resumed_at]
+        assert after, f"{run.name} resumed at step {resumed_at}, after the last one"
+        for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens", "train/epoch"):
+            assert [m[key] for m in after] == pytest.approx([m[key] for m in expected[resumed_at:]], rel=rel), key
+        assert step_sample_ids(run) == step_sample_ids(reference)
+        _assert_same_weights(_weights(run / "final", "llava"), _weights(reference / "final", "llava"))
 
 
 # -- start-up refusals (fast) ---------------------------------------------------------------------

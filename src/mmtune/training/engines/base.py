@@ -87,6 +87,7 @@ class Engine(ABC):
         with engine.accumulate(model):                  # one micro-batch
             engine.backward(loss)
             if engine.sync_gradients: norm = engine.clip_grad_norm(model, max_norm)
+        engine.reshard_problem(saved_world_size, world_size)  # a resume, before any load
         engine.save_state(directory) / engine.load_state(directory)
         state_dict = engine.full_state_dict(model)      # final/, on the main process
     """
@@ -216,6 +217,15 @@ class Engine(ABC):
         """Restore what :meth:`save_state` wrote (call on every rank)."""
         assert self.accelerator is not None
         self.accelerator.load_state(str(directory))
+
+    def reshard_problem(self, saved_world_size: int, world_size: int) -> str:
+        """Why :meth:`load_state` cannot restore a state saved on ``saved_world_size`` processes onto
+        ``world_size`` (empty when it can; always when they are equal).
+
+        Checked when a resume starts, before anything is loaded. The default state (accelerate's:
+        full weights and optimizer from the main process, every rank's RNG) loads on any number.
+        """
+        return ""
 
     def full_state_dict(self, model: "nn.Module") -> dict[str, Any]:
         """The full (unsharded) weights, complete on the main process (a collective: every rank calls it)."""

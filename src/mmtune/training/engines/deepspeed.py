@@ -174,6 +174,19 @@ class DeepSpeedEngine(Engine):
         return "DeepSpeed ZeRO-3 parameters" if lora_head and config.stage == 3 else ""
 
     # -- checkpoints -----------------------------------------------------------------------
+    def reshard_problem(self, saved_world_size: int, world_size: int) -> str:
+        if saved_world_size == world_size:
+            return ""
+        # DeepSpeed's own route to another number of ranks (deepspeed.checkpoint.ds_to_universal,
+        # then "checkpoint": {"load_universal": true}) is not part of this engine's load_state.
+        return (f"DeepSpeed ZeRO-{self.stage} saved its optimizer states{' and weights' if self.stage == 3 else ''} "
+                f"in {saved_world_size} per-rank partitions, which its load_checkpoint restores onto "
+                f"{saved_world_size} processes only (this run has {world_size}); mmtune does not convert them "
+                "(DeepSpeed's universal checkpoint, python -m deepspeed.checkpoint.ds_to_universal, is not wired "
+                f"into its resume). Relaunch on {saved_world_size} processes (accelerate launch --num_processes "
+                f"{saved_world_size} --config_file <the DeepSpeed launch file> recipes/sft.py), or train with "
+                "training.backend.engine=fsdp2, whose checkpoints resume on another number of ranks")
+
     def merge_problem(self) -> str:
         return "ZeRO-3 LoRA runs save the adapter only; merge it with peft offline" if self.stage == 3 else ""
 

@@ -11,8 +11,9 @@ Launched by ``torchrun`` (or an accelerate multi-GPU config), not through accele
 plugin: with ``cpu=True`` that plugin silently runs DDP. accelerate still places the
 devices, autocasts, counts the accumulation and saves the scheduler and every rank's RNG;
 the model and optimizer states are saved sharded by ``torch.distributed.checkpoint``, which
-reshards them on load. A resume on another number of ranks is still refused, by the data
-module's position check (:meth:`~mmtune.data.datamodule.SFTDataModule.check_state`).
+reshards them on load, so a run resumes exactly on another number of ranks with the same
+global batch (ranks x gradient accumulation, checked by
+:meth:`~mmtune.data.datamodule.SFTDataModule.check_state`).
 """
 
 from __future__ import annotations
