@@ -17,9 +17,18 @@ missing or broken, 2 for a config error. ``--strict`` (or a config with
 ``validation.mode: strict``) lists every problem, not only a few examples per kind, and
 accepts no skipped record, so ``mmtune data check ... --strict`` can gate a pipeline.
 
+With a model (``model=NAME`` or ``experiment=NAME``, and any ``model.``, ``collator.``,
+``context.`` or ``training.`` override, composed as training composes them), every dialogue
+is also measured as training's length pass measures it (template and image tokens) and
+compared with the window (:mod:`mmtune.data.window`): how many are longer than a GPU's
+share of a row (what ``training.sequence_parallel.size`` buys) and which are longer than the
+whole row ``collator.max_length``, with what ``collator.truncation`` does to each. Those
+training would skip count as skipped records; those it would refuse fail the check.
+
 Example::
 
     mmtune data check add_to_pool --images exists
+    mmtune data check mmdu_45k experiment=mmdu45k_qwen2_5_vl_7b_32k model.path=/ckpt/Qwen2.5-VL-7B-Instruct
     mmtune data check configs/data/synthetic.yaml --strict --refresh
     mmtune data check data/mmdu/benchmark.json --image-root data/mmdu
     mmtune data check chat.json dialogues.jsonl --image-root imgs --allow-skips
@@ -38,6 +47,8 @@ from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, SourceCon
 from mmtune.data.formats import detect_format, format_names
 
 _DATA_SUFFIXES = (".json", ".jsonl")
+#: overrides that belong to the training config (the model and its window), not the data config
+_TRAINING_KEYS = ("model", "experiment", "collator", "context", "training")
 #: examples kept per problem kind when every problem is to be listed (--strict)
 EVERY_PROBLEM = 1_000_000
 
@@ -107,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "1 records skipped or a file missing or broken, 2 a config error.")
     p.add_argument("config", help="data config YAML path or name under configs/data/, or a data file (.json/.jsonl)")
     p.add_argument("overrides", nargs="*", help="more data files, and config overrides such as "
-                   "validation.check_images=exists")
+                   "validation.check_images=exists; model=NAME or experiment=NAME (with model., collator., context., "
+                   "training. overrides) also measures every dialogue against the training window")
     p.add_argument("--strict", action="store_true",
                    help="list every problem (not a few examples per kind) and accept no skipped record")
     p.add_argument("--allow-skips", action="store_true",
@@ -145,28 +157,69 @@ def _files_config(files: list[str], args: argparse.Namespace, overrides: list[st
     return _with_overrides(DataConfig(mixture=MixtureConfig(sources=sources)), overrides), stated
 
 
-def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool) -> tuple[int, str]:
-    """Exit status and the closing line, from what was skipped."""
+def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool, window: Any = None) -> tuple[int, str]:
+    """Exit status and the closing line, from what was skipped (when reading, and for the window)."""
     read = sum(r.records_read for r in reports)
     skipped = sum(r.records_skipped for r in reports)
-    if not skipped:
-        return 0, f"data check: OK, all {read} record(s) of {len(reports)} source(s) kept"
     reasons: dict[str, int] = {}
     for r in reports:
         for code, n in r.skipped.items():
             reasons[code] = reasons.get(code, 0) + n
+    firsts = [f"  first in {r.source}: {r.first_problem}" for r in reports if r.first_problem]
+    if window is not None and window.skipped:
+        too_long = [d for d in window.over_row if d.kept == 0 or window.truncation == "error"]
+        code = "longer_than_window"
+        reasons[code] = len(too_long)
+        skipped += len(too_long)
+        firsts.append(f"  first longer than the {window.max_length}-token row: {too_long[0].describe()}")
+        if window.truncation == "error":
+            return 1, (f"data check: FAILED: {len(too_long)} dialogue(s) longer than collator.max_length="
+                       f"{window.max_length}, which training refuses (collator.truncation=error); shorten them, raise "
+                       "collator.max_length (with training.sequence_parallel.size to keep a GPU's share), or set "
+                       "collator.truncation to drop_trailing_turns or skip_sample\n" + "\n".join(firsts))
+    if not skipped:
+        return 0, f"data check: OK, all {read} record(s) of {len(reports)} source(s) kept"
     why = ", ".join(f"{code} {n}" for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
     if allow_skips:
         return 0, f"data check: OK with --allow-skips: {skipped} of {read} record(s) skipped ({why}), listed above"
-    firsts = "\n".join(f"  first in {r.source}: {r.first_problem}" for r in reports if r.first_problem)
     fix = "fix them" if strict else "fix them, or pass --allow-skips to train without them"
-    return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n{firsts}"
+    return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n" + "\n".join(firsts)
+
+
+def _training_config(overrides: list[str]) -> Any:
+    """The training config the ``model``/``experiment``/``collator``/``context``/``training``
+    overrides compose to (as ``mmtune train`` composes them), or ``None`` without a model.
+
+    Raises:
+        ConfigError, OverrideError: the overrides do not compose or do not validate.
+    """
+    if not any(o.split("=", 1)[0].lstrip("+") in ("model", "experiment") or o.startswith("model.") for o in overrides):
+        return None
+    from mmtune.compose import compose_checked
+    from mmtune.training.config import to_sft_config
+
+    return to_sft_config(compose_checked(overrides))
+
+
+def _window(sft: Any, data_cfg: DataConfig, mixture: Any) -> Any:
+    """Every dialogue of ``mixture`` measured by ``sft``'s model against its window."""
+    from mmtune.data.window import window_report
+    from mmtune.models.registry import build_adapter
+
+    adapter = build_adapter(sft.model)
+    c = sft.collator
+    return window_report(adapter, mixture, max_length=sft.context.max_length or c.max_length, truncation=c.truncation,
+                         train_on=c.train_on, system_prompt=c.system_prompt,
+                         sequence_parallel=sft.training.sequence_parallel.size, cache_dir=c.length_cache_dir,
+                         image_errors=c.image_errors or data_cfg.validation.mode)
 
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     files = [a for a in [args.config, *args.overrides] if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
+    training = [a for a in overrides if a.lstrip("+").split("=", 1)[0].split(".", 1)[0] in _TRAINING_KEYS]
+    overrides = [a for a in overrides if a not in training]
     if args.images:
         overrides.append(f"validation.check_images={args.images}")
     if args.cache_dir:
@@ -193,6 +246,10 @@ def run(argv: list[str]) -> int:
             if args.format or args.image_root:
                 raise ConfigError("--format and --image-root apply to data files; set them in the config's sources")
             cfg = load_data_config(args.config, overrides)
+        sft = _training_config(training)
+        if training and sft is None:
+            raise ConfigError(f"{' '.join(training)}: the window is measured with a model; add model=NAME or "
+                              "experiment=NAME")
     except (ConfigError, OmegaConfBaseException, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: {e}", file=sys.stderr)
         return 2
@@ -210,7 +267,8 @@ def run(argv: list[str]) -> int:
     from mmtune.data.validation import format_reports
 
     try:
-        mixture = build_mixture(cfg, refresh=args.refresh)
+        mixture = build_mixture(cfg, refresh=args.refresh,
+                                image_limits=sft.model.image_limits if sft is not None else None)
     except (DataValidationError, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
         return 1
@@ -222,7 +280,11 @@ def run(argv: list[str]) -> int:
         print(f"\nmixture (strategy {cfg.mixture.strategy}, by {cfg.mixture.by}, seed {cfg.mixture.seed}):")
         for s, c in zip(mixture.sources, mixture.counts):
             print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
-    code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips)
+    window = None
+    if sft is not None:
+        window = _window(sft, cfg, mixture)
+        print("\n" + window.render(EVERY_PROBLEM if strict else cfg.validation.max_examples))
+    code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips, window=window)
     print("\n" + verdict, file=sys.stderr if code else sys.stdout)
     return code
 
