@@ -134,6 +134,18 @@ ENGINE_NAMES = ("ddp", "deepspeed", "fsdp2")
 SEQUENCE_PARALLEL_ENGINES = ("ddp", "fsdp2")
 
 
+def sequence_parallel_engine_problem(size: int, engine: str) -> str:
+    """Why ``training.sequence_parallel.size`` is refused under ``engine`` (one outside :data:`SEQUENCE_PARALLEL_ENGINES`)."""
+    why = ("not known to be wrong, but never run: DeepSpeed trains several processes only through deepspeed.comm, which "
+           "hangs on CPU (gloo) ranks, so the check that losses and gradients equal one process's (passed under ddp "
+           "on 2 and 4 ranks and fsdp2 on 2) has not run under it, in particular ZeRO's gradient reduction overlapping "
+           "the Ulysses all-to-all in the backward, and ZeRO-3 gathering the vision tower's weights while each rank of "
+           "a group encodes its own share of the images") if engine == "deepspeed" else "not supported"
+    return (f"training.sequence_parallel.size={size} with training.backend.engine={engine} is refused: {why}. Use "
+            f"training.backend.engine=fsdp2 (weights, gradients and optimizer states sharded, as ZeRO-3) or ddp, or "
+            "training.sequence_parallel.size=1")
+
+
 @dataclass
 class BackendConfig:
     """``training.backend``: the distributed engine and its settings (one section per engine)."""
@@ -456,8 +468,7 @@ def validate(cfg: SFTConfig) -> None:
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
     if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
-        problems.append(f"training.sequence_parallel.size={sp} with training.backend.engine={t.backend.engine}: "
-                        f"sequence parallelism runs under {' or '.join(SEQUENCE_PARALLEL_ENGINES)}; choose one")
+        problems.append(sequence_parallel_engine_problem(sp, t.backend.engine))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")
