@@ -18,7 +18,8 @@ missing or broken, 2 for a config error. ``--strict`` (or a config with
 accepts no skipped record, so ``mmtune data check ... --strict`` can gate a pipeline.
 
 With a model (``model=NAME`` or ``experiment=NAME``, and any ``model.``, ``collator.``,
-``context.`` or ``training.`` override, composed as training composes them), every dialogue
+``context.`` or ``training.`` override, composed as training composes them by
+:mod:`mmtune.training.data_window`, which the ``mmtune`` command hands in), every dialogue
 is also measured as training's length pass measures it (template and image tokens) and
 compared with the window (:mod:`mmtune.data.window`): how many are longer than a GPU's
 share of a row (what ``training.sequence_parallel.size`` buys) and which are longer than the
@@ -39,76 +40,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from omegaconf.errors import OmegaConfBaseException
 
-from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, SourceConfig, load_data_config
-from mmtune.data.formats import detect_format, format_names
+from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, load_data_config
+from mmtune.data.files import DATA_SUFFIXES, sources_from_files
+from mmtune.data.formats import format_names
 
-_DATA_SUFFIXES = (".json", ".jsonl")
 #: overrides that belong to the training config (the model and its window), not the data config
 _TRAINING_KEYS = ("model", "experiment", "collator", "context", "training")
 #: examples kept per problem kind when every problem is to be listed (--strict)
 EVERY_PROBLEM = 1_000_000
 
 
-def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
-                       fmt: Optional[str] = None, max_record_bytes: Optional[int] = None,
-                       ) -> tuple[list[SourceConfig], list[str]]:
-    """One source per data file, its format detected (:func:`~mmtune.data.formats.detect_format`), named after
-    the file (``chats/a.json`` -> ``a``; ``a_2`` ... when two files share a name).
-
-    Args:
-        image_root: every source's image root (``None``: each file's folder).
-        key: the config key (or command-line argument) the files came from, named in problems.
-        fmt: the format of every file, when given (``--format``); ``None``: detected.
-        max_record_bytes: no record is read past it while detecting (``data.validation.max_record_bytes``).
-
-    Returns:
-        The sources, and per source the reason for its format (``detected: ...``).
-
-    Raises:
-        ConfigError: listing every file that is missing, not JSON/JSONL or of no known format.
-        DataValidationError: a JSON list broken in its own structure (line and column).
-    """
-    sources, reasons, problems, names = [], [], [], set()
-    for i, path in enumerate(files):
-        where = f"{key}[{i}]={path!r}"
-        if not os.path.isfile(path):
-            problems.append(f"{where} does not exist (relative paths start at the folder you run in, {os.getcwd()})")
-            continue
-        if not path.lower().endswith(_DATA_SUFFIXES):
-            problems.append(f"{where} is not a .json or .jsonl file")
-            continue
-        if fmt:
-            found, why = fmt, "given with --format"
-        else:
-            from mmtune.data.validation import DataValidationError
-
-            try:
-                found, why = detect_format(path, max_record_bytes=max_record_bytes)
-            except DataValidationError:  # the file's own structure is broken: that is the message
-                raise
-            except ValueError as err:
-                problems.append(f"{where}: {err}")
-                continue
-            why = f"detected: {why}"
-        stem = os.path.splitext(os.path.basename(path))[0] or "data"
-        name, n = stem, 1
-        while name in names:
-            n += 1
-            name = f"{stem}_{n}"
-        names.add(name)
-        sources.append(SourceConfig(name=name, format=found, path=path, image_root=image_root))
-        reasons.append(why)
-    if problems:
-        raise ConfigError("data files that cannot be read:\n  - " + "\n  - ".join(problems))
-    return sources, reasons
-
-
 def _is_data_file(name: str) -> bool:
-    return os.path.isfile(name) and name.lower().endswith(_DATA_SUFFIXES)
+    return os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,35 +133,17 @@ def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool, window: Any
     return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n" + "\n".join(firsts)
 
 
-def _training_config(overrides: list[str]) -> Any:
-    """The training config the ``model``/``experiment``/``collator``/``context``/``training``
-    overrides compose to (as ``mmtune train`` composes them), or ``None`` without a model.
+def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]] = None) -> int:
+    """``mmtune data check`` with ``argv``.
 
-    Raises:
-        ConfigError, OverrideError: the overrides do not compose or do not validate.
+    Args:
+        training_window: ``training_window(overrides)`` -> the window of the run those
+            ``model``/``experiment``/``collator``/``context``/``training`` overrides compose to
+            (``None`` without a model): an object with ``image_limits`` and ``measure(data_config,
+            mixture)`` returning a :class:`~mmtune.data.window.WindowReport`. Handed in by the
+            ``mmtune`` command (:func:`mmtune.training.data_window.training_window`): the data
+            layer does not compose training configs or build models itself.
     """
-    if not any(o.split("=", 1)[0].lstrip("+") in ("model", "experiment") or o.startswith("model.") for o in overrides):
-        return None
-    from mmtune.compose import compose_checked
-    from mmtune.training.config import to_sft_config
-
-    return to_sft_config(compose_checked(overrides))
-
-
-def _window(sft: Any, data_cfg: DataConfig, mixture: Any) -> Any:
-    """Every dialogue of ``mixture`` measured by ``sft``'s model against its window."""
-    from mmtune.data.window import window_report
-    from mmtune.models.registry import build_adapter
-
-    adapter = build_adapter(sft.model)
-    c = sft.collator
-    return window_report(adapter, mixture, max_length=sft.context.max_length or c.max_length, truncation=c.truncation,
-                         train_on=c.train_on, system_prompt=c.system_prompt,
-                         sequence_parallel=sft.training.sequence_parallel.size, cache_dir=c.length_cache_dir,
-                         image_errors=c.image_errors or data_cfg.validation.mode)
-
-
-def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     files = [a for a in [args.config, *args.overrides] if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
@@ -246,10 +175,15 @@ def run(argv: list[str]) -> int:
             if args.format or args.image_root:
                 raise ConfigError("--format and --image-root apply to data files; set them in the config's sources")
             cfg = load_data_config(args.config, overrides)
-        sft = _training_config(training)
-        if training and sft is None:
-            raise ConfigError(f"{' '.join(training)}: the window is measured with a model; add model=NAME or "
-                              "experiment=NAME")
+        window_of = None
+        if training:
+            if training_window is None:
+                raise ConfigError(f"{' '.join(training)}: the window is measured by the mmtune command: "
+                                  "run `mmtune data check ...`")
+            window_of = training_window(training)
+            if window_of is None:
+                raise ConfigError(f"{' '.join(training)}: the window is measured with a model; add model=NAME or "
+                                  "experiment=NAME")
     except (ConfigError, OmegaConfBaseException, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: {e}", file=sys.stderr)
         return 2
@@ -268,7 +202,7 @@ def run(argv: list[str]) -> int:
 
     try:
         mixture = build_mixture(cfg, refresh=args.refresh,
-                                image_limits=sft.model.image_limits if sft is not None else None)
+                                image_limits=window_of.image_limits if window_of is not None else None)
     except (DataValidationError, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
         return 1
@@ -281,8 +215,8 @@ def run(argv: list[str]) -> int:
         for s, c in zip(mixture.sources, mixture.counts):
             print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
     window = None
-    if sft is not None:
-        window = _window(sft, cfg, mixture)
+    if window_of is not None:
+        window = window_of.measure(cfg, mixture)
         print("\n" + window.render(EVERY_PROBLEM if strict else cfg.validation.max_examples))
     code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips, window=window)
     print("\n" + verdict, file=sys.stderr if code else sys.stdout)
@@ -302,8 +236,9 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mmtune data ...``: ``check`` here, ``build`` in :mod:`mmtune.data.build.cli`."""
+def main(argv: list[str] | None = None, *, training_window: Optional[Callable[[list[str]], Any]] = None) -> int:
+    """Entry point of ``mmtune data ...``: ``check`` here (``training_window``: see :func:`run`), ``build`` in
+    :mod:`mmtune.data.build.cli`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -315,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "check":
         print(f"mmtune data: unknown subcommand {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return run(argv[1:])
+    return run(argv[1:], training_window=training_window)
 
 
 if __name__ == "__main__":

@@ -382,7 +382,7 @@ def apply_data_files(cfg: Any) -> list[str]:
     """
     from omegaconf import OmegaConf, open_dict
 
-    from mmtune.data.check import sources_from_files
+    from mmtune.data.files import sources_from_files
     from mmtune.data.config import ConfigError as DataConfigError
 
     files = OmegaConf.select(cfg, "data.files", default=None)
