@@ -216,7 +216,11 @@ def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]
             print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
     window = None
     if window_of is not None:
-        window = window_of.measure(cfg, mixture)
+        try:
+            window = window_of.measure(cfg, mixture)
+        except (OSError, ValueError) as e:  # the model's files, an image it cannot count (strict mode)
+            print(f"mmtune data check: FAILED measuring the window with the model\n{e}", file=sys.stderr)
+            return 1
         print("\n" + window.render(EVERY_PROBLEM if strict else cfg.validation.max_examples))
     code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips, window=window)
     print("\n" + verdict, file=sys.stderr if code else sys.stdout)
