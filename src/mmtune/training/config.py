@@ -138,7 +138,7 @@ def sequence_parallel_engine_problem(size: int, engine: str) -> str:
     """Why ``training.sequence_parallel.size`` is refused under ``engine`` (one outside :data:`SEQUENCE_PARALLEL_ENGINES`)."""
     why = ("not known to be wrong, but never run: DeepSpeed trains several processes only through deepspeed.comm, which "
            "hangs on CPU (gloo) ranks, so the check that losses and gradients equal one process's (passed under ddp "
-           "on 2 and 4 ranks and fsdp2 on 2) has not run under it, in particular ZeRO's gradient reduction overlapping "
+           "and fsdp2 on 2 and 4 ranks) has not run under it, in particular ZeRO's gradient reduction overlapping "
            "the Ulysses all-to-all in the backward, and ZeRO-3 gathering the vision tower's weights while each rank of "
            "a group encodes its own share of the images") if engine == "deepspeed" else "not supported"
     return (f"training.sequence_parallel.size={size} with training.backend.engine={engine} is refused: {why}. Use "
