@@ -36,7 +36,7 @@ from mmtune.experiment import Recipe
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
 from mmtune.training.packed_attention import resolve_attention
-from mmtune.training.sequence_parallel.config import SequenceParallelConfig
+from mmtune.training.sequence_parallel.config import SequenceParallelConfig, engine_problem
 
 __all__ = [
     "ConfigError",
@@ -132,18 +132,6 @@ class FSDP2EngineConfig:
 ENGINE_NAMES = ("ddp", "deepspeed", "fsdp2")
 #: the engines sequence parallelism is tested under (2 CPU ranks against one process)
 SEQUENCE_PARALLEL_ENGINES = ("ddp", "fsdp2")
-
-
-def sequence_parallel_engine_problem(size: int, engine: str) -> str:
-    """Why ``training.sequence_parallel.size`` is refused under ``engine`` (one outside :data:`SEQUENCE_PARALLEL_ENGINES`)."""
-    why = ("not known to be wrong, but never run: DeepSpeed trains several processes only through deepspeed.comm, which "
-           "hangs on CPU (gloo) ranks, so the check that losses and gradients equal one process's (passed under ddp "
-           "and fsdp2 on 2 and 4 ranks) has not run under it, in particular ZeRO's gradient reduction overlapping "
-           "the Ulysses all-to-all in the backward, and ZeRO-3 gathering the vision tower's weights while each rank of "
-           "a group encodes its own share of the images") if engine == "deepspeed" else "not supported"
-    return (f"training.sequence_parallel.size={size} with training.backend.engine={engine} is refused: {why}. Use "
-            f"training.backend.engine=fsdp2 (weights, gradients and optimizer states sharded, as ZeRO-3) or ddp, or "
-            "training.sequence_parallel.size=1")
 
 
 @dataclass
@@ -468,7 +456,7 @@ def validate(cfg: SFTConfig) -> None:
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
     if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
-        problems.append(sequence_parallel_engine_problem(sp, t.backend.engine))
+        problems.append(engine_problem(sp, t.backend.engine))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")
