@@ -101,7 +101,8 @@ class WindowReport:
         if len(self.over_row) > examples:
             lines.append(f"      ... and {len(self.over_row) - examples} more")
         if self.over_row and self.longest is not None:
-            need = -(-self.longest.length // self.per_gpu)
+            # a power of two: what divides a node's GPUs and the models' head counts
+            need = 1 << (-(-self.longest.length // self.per_gpu) - 1).bit_length()
             lines.append(f"  to train the longest whole at {self.per_gpu} tokens per GPU: "
                          f"training.sequence_parallel.size={need} with collator.max_length={need * self.per_gpu} "
                          "(the size must divide the launched GPUs and the model's attention and key/value heads)")
