@@ -1,7 +1,9 @@
 """The SFT recipe with ``training.sequence_parallel.size=2`` on 2 gloo ranks (DDP, FSDP2): one group
 holds every row, so its data plan is the one-process plan, and the logged losses of three steps
 (each after the previous steps' updates) and, under DDP, the first step's gradient equal the
-one-process run's."""
+one-process run's. On 4 gloo ranks (SP=2 x 2 data-parallel groups under DDP and FSDP2, SP=4 under
+DDP) the groups get the rows one process trains in the same steps, and the losses and final weights
+equal its own."""
 
 import json
 import os
