@@ -47,7 +47,7 @@ class LongDialogue:
         return f"{self.path} record {self.dialogue_id!r} ({self.length} tokens)"
 
 
-def too_long_action(truncation: str, kept: int, max_length: int) -> str:
+def too_long_action(truncation: str, kept: int) -> str:
     """What training does with a dialogue longer than the ``max_length``-token row."""
     if truncation == "error":
         return "refused: training stops at start-up naming it (collator.truncation=error)"
@@ -97,7 +97,7 @@ class WindowReport:
         lines.append(f"  {head}: {len(self.over_row)} of {self.samples} dialogue(s) longer"
                      + (", each:" if self.over_row else ""))
         for d in self.over_row[:examples]:
-            lines.append(f"      {d.describe()}: {too_long_action(self.truncation, d.kept, self.max_length)}")
+            lines.append(f"      {d.describe()}: {too_long_action(self.truncation, d.kept)}")
         if len(self.over_row) > examples:
             lines.append(f"      ... and {len(self.over_row) - examples} more")
         if self.over_row and self.longest is not None:
