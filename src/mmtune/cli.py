@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         from mmtune.data.build.cli import main as build_main
 
         return int(build_main(rest[1:]) or 0)
+    if name == "data":  # the check measures against a run's window with the model it names
+        from mmtune.data.check import main as data_main
+        from mmtune.training.data_window import training_window
+
+        return int(data_main(rest, training_window=training_window) or 0)
     if name not in SUBCOMMANDS:
         print(f"mmtune: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2

@@ -258,3 +258,51 @@ def test_data_help_lists_its_subcommands(capsys):
     out = capsys.readouterr().out
     assert "  check " in out and "  build " in out
     assert main([]) == 2 and "subcommands:" in capsys.readouterr().out
+
+
+def test_check_with_a_model_measures_the_window_with_and_without_sequence_parallelism(tmp_path, monkeypatch, capsys):
+    """``model=... training.sequence_parallel.size=2``: the dialogues over a GPU's share and over
+    the whole row, counted and named; those training would skip fail the check unless allowed."""
+    from PIL import Image as PILImage
+
+    from mmtune.data.config import DataConfig, MixtureConfig, SourceConfig
+    from mmtune.data.encoding import encode_example
+    from mmtune.data.mixture import build_mixture
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+
+    monkeypatch.setenv("MMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    PILImage.new("RGB", (32, 32), "red").save(tmp_path / "red.jpg")
+    records = [{"id": f"d{k}", "image": ["red.jpg"] if k == 1 else [],
+                "conversations": [{"from": "user", "value": ("<ImageHere> " if k == 1 else "") + "q " + "word " * w},
+                                  {"from": "assistant", "value": "a " + "word " * w}]}
+               for k, w in enumerate([5, 60, 200, 700])]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(records))
+    # the lengths the training dataset encodes (template and 16 image tokens included)
+    source = SourceConfig(name="chat", format="mmdu", path=str(path))
+    dialogues = build_mixture(DataConfig(mixture=MixtureConfig(sources=[source]))).sources[0].dialogues
+    adapter = build_adapter(ModelConfig(family="llava"))
+    full = [len(encode_example(adapter, d, max_length=None).input_ids) for d in dialogues]
+    row = full[2]
+    args = ["data", "check", str(path), "model=llava_tiny", f"collator.max_length={row}", "collator.truncation=skip_sample",
+            "training.sequence_parallel.size=2"]
+    assert cli.main(args) == 1
+    captured = capsys.readouterr()
+    share = -(-row // 2)
+    assert f"without sequence parallelism ({share}-token rows, a GPU's share): " \
+           f"{sum(n > share for n in full)} of 4 dialogue(s) longer" in captured.out
+    assert f"with sequence parallelism over 2 GPUs ({row}-token rows): 1 of 4 dialogue(s) longer" in captured.out
+    assert f"{path} record 'd3' ({full[3]} tokens): skipped (collator.truncation=skip_sample)" in captured.out
+    assert "skipped (longer_than_window 1)" in captured.err and "record 'd3'" in captured.err
+    assert cli.main([*args, "--allow-skips"]) == 0
+    # the row holds all: OK; truncation=error with one too long: refused
+    assert cli.main([*args[:4], f"collator.max_length={full[3]}"]) == 0
+    assert cli.main([*args[:5], "collator.truncation=error"]) == 1
+    assert "training refuses (collator.truncation=error)" in capsys.readouterr().err
+    # without a model the check reads the data only; a window key alone asks for one
+    assert cli.main(["data", "check", str(path)]) == 0
+    assert "window:" not in capsys.readouterr().out
+    assert cli.main(["data", "check", str(path), "collator.max_length=64"]) == 2
+    assert "add model=NAME or experiment=NAME" in capsys.readouterr().err
+

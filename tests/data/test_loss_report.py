@@ -104,7 +104,9 @@ def test_start_up_report_counts_losses_per_source(adapter, data_dir):
     assert (b.no_window, b.truncated, b.dropped_turns) == (0, 0, 0)
     text = dm.loss_report.render()
     assert "a: records read 4, kept 3; skipped malformed_record 1 (e.g. nope: " in text
-    assert "; 1 samples fit no window (e.g. huge)" in text
+    huge_tokens = int(dm.lengths.full_lengths[2])
+    assert huge_tokens > 256 and a.no_window_examples == [f"'huge' ({huge_tokens} tokens)"]
+    assert f"; 1 samples fit no window (e.g. {data_dir / 'a.json'} record 'huge' ({huge_tokens} tokens))" in text
     # the skipped records are named, not only counted, as `mmtune data check` names them
     assert list(a.skipped_records) == ["malformed_record"] and a.skipped_records["malformed_record"][0].startswith("nope")
     dm.loss_report.write(str(data_dir / "data_report.json"))
@@ -123,3 +125,31 @@ def test_a_run_whose_data_all_got_dropped_says_why(adapter, data_dir):
     assert "no training sample is left" in message
     assert "source gone: all 1 records were skipped when reading (empty_conversation 1)" in message
     assert "source big: all 1 samples are longer than the 128-token window" in message and "huge" in message
+
+
+def test_dialogues_longer_than_the_row_are_named_with_file_and_record_then_skipped_or_refused(adapter, data_dir):
+    """At data loading: ``skip_sample`` leaves them out, each named with its file; ``error``
+    refuses the run naming every one (not only the first), with the sequence-parallel row in the fix."""
+    from mmtune.data.truncation import SampleTooLongError
+
+    records = [_record("fits", []), _record("long1", [], words=300), _record("fits2", ["good.jpg"]),
+               _record("long2", ["good.jpg"], words=500)]
+    skip = _module(adapter, data_dir, [_source(data_dir, "chat", records)], max_length=256)
+    skip.collator_config.truncation = "skip_sample"
+    skip.setup()
+    (loss,) = skip.loss_report.sources
+    lengths = skip.lengths.full_lengths.tolist()
+    assert lengths[1] > 256 and lengths[3] > 256 and max(lengths[0], lengths[2]) <= 256
+    assert loss.no_window == 2 and loss.no_window_ids == ["long1", "long2"] and loss.path == str(data_dir / "chat.json")
+    assert f"record 'long1' ({lengths[1]} tokens), 'long2' ({lengths[3]} tokens)" in skip.loss_report.render()
+    assert skip.loss_report.trainable_samples == 2
+
+    refuse = _module(adapter, data_dir, [_source(data_dir, "chat", records)], max_length=256)
+    refuse.collator_config.truncation = "error"
+    with pytest.raises(SampleTooLongError) as err:
+        refuse.setup()
+    message = str(err.value)
+    assert message.startswith("2 dialogue(s) longer than collator.max_length=256 tokens")
+    for rid, tokens in (("long1", lengths[1]), ("long2", lengths[3])):
+        assert f"{data_dir / 'chat.json'} record {rid!r} ({tokens} tokens)" in message
+    assert "training.sequence_parallel.size" in message and "'fits'" not in message

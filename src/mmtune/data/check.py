@@ -17,9 +17,19 @@ missing or broken, 2 for a config error. ``--strict`` (or a config with
 ``validation.mode: strict``) lists every problem, not only a few examples per kind, and
 accepts no skipped record, so ``mmtune data check ... --strict`` can gate a pipeline.
 
+With a model (``model=NAME`` or ``experiment=NAME``, and any ``model.``, ``collator.``,
+``context.`` or ``training.`` override, composed as training composes them by
+:mod:`mmtune.training.data_window`, which the ``mmtune`` command hands in), every dialogue
+is also measured as training's length pass measures it (template and image tokens) and
+compared with the window (:mod:`mmtune.data.window`): how many are longer than a GPU's
+share of a row (what ``training.sequence_parallel.size`` buys) and which are longer than the
+whole row ``collator.max_length``, with what ``collator.truncation`` does to each. Those
+training would skip count as skipped records; those it would refuse fail the check.
+
 Example::
 
     mmtune data check add_to_pool --images exists
+    mmtune data check mmdu_45k experiment=mmdu45k_qwen2_5_vl_7b_32k model.path=/ckpt/Qwen2.5-VL-7B-Instruct
     mmtune data check configs/data/synthetic.yaml --strict --refresh
     mmtune data check data/mmdu/benchmark.json --image-root data/mmdu
     mmtune data check chat.json dialogues.jsonl --image-root imgs --allow-skips
@@ -30,74 +40,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from omegaconf.errors import OmegaConfBaseException
 
-from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, SourceConfig, load_data_config
-from mmtune.data.formats import detect_format, format_names
+from mmtune.data.config import ConfigError, DataConfig, MixtureConfig, load_data_config
+from mmtune.data.files import DATA_SUFFIXES, sources_from_files
+from mmtune.data.formats import format_names
 
-_DATA_SUFFIXES = (".json", ".jsonl")
+#: overrides that belong to the training config (the model and its window), not the data config
+_TRAINING_KEYS = ("model", "experiment", "collator", "context", "training")
 #: examples kept per problem kind when every problem is to be listed (--strict)
 EVERY_PROBLEM = 1_000_000
 
 
-def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
-                       fmt: Optional[str] = None, max_record_bytes: Optional[int] = None,
-                       ) -> tuple[list[SourceConfig], list[str]]:
-    """One source per data file, its format detected (:func:`~mmtune.data.formats.detect_format`), named after
-    the file (``chats/a.json`` -> ``a``; ``a_2`` ... when two files share a name).
-
-    Args:
-        image_root: every source's image root (``None``: each file's folder).
-        key: the config key (or command-line argument) the files came from, named in problems.
-        fmt: the format of every file, when given (``--format``); ``None``: detected.
-        max_record_bytes: no record is read past it while detecting (``data.validation.max_record_bytes``).
-
-    Returns:
-        The sources, and per source the reason for its format (``detected: ...``).
-
-    Raises:
-        ConfigError: listing every file that is missing, not JSON/JSONL or of no known format.
-        DataValidationError: a JSON list broken in its own structure (line and column).
-    """
-    sources, reasons, problems, names = [], [], [], set()
-    for i, path in enumerate(files):
-        where = f"{key}[{i}]={path!r}"
-        if not os.path.isfile(path):
-            problems.append(f"{where} does not exist (relative paths start at the folder you run in, {os.getcwd()})")
-            continue
-        if not path.lower().endswith(_DATA_SUFFIXES):
-            problems.append(f"{where} is not a .json or .jsonl file")
-            continue
-        if fmt:
-            found, why = fmt, "given with --format"
-        else:
-            from mmtune.data.validation import DataValidationError
-
-            try:
-                found, why = detect_format(path, max_record_bytes=max_record_bytes)
-            except DataValidationError:  # the file's own structure is broken: that is the message
-                raise
-            except ValueError as err:
-                problems.append(f"{where}: {err}")
-                continue
-            why = f"detected: {why}"
-        stem = os.path.splitext(os.path.basename(path))[0] or "data"
-        name, n = stem, 1
-        while name in names:
-            n += 1
-            name = f"{stem}_{n}"
-        names.add(name)
-        sources.append(SourceConfig(name=name, format=found, path=path, image_root=image_root))
-        reasons.append(why)
-    if problems:
-        raise ConfigError("data files that cannot be read:\n  - " + "\n  - ".join(problems))
-    return sources, reasons
-
-
 def _is_data_file(name: str) -> bool:
-    return os.path.isfile(name) and name.lower().endswith(_DATA_SUFFIXES)
+    return os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "1 records skipped or a file missing or broken, 2 a config error.")
     p.add_argument("config", help="data config YAML path or name under configs/data/, or a data file (.json/.jsonl)")
     p.add_argument("overrides", nargs="*", help="more data files, and config overrides such as "
-                   "validation.check_images=exists")
+                   "validation.check_images=exists; model=NAME or experiment=NAME (with model., collator., context., "
+                   "training. overrides) also measures every dialogue against the training window")
     p.add_argument("--strict", action="store_true",
                    help="list every problem (not a few examples per kind) and accept no skipped record")
     p.add_argument("--allow-skips", action="store_true",
@@ -145,28 +104,51 @@ def _files_config(files: list[str], args: argparse.Namespace, overrides: list[st
     return _with_overrides(DataConfig(mixture=MixtureConfig(sources=sources)), overrides), stated
 
 
-def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool) -> tuple[int, str]:
-    """Exit status and the closing line, from what was skipped."""
+def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool, window: Any = None) -> tuple[int, str]:
+    """Exit status and the closing line, from what was skipped (when reading, and for the window)."""
     read = sum(r.records_read for r in reports)
     skipped = sum(r.records_skipped for r in reports)
-    if not skipped:
-        return 0, f"data check: OK, all {read} record(s) of {len(reports)} source(s) kept"
     reasons: dict[str, int] = {}
     for r in reports:
         for code, n in r.skipped.items():
             reasons[code] = reasons.get(code, 0) + n
+    firsts = [f"  first in {r.source}: {r.first_problem}" for r in reports if r.first_problem]
+    if window is not None and window.skipped:
+        too_long = [d for d in window.over_row if d.kept == 0 or window.truncation == "error"]
+        code = "longer_than_window"
+        reasons[code] = len(too_long)
+        skipped += len(too_long)
+        firsts.append(f"  first longer than the {window.max_length}-token row: {too_long[0].describe()}")
+        if window.truncation == "error":
+            return 1, (f"data check: FAILED: {len(too_long)} dialogue(s) longer than collator.max_length="
+                       f"{window.max_length}, which training refuses (collator.truncation=error); shorten them, raise "
+                       "collator.max_length (with training.sequence_parallel.size to keep a GPU's share), or set "
+                       "collator.truncation to drop_trailing_turns or skip_sample\n" + "\n".join(firsts))
+    if not skipped:
+        return 0, f"data check: OK, all {read} record(s) of {len(reports)} source(s) kept"
     why = ", ".join(f"{code} {n}" for code, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
     if allow_skips:
         return 0, f"data check: OK with --allow-skips: {skipped} of {read} record(s) skipped ({why}), listed above"
-    firsts = "\n".join(f"  first in {r.source}: {r.first_problem}" for r in reports if r.first_problem)
     fix = "fix them" if strict else "fix them, or pass --allow-skips to train without them"
-    return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n{firsts}"
+    return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n" + "\n".join(firsts)
 
 
-def run(argv: list[str]) -> int:
+def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]] = None) -> int:
+    """``mmtune data check`` with ``argv``.
+
+    Args:
+        training_window: ``training_window(overrides)`` -> the window of the run those
+            ``model``/``experiment``/``collator``/``context``/``training`` overrides compose to
+            (``None`` without a model): an object with ``image_limits`` and ``measure(data_config,
+            mixture)`` returning a :class:`~mmtune.data.window.WindowReport`. Handed in by the
+            ``mmtune`` command (:func:`mmtune.training.data_window.training_window`): the data
+            layer does not compose training configs or build models itself.
+    """
     args = _parser().parse_args(argv)
     files = [a for a in [args.config, *args.overrides] if "=" not in a]
     overrides = [a for a in args.overrides if "=" in a]
+    training = [a for a in overrides if a.lstrip("+").split("=", 1)[0].split(".", 1)[0] in _TRAINING_KEYS]
+    overrides = [a for a in overrides if a not in training]
     if args.images:
         overrides.append(f"validation.check_images={args.images}")
     if args.cache_dir:
@@ -193,6 +175,15 @@ def run(argv: list[str]) -> int:
             if args.format or args.image_root:
                 raise ConfigError("--format and --image-root apply to data files; set them in the config's sources")
             cfg = load_data_config(args.config, overrides)
+        window_of = None
+        if training:
+            if training_window is None:
+                raise ConfigError(f"{' '.join(training)}: the window is measured by the mmtune command: "
+                                  "run `mmtune data check ...`")
+            window_of = training_window(training)
+            if window_of is None:
+                raise ConfigError(f"{' '.join(training)}: the window is measured with a model; add model=NAME or "
+                                  "experiment=NAME")
     except (ConfigError, OmegaConfBaseException, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: {e}", file=sys.stderr)
         return 2
@@ -210,7 +201,8 @@ def run(argv: list[str]) -> int:
     from mmtune.data.validation import format_reports
 
     try:
-        mixture = build_mixture(cfg, refresh=args.refresh)
+        mixture = build_mixture(cfg, refresh=args.refresh,
+                                image_limits=window_of.image_limits if window_of is not None else None)
     except (DataValidationError, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
         return 1
@@ -222,7 +214,15 @@ def run(argv: list[str]) -> int:
         print(f"\nmixture (strategy {cfg.mixture.strategy}, by {cfg.mixture.by}, seed {cfg.mixture.seed}):")
         for s, c in zip(mixture.sources, mixture.counts):
             print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
-    code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips)
+    window = None
+    if window_of is not None:
+        try:
+            window = window_of.measure(cfg, mixture)
+        except (OSError, ValueError) as e:  # the model's files, an image it cannot count (strict mode)
+            print(f"mmtune data check: FAILED measuring the window with the model\n{e}", file=sys.stderr)
+            return 1
+        print("\n" + window.render(EVERY_PROBLEM if strict else cfg.validation.max_examples))
+    code, verdict = _verdict(mixture.reports, strict=strict, allow_skips=args.allow_skips, window=window)
     print("\n" + verdict, file=sys.stderr if code else sys.stdout)
     return code
 
@@ -240,8 +240,9 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``mmtune data ...``: ``check`` here, ``build`` in :mod:`mmtune.data.build.cli`."""
+def main(argv: list[str] | None = None, *, training_window: Optional[Callable[[list[str]], Any]] = None) -> int:
+    """Entry point of ``mmtune data ...``: ``check`` here (``training_window``: see :func:`run`), ``build`` in
+    :mod:`mmtune.data.build.cli`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "check":
         print(f"mmtune data: unknown subcommand {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return run(argv[1:])
+    return run(argv[1:], training_window=training_window)
 
 
 if __name__ == "__main__":

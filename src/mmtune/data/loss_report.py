@@ -32,6 +32,34 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SourceLoss", "DataLossReport", "lengths_per_source"]
 
 
+def _refuse_too_long(mixture: "Mixture", tables: list["LengthTable"], max_length: Optional[int]) -> None:
+    """Raise :class:`~mmtune.data.truncation.SampleTooLongError` naming every dialogue longer
+    than ``max_length`` (file, record id, tokens), when there is one (``collator.truncation: error``)."""
+    from mmtune.data.truncation import SampleTooLongError
+
+    if max_length is None:
+        return
+    named: list[str] = []
+    count = 0
+    for source, table in zip(mixture.sources, tables):
+        refused = {int(item["index"]) for item in table.image_skipped}
+        for i in np.flatnonzero(np.asarray(table.full_lengths) > max_length):
+            if int(i) in refused:
+                continue
+            count += 1
+            if len(named) < 20:
+                named.append(f"{source.config.path} record {source.dialogues[int(i)].id!r} "
+                             f"({int(table.full_lengths[i])} tokens)")
+    if count:
+        more = f"\n  ... and {count - len(named)} more" if count > len(named) else ""
+        raise SampleTooLongError(
+            f"{count} dialogue(s) longer than collator.max_length={max_length} tokens (one row, template and image "
+            "tokens included; with training.sequence_parallel.size=N the row is split over N GPUs, not lengthened), "
+            "and collator.truncation=error refuses them:\n  " + "\n  ".join(named) + more
+            + "\nshorten or split them, raise collator.max_length (and training.sequence_parallel.size to keep each "
+            "GPU's share), or set collator.truncation to skip_sample or drop_trailing_turns")
+
+
 @dataclass
 class SourceLoss:
     """Losses of one source."""
@@ -51,6 +79,10 @@ class SourceLoss:
     """Samples that fit no window: their first exchange alone is too long (or truncation
     is ``skip_sample``). They are never trained on."""
     no_window_ids: list[str] = field(default_factory=list)
+    no_window_examples: list[str] = field(default_factory=list)
+    """The first of them named with their length: ``"<record id> (<tokens> tokens)"``."""
+    path: str = ""
+    """The source's data file."""
     truncated: int = 0
     """Samples kept with trailing turns cut."""
     dropped_turns: int = 0
@@ -85,6 +117,9 @@ class DataLossReport:
                                                                report.examples.items() if examples},
                 samples=int(len(table)), no_window=len(zero),
                 no_window_ids=[source.dialogues[i].id for i in zero[:5]],
+                no_window_examples=[f"{source.dialogues[i].id!r} ({int(table.full_lengths[i])} tokens)"
+                                    for i in zero[:5]],
+                path=str(source.config.path),
                 truncated=int(stats.get("truncated", 0)), dropped_turns=int(stats.get("dropped_turns", 0)),
                 dropped_images=int(stats.get("dropped_images", 0)), refused_images=len(refused),
                 refused_examples=[f"{item['dialogue_id']}: {item['detail']}" for item in table.image_skipped[:20]],
@@ -138,7 +173,8 @@ class DataLossReport:
                 parts.append("skipped " + ", ".join(f"{code} {n}" for code, n in sorted(s.skipped.items(), key=lambda kv: -kv[1]))
                              + (f" (e.g. {first}; each named in data_report.json)" if first else ""))
             if s.no_window:
-                parts.append(f"{s.no_window} samples fit no window (e.g. {', '.join(s.no_window_ids)})")
+                parts.append(f"{s.no_window} samples fit no window (e.g. {s.path} record "
+                             f"{', '.join(s.no_window_examples or s.no_window_ids)})")
             if s.truncated:
                 parts.append(f"{s.truncated} samples truncated: {s.dropped_turns} turns, {s.dropped_images} images dropped")
             if s.refused_images:
@@ -174,7 +210,12 @@ def lengths_per_source(adapter: Any, mixture: "Mixture", **kwargs: Any) -> tuple
     """
     from mmtune.data.lengths import LengthTable, compute_lengths
 
+    refuse = kwargs.get("truncation") == "error"
+    if refuse:  # measured as skip_sample, so every dialogue too long is named, not only the first
+        kwargs = {**kwargs, "truncation": "skip_sample"}
     tables = [compute_lengths(adapter, source.dialogues, **kwargs) for source in mixture.sources]
+    if refuse:
+        _refuse_too_long(mixture, tables, kwargs.get("max_length"))
     offsets = np.cumsum([0] + [len(t) for t in tables])
     stats: dict[str, int] = {}
     for table in tables:

@@ -36,7 +36,7 @@ from mmtune.experiment import Recipe
 from mmtune.models.config import ModelConfig
 from mmtune.models.rope import ROPE_SCALINGS, ContextConfig
 from mmtune.training.packed_attention import resolve_attention
-from mmtune.training.sequence_parallel.config import SequenceParallelConfig
+from mmtune.training.sequence_parallel.config import SequenceParallelConfig, engine_problem
 
 __all__ = [
     "ConfigError",
@@ -370,7 +370,7 @@ def apply_data_files(cfg: Any) -> list[str]:
     """
     from omegaconf import OmegaConf, open_dict
 
-    from mmtune.data.check import sources_from_files
+    from mmtune.data.files import sources_from_files
     from mmtune.data.config import ConfigError as DataConfigError
 
     files = OmegaConf.select(cfg, "data.files", default=None)
@@ -456,8 +456,7 @@ def validate(cfg: SFTConfig) -> None:
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
     if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
-        problems.append(f"training.sequence_parallel.size={sp} with training.backend.engine={t.backend.engine}: "
-                        f"sequence parallelism runs under {' or '.join(SEQUENCE_PARALLEL_ENGINES)}; choose one")
+        problems.append(engine_problem(sp, t.backend.engine))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")

@@ -66,7 +66,7 @@ class HeldoutBenchmark(SyntheticBenchmark):
         Raises:
             ValueError: the file is missing or of no known format (the message says why).
         """
-        from mmtune.data.check import sources_from_files
+        from mmtune.data.files import sources_from_files
 
         (source,), _ = sources_from_files([sub.data_path], sub.image_root, key=f"eval.{self.name}.data_path",
                                           fmt=sub.format)

@@ -93,9 +93,15 @@ class RunPlan:
             lines.append("  memory/GPU  " + ", ".join(f"{key} {val:.1f}" for key, val in mem.items() if key != "total")
                          + f" => {mem['total']:.1f} GiB " + ("(fits)" if k["fits"] else "(DOES NOT FIT)"))
             sp = k.get("sequence_parallel", 1)
-            lines.append(f"  longest row ~{human(k['longest_row_tokens'])} tokens fit a GPU with "
-                         + (f"sequence parallelism over {sp} GPUs per row" if sp > 1
-                            else "one GPU per row (training.sequence_parallel.size=1)"))
+            how = (f"sequence parallelism over {sp} GPUs per row" if sp > 1
+                   else "one GPU per row (training.sequence_parallel.size=1)")
+            # the loop refuses rows past the model's position window (or the context extension's target)
+            window = max(self.context.get("original") or 0, self.context.get("max_length") or 0)
+            if window and k["longest_row_tokens"] > window:
+                lines.append(f"  longest row ~{human(window)} tokens: the model's {window}-position window (memory "
+                             f"alone would fit ~{human(k['longest_row_tokens'])} tokens a GPU with {how})")
+            else:
+                lines.append(f"  longest row ~{human(k['longest_row_tokens'])} tokens fit a GPU with {how}")
         e = self.evaluation
         if e["benchmarks"]:
             lines.append(f"  evaluation  {', '.join(e['benchmarks'])} at window {e['context_length'] or 'model default'}"
@@ -110,9 +116,13 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
     and token budgets, ``tokens / row capacity`` (a lower bound: packing reaches ~98%
     fill, budgets less). Steps follow from them with the training loop's own
     :func:`~mmtune.data.batching.steps_per_epoch` (a partial last step per epoch counts).
-    Tokens per micro-batch (for memory) is the worst case the collator allows.
+    Tokens per micro-batch (for memory) is the worst case the collator allows. With
+    ``training.sequence_parallel.size = N`` the ``num_gpus`` GPUs form ``num_gpus / N``
+    data-parallel groups, each training one micro-batch at a time, as the loop deals them.
     """
     col = cfg.collator
+    sp = max(1, cfg.training.sequence_parallel.size)
+    groups = max(1, num_gpus // sp)
     max_len = window
     accum = cfg.training.gradient_accumulation_steps
     epochs = cfg.training.epochs
@@ -128,11 +138,12 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
         tokens_per_micro = col.batch_size * max_len
         desc = f"{col.batching}: {col.batch_size} sample(s) per micro-batch, each <= {max_len} tokens"
         micro = math.ceil(data.samples_per_epoch / col.batch_size) if data else 0
-    per_step = accum * num_gpus
-    steps = steps_per_epoch(micro, num_gpus, accum) * epochs if data else 0  # the loop's own count
+    per_step = accum * groups
+    steps = steps_per_epoch(micro, groups, accum) * epochs if data else 0  # the loop's own count
     if cfg.training.max_steps:
         steps = min(steps, cfg.training.max_steps) if steps else cfg.training.max_steps
-    desc += f" x {accum} accumulation x {num_gpus} GPU(s) = {per_step} micro-batches per step, {epochs} epoch(s)"
+    ranks = f"{num_gpus} GPU(s)" if sp == 1 else f"{groups} data-parallel group(s) of {sp} GPUs (sequence parallel)"
+    desc += f" x {accum} accumulation x {ranks} = {per_step} micro-batches per step, {epochs} epoch(s)"
     return {"description": desc, "micro_batches_per_epoch": micro, "per_step": per_step}, steps, tokens_per_micro
 
 
@@ -220,6 +231,9 @@ def plan_run(
         stage, off_opt, off_par, origin = 0, False, False, "?"
         num_gpus = num_gpus or 8
     origin += launcher_note
+    from mmtune.training.sequence_parallel.groups import size_problems
+
+    problems += size_problems(cfg.training.sequence_parallel.size, num_gpus)
     if problems:
         raise PlanError(f"run [{' '.join(overrides)}]:\n" + "\n".join(problems))
 
@@ -240,7 +254,8 @@ def plan_run(
         loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
-            full = steps_per_epoch(batching["micro_batches_per_epoch"], num_gpus,
+            groups = max(1, num_gpus // max(1, cfg.training.sequence_parallel.size))
+            full = steps_per_epoch(batching["micro_batches_per_epoch"], groups,
                                    cfg.training.gradient_accumulation_steps) * cfg.training.epochs
             train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
         cost = estimate_cost(
