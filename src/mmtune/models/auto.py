@@ -653,8 +653,9 @@ class AutoAdapter(ModelAdapter):
         )
 
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        """Vision tower and projector found by their transformers attribute names; every other
-        module (language model, lm_head) is the language-model group."""
+        """Found from the model's structure (:func:`~mmtune.models.base.find_module_groups`):
+        transformers' vision encoder and decoder look-ups, the rest (and parameters outside any
+        child module, LLaVA-OneVision's ``image_newline``) the projector."""
         return find_module_groups(model)
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
