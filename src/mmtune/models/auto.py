@@ -304,7 +304,9 @@ class AutoAdapter(ModelAdapter):
         content = [
             {"type": "image"} if isinstance(s, Image) else {"type": "text", "text": s} for s in segments if s != ""
         ]
-        return {"role": role, "content": content}
+        # a message with nothing (an empty answer) keeps one empty text item: templates index the
+        # first item (Idefics3's), and an empty text renders as nothing
+        return {"role": role, "content": content or [{"type": "text", "text": ""}]}
 
     def _extends(self, dialogue_id: str, turn: int, before: str, after: str, what: str) -> None:
         if not after.startswith(before):
@@ -526,7 +528,46 @@ class AutoAdapter(ModelAdapter):
             run = []
         roles = [t.role for t in dialogue.turns[offset:]]
         turns = [EncodedTurn(role, chunks_of.get(index, [])) for index, role in enumerate(roles)]
+        if self._answer_stop is not None:
+            self._label_answer_stops(turns)
         return EncodedDialogue(dialogue.id, [], turns, chunks_of.get(-1, []))
+
+    @functools.cached_property
+    def _answer_stop(self) -> int | None:
+        """The stop token that ends an answer where the template renders none in the answer's own
+        text: the first token of what the template renders after it, when that is one of the
+        generation stop tokens (GLM-4.1V: the next turn's ``<|user|>``, one of its generation
+        config's ``eos_token_id``); ``None`` where an answer carries its own stop token."""
+        user, answer = self._message("user", ("a",)), self._message("assistant", ("b",))
+        before = self._render([user], add_generation_prompt=True)
+        after = self._render([user, answer], add_generation_prompt=False)
+        following = self._render([user, answer, user], add_generation_prompt=False)
+        if not (after.startswith(before) and following.startswith(after)):
+            return None
+        stops = set(self.stop_token_ids)
+        own = self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        if stops & set(own):
+            return None
+        next_ids = self.tokenizer(following[len(after):], add_special_tokens=False)["input_ids"]
+        return int(next_ids[0]) if next_ids and next_ids[0] in stops else None
+
+    def _label_answer_stops(self, turns: list[EncodedTurn]) -> None:
+        """Give every assistant turn the stop token the model must learn to end it with
+        (:attr:`_answer_stop`), labelled: the next turn's first token moves into the answer, and
+        the last answer of the dialogue gets one appended (what the template renders next)."""
+        stop = self._answer_stop
+        for index, turn in enumerate(turns):
+            if turn.role != "assistant" or not any(isinstance(c, TokenChunk) and c.trainable for c in turn.chunks):
+                continue
+            following = turns[index + 1] if index + 1 < len(turns) else None
+            if following is None:
+                turn.chunks.append(TokenChunk((stop,), True))
+                continue
+            first = following.chunks[0] if following.chunks else None
+            if isinstance(first, TokenChunk) and first.ids and first.ids[0] == stop:
+                rest = first.ids[1:]
+                following.chunks[0:1] = [TokenChunk(rest, first.trainable)] if rest else []
+                turn.chunks.append(TokenChunk((stop,), True))
 
     # -- contract ---------------------------------------------------------------------------------
     def encode_dialogue(
