@@ -65,6 +65,8 @@ _IDEFICS3_TEMPLATE = (
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+# HuggingFaceTB/SmolVLM-256M-Instruct: Idefics3's structure after "<|im_start|>"
+_SMOLVLM_TEMPLATE = "<|im_start|>" + _IDEFICS3_TEMPLATE[len("<|begin_of_text|>"):]
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503: BOS, [SYSTEM_PROMPT], [INST] ... [/INST] answer</s>
 _MISTRAL3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -130,6 +132,10 @@ KINDS: dict[str, TinyKind] = {
                        "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                        "<|video|>"),
                       eos="<|user|>", pad="<|endoftext|>"),
+    "smolvlm": TinyKind("smolvlm", _SMOLVLM_TEMPLATE, "HuggingFaceTB/SmolVLM-256M-Instruct",
+                        ("<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                         "<global-img>") + _ROWS,
+                        bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>"),
 }
 
 
@@ -172,6 +178,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "llava_onevision": {"size": 384, "num_image_tokens": 729},
     "gemma3": {"size": 896, "image_seq_length": 256},
     "idefics3": {"longest_edge": 1456, "tile": 364, "image_seq_len": 169},
+    "smolvlm": {"longest_edge": 2048, "tile": 512, "image_seq_len": 64},
     "mistral3": {"longest_edge": 1540},
     "glm4v": {"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 4096},
 }
@@ -212,6 +219,13 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
         image = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
                                        do_image_splitting=True)
         return Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=4, chat_template=template)
+    if kind == "smolvlm":
+        from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+        image = SmolVLMImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
+                                      do_image_splitting=True)
+        return SmolVLMProcessor(image_processor=image, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+                                image_seq_len=4, chat_template=template)  # fmt: skip
     if kind == "mistral3":
         from transformers import PixtralImageProcessor, PixtralProcessor
 
@@ -266,6 +280,13 @@ def _released_processor(kind: str, tokenizer, template: str):
                                        max_image_size={"longest_edge": values["tile"]}, do_image_splitting=True)
         return Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=values["image_seq_len"],
                                  chat_template=template)  # fmt: skip
+    if kind == "smolvlm":
+        from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+        image = SmolVLMImageProcessor(size={"longest_edge": values["longest_edge"]},
+                                      max_image_size={"longest_edge": values["tile"]}, do_image_splitting=True)
+        return SmolVLMProcessor(image_processor=image, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+                                image_seq_len=values["image_seq_len"], chat_template=template)  # fmt: skip
     if kind == "mistral3":
         from transformers import PixtralImageProcessor, PixtralProcessor
 
@@ -304,6 +325,10 @@ def tiny_model_config(kind: str, tokenizer):
                   "mm_tokens_per_image": 4, "image_token_index": ids("<image_soft_token>"),
                   "boi_token_index": ids("<start_of_image>"), "eoi_token_index": ids("<end_of_image>")}  # fmt: skip
     elif kind == "idefics3":
+        values = {"vision_config": {**_VISION, "image_size": 56, "patch_size": 14},
+                  "text_config": {**text, "model_type": "llama"}, "image_token_id": ids("<image>"),
+                  "scale_factor": 2}  # fmt: skip
+    elif kind == "smolvlm":
         values = {"vision_config": {**_VISION, "image_size": 56, "patch_size": 14},
                   "text_config": {**text, "model_type": "llama"}, "image_token_id": ids("<image>"),
                   "scale_factor": 2}  # fmt: skip
