@@ -10,7 +10,10 @@ and labels the assistant turns as the template renders them:
   as written, empty pieces dropped) rendered by the checkpoint's chat template, growing one
   turn at a time; each turn's text is what rendering it adds. An assistant turn's header is
   what the generation prompt adds; its labelled part is everything the full turn adds after
-  the longest common prefix with that (content and end-of-turn tokens). Rendering more turns
+  the longest common prefix with that (content and end-of-turn tokens). Where that part holds no
+  generation stop token (GLM-4.1V's template ends an answer with the next turn's ``<|user|>``),
+  the stop token the template renders right after the answer is labelled with it, and appended
+  after the last answer, so the model learns to stop. Rendering more turns
   must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
   the dialogue, turn and first differing character.
 - **images**: each image placeholder (``processor.image_token``) is replaced by the text the
@@ -29,6 +32,9 @@ and labels the assistant turns as the template renders them:
   the token ids the processor marks (found at start-up), computed per batch from the ids.
 - **positions**: one running position, or, for a model whose transformers class has its own
   ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample.
+- **packed rows** of a model with sliding-window layers keep transformers' block mask; its
+  sliding-window mask is taken as the full-attention one within the window
+  (:func:`_packed_window_masks`: transformers misplaces Gemma 3's bidirectional image blocks there).
 
 An image the processor refuses (too small, extreme aspect ratio) raises
 :class:`UnsupportedImageError` naming file, dialogue and turn, so data validation skips or
@@ -137,7 +143,8 @@ def _packed_window_masks(module, args, kwargs, *, window: int):
     from transformers.masking_utils import find_packed_sequence_indices
 
     masks, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    if not isinstance(masks, dict) or kwargs.get("cache") is not None or positions is None:
+    cached = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(masks, dict) or cached is not None or positions is None:
         return None
     full, sliding = masks.get("full_attention"), masks.get("sliding_attention")
     if not (isinstance(full, torch.Tensor) and isinstance(sliding, torch.Tensor) and full.ndim == 4
