@@ -24,6 +24,7 @@ piece kept, empty ones dropped). Compared, for the whole dialogue:
 - the generation prompt of the last user turn (with only the images up to it).
 """
 
+import json
 import os
 import random
 
@@ -105,8 +106,16 @@ class Reference:
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(directory)
-        eos = self.config.get_text_config().eos_token_id
-        self.stops = {self.tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])} - {None}
+        # the stop tokens: the tokenizer's EOS, the config's and the generation config's eos_token_id
+        self.stops = {self.tokenizer.eos_token_id}
+        for file in ("config.json", "generation_config.json"):
+            path = os.path.join(directory, file)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as handle:
+                    values = json.load(handle)
+                for eos in (values.get("eos_token_id"), values.get("text_config", {}).get("eos_token_id")):
+                    self.stops |= set(eos if isinstance(eos, list) else [eos])
+        self.stops -= {None}
         self.rope = None
         model_class = AutoModel._model_mapping[type(self.config)]
         if hasattr(model_class, "get_rope_index"):

@@ -217,16 +217,27 @@ class AutoAdapter(ModelAdapter):
         if feature_id is None:
             feature_id = getattr(self.model_config, "image_token_index", None)
         self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
+        # generation stops at the tokenizer's EOS, the config's and the generation config's
+        # eos_token_id (GLM-4.1V's holds <|user|>, Gemma 3's <end_of_turn>)
         eos = [self.tokenizer.eos_token_id]
-        generation_eos = getattr(self.model_config, "eos_token_id", None)
-        for value in generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]:
-            if value is not None and value not in eos:
-                eos.append(value)
+        for value in (getattr(self.model_config, "eos_token_id", None), self._generation_eos()):
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and token not in eos:
+                    eos.append(token)
         self.stop_token_ids = [int(i) for i in eos if i is not None]
         self._joins = self._probe_joins()
         self.image_input_names = tuple(self._joins)
         self._rope = self._rope_index()
         self.position_id_rows = 3 if self._rope is not None else 1
+
+    def _generation_eos(self) -> Any:
+        """``eos_token_id`` of the checkpoint's ``generation_config.json`` (``None`` without one)."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.config.path).eos_token_id
+        except OSError:
+            return None
 
     # -- start-up checks ------------------------------------------------------------------------
     def _check_remote_code(self) -> None:

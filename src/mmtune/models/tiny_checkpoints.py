@@ -101,6 +101,9 @@ class TinyKind:
     pad: str = "<|endoftext|>"
     named_tokens: dict[str, str] = field(default_factory=dict)
     """Tokens the processor reads from tokenizer attributes (``start_image_token`` ...)."""
+    generation_eos: tuple[str, ...] = ()
+    """The stop tokens of the released checkpoint's ``generation_config.json`` (``eos_token_id``),
+    where they are more than the tokenizer's EOS; written with the checkpoint."""
 
 
 _IM = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -131,7 +134,7 @@ KINDS: dict[str, TinyKind] = {
                       ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                        "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                        "<|video|>"),
-                      eos="<|user|>", pad="<|endoftext|>"),
+                      eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>")),
     "smolvlm": TinyKind("smolvlm", _SMOLVLM_TEMPLATE, "HuggingFaceTB/SmolVLM-256M-Instruct",
                         ("<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
                          "<global-img>") + _ROWS,
@@ -386,6 +389,13 @@ def save_tiny_checkpoint(directory: str, kind: str, *, weights: bool = True, see
         model_class = AutoModelForImageTextToText._model_mapping[type(config)]
         model = build_random_model(model_class, config, seed=seed, attn_implementation="sdpa", dtype=None)
         model.save_pretrained(directory)
+    spec = KINDS[kind]
+    if spec.generation_eos:
+        from transformers import GenerationConfig
+
+        GenerationConfig(eos_token_id=[int(tokenizer.convert_tokens_to_ids(t)) for t in spec.generation_eos],
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         ).save_pretrained(directory)  # fmt: skip
     return directory
 
 
