@@ -119,7 +119,7 @@ KINDS: dict[str, TinyKind] = {
     "gemma3": TinyKind("gemma3", _GEMMA3_TEMPLATE, "google/gemma-3-4b-it",
                        ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                         "<end_of_image>", "<image_soft_token>"),
-                       bos="<bos>", eos="<eos>", pad="<pad>",
+                       bos="<bos>", eos="<eos>", pad="<pad>", generation_eos=("<eos>", "<end_of_turn>"),
                        named_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                      "image_token": "<image_soft_token>"}),
     "idefics3": TinyKind("idefics3", _IDEFICS3_TEMPLATE, "HuggingFaceM4/Idefics3-8B-Llama3",
