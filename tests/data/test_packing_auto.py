@@ -1,8 +1,9 @@
 """Packing for the ``auto`` family's tested classes (InternVL, LLaVA-OneVision, Gemma 3, Idefics3,
-Mistral 3, GLM-4.1V on tiny random-weight checkpoints built from transformers' classes): a
+Mistral 3, GLM-4.1V, SmolVLM on tiny random-weight checkpoints built from transformers' classes): a
 packed row's loss, gradients and logits equal every sample run alone at 1e-5, with per-sample
-attention (Gemma 3, whose sliding-window layers keep transformers' block mask, not yet: a strict
-expected failure); truncation keeps whole exchanges."""
+attention, or transformers' block mask where the model has sliding-window layers (Gemma 3, whose
+images attend bidirectionally: its sliding mask is the full one within the window, see
+``mmtune.models.auto``); truncation keeps whole exchanges."""
 
 from dataclasses import replace
 
@@ -63,14 +64,7 @@ def _loss_and_grads(model, batches):
     return total, grads, logits
 
 
-# Gemma 3 attends bidirectionally within each image (its token_type_ids); on a packed row its
-# sliding-window layers keep transformers' block mask, and that path's loss is 1.3e-4 off the
-# samples alone (equal to 3e-7 before token_type_ids were passed): not exact yet.
-GEMMA3_PACKED = pytest.mark.xfail(raises=AssertionError, strict=True,
-                                  reason="Gemma 3's packed block mask with bidirectional image attention is not exact")
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=GEMMA3_PACKED if k == "gemma3" else ()) for k in CLASSES])
+@pytest.mark.parametrize("kind", CLASSES)
 def test_packed_rows_equal_each_sample_alone(kind, image_paths):
     auto = adapter(kind)
     model = auto.load_model(attn_implementation="sdpa").train()

@@ -225,3 +225,34 @@ def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, 
     assert "bad.png" in skipped["detail"] and "turn 2" in skipped["detail"]
     with pytest.raises(UnsupportedImageError, match="rec7"):
         compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="strict")
+
+
+def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_renders_next():
+    """GLM-4.1V's template ends an answer with the next turn's ``<|user|>`` (a generation stop
+    token): it is labelled with the answer, appended after the last one; the classes whose
+    answers carry their own end-of-turn stop token are left as they are."""
+    from tests.support.auto_checkpoints import CLASSES
+    from tests.support.auto_checkpoints import adapter as auto_adapter
+
+    dialogue = Dialogue("g", "t", (Turn("user", ("Hi",)), Turn("assistant", ("Hello",)),
+                                   Turn("user", ("More",)), Turn("assistant", ("Bye",))))
+    found = {kind: auto_adapter(kind)._answer_stop for kind in CLASSES}
+    glm = auto_adapter("glm4v")
+    user = glm.tokenizer.convert_tokens_to_ids("<|user|>")
+    assert found == {kind: (user if kind == "glm4v" else None) for kind in CLASSES}
+    assert user in glm.stop_token_ids  # generation stops at it
+    example = encode_example(glm, dialogue, max_length=None)
+    runs = [glm.tokenizer.decode(run) for run in _labelled_runs(example.labels)]
+    assert runs == ["Hello<|user|>", "Bye<|user|>"]
+    assert example.input_ids[-1] == user and example.input_ids.count(user) == 3
+
+
+def _labelled_runs(labels):
+    runs, current = [], []
+    for label in list(labels) + [IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs

@@ -1,6 +1,6 @@
 """The auto family against transformers' own processors, dialogue by dialogue.
 
-For each tested class (InternVL, LLaVA-OneVision, Gemma 3, Idefics3, Mistral 3, GLM-4.1V) a
+For each tested class (InternVL, LLaVA-OneVision, Gemma 3, Idefics3, Mistral 3, GLM-4.1V, SmolVLM) a
 tiny checkpoint is built from transformers' classes (``mmtune.models.tiny_checkpoints``) and
 generated multi-image, multi-turn dialogues (images of many sizes and aspect ratios, several in
 one turn, introduced in later turns, text-only turns and dialogues, system turns, text pieces
@@ -18,10 +18,13 @@ piece kept, empty ones dropped). Compared, for the whole dialogue:
 - labels: on every token that starts inside what an assistant message adds to the rendered
   text beyond the generation prompt (content and end of turn), mapped onto the processor's
   tokens through the processor's own replacement offsets; and each answer's text is inside
-  its labelled run;
+  its labelled run; where the template puts no stop token (the model's ``eos_token_id``) in
+  an answer (GLM-4.1V), the stop token it renders right after the answer is labelled too,
+  appended after the last answer;
 - the generation prompt of the last user turn (with only the images up to it).
 """
 
+import json
 import os
 import random
 
@@ -103,6 +106,16 @@ class Reference:
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(directory)
+        # the stop tokens: the tokenizer's EOS, the config's and the generation config's eos_token_id
+        self.stops = {self.tokenizer.eos_token_id}
+        for file in ("config.json", "generation_config.json"):
+            path = os.path.join(directory, file)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as handle:
+                    values = json.load(handle)
+                for eos in (values.get("eos_token_id"), values.get("text_config", {}).get("eos_token_id")):
+                    self.stops |= set(eos if isinstance(eos, list) else [eos])
+        self.stops -= {None}
         self.rope = None
         model_class = AutoModel._model_mapping[type(self.config)]
         if hasattr(model_class, "get_rope_index"):
@@ -164,6 +177,34 @@ class Reference:
                     labels[k] = ids[k]
         return labels
 
+    def with_answer_stops(self, messages, text, ids, labels):
+        """Where an answer's labelled run holds no stop token (GLM-4.1V ends an answer with the next
+        ``<|user|>``), the stop token the template renders right after it is labelled too: the
+        next token in the text, or, after the last answer, the first token the template renders
+        after the dialogue (appended). Returns the ids and labels with them."""
+        ids, labels = list(ids), list(labels)
+        runs, k = [], 0
+        while k < len(labels):
+            if labels[k] == IGNORE_INDEX:
+                k += 1
+                continue
+            start = k
+            while k < len(labels) and labels[k] != IGNORE_INDEX:
+                k += 1
+            runs.append((start, k))
+        for start, end in runs:
+            if self.stops & set(ids[start:end]):
+                continue
+            if end < len(ids) and ids[end] in self.stops:
+                labels[end] = ids[end]
+            elif end == len(ids):
+                probe = self.render(messages + [{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+                following = self.tokenizer(probe[len(text):], add_special_tokens=False)["input_ids"]
+                if following and following[0] in self.stops:
+                    ids.append(following[0])
+                    labels.append(following[0])
+        return ids, labels
+
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def setup(request, tmp_path_factory):
@@ -198,17 +239,20 @@ def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
         example = encode_example(adapter, dialogue, max_length=None)
         ids = torch.tensor(example.input_ids)
         inputs = pipeline.inputs(pipeline.load_images(example.images)) if example.images else None
-        checks = {"input_ids": example.input_ids == out["input_ids"][0].tolist()}
+        want_ids, want = reference.with_answer_stops(messages, text, out["input_ids"][0].tolist(),
+                                                     reference.labels(messages, out, text))
+        checks = {"input_ids": example.input_ids == want_ids}
         if inputs is None:
             checks["image_inputs"] = not paths and not any(n in out for n in adapter.image_input_names)
         else:
             checks["image_inputs"] = sorted(inputs) == sorted(n for n in out if n in adapter.image_input_names) and all(
                 inputs[n].dtype == out[n].dtype and torch.equal(inputs[n], out[n]) for n in inputs)  # fmt: skip
         for name, value in adapter.token_inputs(ids[None]).items():  # Gemma 3's token_type_ids
-            checks["image_inputs"] = checks["image_inputs"] and checks["input_ids"] and torch.equal(value, out[name])
-        checks["position_ids"] = checks["input_ids"] and torch.equal(adapter.position_ids(ids, inputs),
+            checks["image_inputs"] = checks["image_inputs"] and checks["input_ids"] and torch.equal(
+                value[..., :out[name].shape[-1]], out[name])  # fmt: skip
+        n = out["input_ids"].shape[1]  # the positions of the processor's tokens (an appended stop token has none)
+        checks["position_ids"] = checks["input_ids"] and torch.equal(adapter.position_ids(ids, inputs)[..., :n],
                                                                      reference.positions(out))  # fmt: skip
-        want = reference.labels(messages, out, text)
         answers = [t.segments[0] for t in dialogue.turns if t.role == "assistant"]
         runs = [adapter.tokenizer.decode(run) for run in _runs(example.labels)]
         checks["labels"] = example.labels == want and len(runs) == len(answers) and all(

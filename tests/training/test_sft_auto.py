@@ -1,5 +1,5 @@
 """The ``auto`` family's tested classes trained by the SFT recipe on CPU (tiny random-weight
-InternVL, LLaVA-OneVision, Gemma 3, Idefics3, Mistral 3 and GLM-4.1V checkpoints built from
+InternVL, LLaVA-OneVision, Gemma 3, Idefics3, Mistral 3, GLM-4.1V and SmolVLM checkpoints built from
 transformers' classes, ``configs/model/<class>_tiny.yaml``): a few steps of full fine-tuning
 with the vision tower frozen, and of LoRA with the vision tower trained; what should change
 changes and nothing else. One mode per class runs by default, the other behind ``slow``."""
@@ -14,13 +14,8 @@ from tests.support.auto_checkpoints import CLASSES, checkpoint
 
 # the mode each class runs in the default suite (the other one is behind the slow marker)
 DEFAULT_MODE = {kind: ("full", "lora")[k % 2] for k, kind in enumerate(CLASSES)}
-# LLaVA-OneVision's image_newline is a parameter of the model itself, outside every module the
-# module groups list, so the optimiser groups refuse the model (by the parameter's name).
-KNOWN = {"llava_onevision": pytest.mark.xfail(raises=ValueError, strict=True,
-                                              reason="image_newline is in no module group")}
 CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
-                      marks=[*([] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow]),
-                             *([KNOWN[kind]] if kind in KNOWN else [])])
+                      marks=[] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
          for kind in CLASSES for mode in ("full", "lora")]
 
 
@@ -47,7 +42,10 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
     try:
         assert recipe.adapter.family == "auto"
         vision, language = _names(recipe, "vision"), _names(recipe, "language_model")
+        projector = _names(recipe, "projector")
         assert vision and language
+        # every parameter is in exactly one group (LLaVA-OneVision's image_newline with the projector)
+        assert len(vision) + len(projector) + len(language) == len(vision | projector | language) == len(_params(recipe))
         before = _params(recipe)
         recipe.train()
         after = _params(recipe)
@@ -57,6 +55,7 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
     if mode == "full":
         assert changed & language, "the language model trains"
         assert not changed & vision, "the frozen vision tower stays as it was"
+        assert projector <= changed, "the whole projector trains"
     else:
         lora = {n for n in changed if "lora_" in n}
         assert lora, "the LoRA adapters train"

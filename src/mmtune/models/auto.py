@@ -10,7 +10,10 @@ and labels the assistant turns as the template renders them:
   as written, empty pieces dropped) rendered by the checkpoint's chat template, growing one
   turn at a time; each turn's text is what rendering it adds. An assistant turn's header is
   what the generation prompt adds; its labelled part is everything the full turn adds after
-  the longest common prefix with that (content and end-of-turn tokens). Rendering more turns
+  the longest common prefix with that (content and end-of-turn tokens). Where that part holds no
+  generation stop token (GLM-4.1V's template ends an answer with the next turn's ``<|user|>``),
+  the stop token the template renders right after the answer is labelled with it, and appended
+  after the last answer, so the model learns to stop. Rendering more turns
   must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
   the dialogue, turn and first differing character.
 - **images**: each image placeholder (``processor.image_token``) is replaced by the text the
@@ -29,6 +32,9 @@ and labels the assistant turns as the template renders them:
   the token ids the processor marks (found at start-up), computed per batch from the ids.
 - **positions**: one running position, or, for a model whose transformers class has its own
   ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample.
+- **packed rows** of a model with sliding-window layers keep transformers' block mask; its
+  sliding-window mask is taken as the full-attention one within the window
+  (:func:`_packed_window_masks`: transformers misplaces Gemma 3's bidirectional image blocks there).
 
 An image the processor refuses (too small, extreme aspect ratio) raises
 :class:`UnsupportedImageError` naming file, dialogue and turn, so data validation skips or
@@ -122,6 +128,40 @@ def _common_prefix(a: str, b: str, start: int = 0) -> int:
     return k
 
 
+def _packed_window_masks(module, args, kwargs, *, window: int):
+    """Forward pre-hook of a language model with sliding-window layers: on a packed row (positions
+    restarting, no cache), its sliding-window mask becomes its full-attention mask within the window.
+
+    Why: transformers builds the full-attention mask of a packed row right (each sample causal,
+    Gemma 3's images bidirectional by ``token_type_ids``), but composes the sliding one with the
+    image-block overlay applied before the per-sample position remap, so on every sample after the
+    first it reads the image blocks at the wrong tokens (Gemma 3: 1.3e-4 off the samples alone). A
+    sliding layer's mask is the full one within the window (transformers: "AND(sliding_window,
+    OR(causal, blockwise))"), and within one sample the window counts tokens, so this is each
+    sample's own sliding mask."""
+    import torch
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    masks, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    cached = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(masks, dict) or cached is not None or positions is None:
+        return None
+    full, sliding = masks.get("full_attention"), masks.get("sliding_attention")
+    if not (isinstance(full, torch.Tensor) and isinstance(sliding, torch.Tensor) and full.ndim == 4
+            and full.shape[-1] == full.shape[-2]):
+        return None
+    if positions.ndim != 2 or find_packed_sequence_indices(positions) is None:
+        return None  # one sample per row: transformers' own masks are right
+    length = int(full.shape[-1])
+    index = torch.arange(length, device=full.device)
+    inside = (index[:, None] - index[None, :]) < window  # query minus key, as transformers' window overlay
+    if full.dtype == torch.bool:
+        fixed = full & inside
+    else:  # an additive float mask (eager)
+        fixed = full.masked_fill(~inside, torch.finfo(full.dtype).min)
+    return args, {**kwargs, "attention_mask": {**masks, "sliding_attention": fixed}}
+
+
 @dataclass
 class AutoSettings(FamilySettings):
     """``model.auto``: no keys of its own; the checkpoint's processor and template decide."""
@@ -177,16 +217,27 @@ class AutoAdapter(ModelAdapter):
         if feature_id is None:
             feature_id = getattr(self.model_config, "image_token_index", None)
         self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
+        # generation stops at the tokenizer's EOS, the config's and the generation config's
+        # eos_token_id (GLM-4.1V's holds <|user|>, Gemma 3's <end_of_turn>)
         eos = [self.tokenizer.eos_token_id]
-        generation_eos = getattr(self.model_config, "eos_token_id", None)
-        for value in generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]:
-            if value is not None and value not in eos:
-                eos.append(value)
+        for value in (getattr(self.model_config, "eos_token_id", None), self._generation_eos()):
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and token not in eos:
+                    eos.append(token)
         self.stop_token_ids = [int(i) for i in eos if i is not None]
         self._joins = self._probe_joins()
         self.image_input_names = tuple(self._joins)
         self._rope = self._rope_index()
         self.position_id_rows = 3 if self._rope is not None else 1
+
+    def _generation_eos(self) -> Any:
+        """``eos_token_id`` of the checkpoint's ``generation_config.json`` (``None`` without one)."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.config.path).eos_token_id
+        except OSError:
+            return None
 
     # -- start-up checks ------------------------------------------------------------------------
     def _check_remote_code(self) -> None:
@@ -304,7 +355,9 @@ class AutoAdapter(ModelAdapter):
         content = [
             {"type": "image"} if isinstance(s, Image) else {"type": "text", "text": s} for s in segments if s != ""
         ]
-        return {"role": role, "content": content}
+        # a message with nothing (an empty answer) keeps one empty text item: templates index the
+        # first item (Idefics3's), and an empty text renders as nothing
+        return {"role": role, "content": content or [{"type": "text", "text": ""}]}
 
     def _extends(self, dialogue_id: str, turn: int, before: str, after: str, what: str) -> None:
         if not after.startswith(before):
@@ -526,7 +579,46 @@ class AutoAdapter(ModelAdapter):
             run = []
         roles = [t.role for t in dialogue.turns[offset:]]
         turns = [EncodedTurn(role, chunks_of.get(index, [])) for index, role in enumerate(roles)]
+        if self._answer_stop is not None:
+            self._label_answer_stops(turns)
         return EncodedDialogue(dialogue.id, [], turns, chunks_of.get(-1, []))
+
+    @functools.cached_property
+    def _answer_stop(self) -> int | None:
+        """The stop token that ends an answer where the template renders none in the answer's own
+        text: the first token of what the template renders after it, when that is one of the
+        generation stop tokens (GLM-4.1V: the next turn's ``<|user|>``, one of its generation
+        config's ``eos_token_id``); ``None`` where an answer carries its own stop token."""
+        user, answer = self._message("user", ("a",)), self._message("assistant", ("b",))
+        before = self._render([user], add_generation_prompt=True)
+        after = self._render([user, answer], add_generation_prompt=False)
+        following = self._render([user, answer, user], add_generation_prompt=False)
+        if not (after.startswith(before) and following.startswith(after)):
+            return None
+        stops = set(self.stop_token_ids)
+        own = self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        if stops & set(own):
+            return None
+        next_ids = self.tokenizer(following[len(after):], add_special_tokens=False)["input_ids"]
+        return int(next_ids[0]) if next_ids and next_ids[0] in stops else None
+
+    def _label_answer_stops(self, turns: list[EncodedTurn]) -> None:
+        """Give every assistant turn the stop token the model must learn to end it with
+        (:attr:`_answer_stop`), labelled: the next turn's first token moves into the answer, and
+        the last answer of the dialogue gets one appended (what the template renders next)."""
+        stop = self._answer_stop
+        for index, turn in enumerate(turns):
+            if turn.role != "assistant" or not any(isinstance(c, TokenChunk) and c.trainable for c in turn.chunks):
+                continue
+            following = turns[index + 1] if index + 1 < len(turns) else None
+            if following is None:
+                turn.chunks.append(TokenChunk((stop,), True))
+                continue
+            first = following.chunks[0] if following.chunks else None
+            if isinstance(first, TokenChunk) and first.ids and first.ids[0] == stop:
+                rest = first.ids[1:]
+                following.chunks[0:1] = [TokenChunk(rest, first.trainable)] if rest else []
+                turn.chunks.append(TokenChunk((stop,), True))
 
     # -- contract ---------------------------------------------------------------------------------
     def encode_dialogue(
@@ -644,17 +736,23 @@ class AutoAdapter(ModelAdapter):
 
         dtype, attn = load_dtype_and_attention(kwargs, self.config)
         kwargs.pop("seed", None)
-        return AutoModelForImageTextToText.from_pretrained(
+        model = AutoModelForImageTextToText.from_pretrained(
             self.config.path,
             dtype=dtype,
             attn_implementation=attn,
             trust_remote_code=self.config.trust_remote_code,
             **kwargs,
         )
+        text = self.text_config(model.config)
+        if getattr(text, "sliding_window", None) and "sliding_attention" in (getattr(text, "layer_types", None) or []):
+            model.get_decoder().register_forward_pre_hook(
+                functools.partial(_packed_window_masks, window=int(text.sliding_window)), with_kwargs=True)
+        return model
 
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        """Vision tower and projector found by their transformers attribute names; every other
-        module (language model, lm_head) is the language-model group."""
+        """Found from the model's structure (:func:`~mmtune.models.base.find_module_groups`):
+        transformers' vision encoder and decoder look-ups, the rest (and parameters outside any
+        child module, LLaVA-OneVision's ``image_newline``) the projector."""
         return find_module_groups(model)
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:

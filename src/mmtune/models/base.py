@@ -107,11 +107,6 @@ class ModuleGroups:
     language_model: list["nn.Module"]
 
 
-#: attribute names transformers' image-text models give their vision tower and projector
-VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder")
-PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "merger")
-
-
 def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = None) -> "nn.Module":
     """The model inside peft (``get_base_model``) and distributed-engine (``module``) wrappers.
 
@@ -144,28 +139,56 @@ def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = 
 
 
 def find_module_groups(model: "nn.Module") -> ModuleGroups:
-    """The groups of a transformers image-text model, found by attribute names: the vision
-    tower and projector under the model's ``model`` body (:data:`VISION_TOWER_NAMES`,
-    :data:`PROJECTOR_NAMES`); every other module (language model, ``lm_head``) is the
-    language model.
+    """The groups of a transformers image-text model, found from its structure by transformers'
+    own look-ups: the vision tower is ``get_encoder(modality="image")``, the language model is
+    ``get_decoder()`` with the output embeddings; every other module of the multimodal body and
+    of the model (LLaVA-OneVision's, Gemma 3's, Idefics3's projector) is the projector, and so are
+    parameters held by the body or the model itself outside any child module (LLaVA-OneVision's
+    ``image_newline``, which joins image features to the language model's input like the
+    projector's output). A projector inside the vision tower (GLM-4.1V's ``merger``) counts with
+    the tower.
 
     Raises:
-        ValueError: no vision tower under any of the known names.
+        ValueError: transformers finds no vision tower, or no language model apart from the model.
     """
+    from torch import nn
+
     top = unwrap_model(model)
-    inner = getattr(top, "model", top)
-    vision = [getattr(inner, n) for n in VISION_TOWER_NAMES if hasattr(inner, n)]
-    projector = [getattr(inner, n) for n in PROJECTOR_NAMES if hasattr(inner, n)]
-    if not vision:
+    body = getattr(top, "base_model", top)
+    vision = top.get_encoder(modality="image") if hasattr(top, "get_encoder") else top
+    decoder = top.get_decoder() if hasattr(top, "get_decoder") else top
+    if vision in (top, body) or decoder in (top, body):
+        what, how = (("vision tower", "get_encoder(modality='image')") if vision in (top, body)
+                     else ("language model", "get_decoder()"))
         raise ValueError(
-            f"cannot find the vision tower of {type(top).__name__} (looked for {list(VISION_TOWER_NAMES)}); "
+            f"cannot find the {what} of {type(top).__name__} (transformers' {how} finds none); "
             "write a family adapter for this model"
         )
-    taken = {id(m) for m in vision + projector}
-    language = [m for m in inner.children() if id(m) not in taken]
-    if inner is not top:
-        language += [m for m in top.children() if m is not inner]
-    return ModuleGroups(vision=vision, projector=projector, language_model=language)
+    head = top.get_output_embeddings()
+    language = [decoder] + ([head] if head is not None and head not in decoder.modules() else [])
+    taken = {id(m) for m in [vision, *language]}
+    projector: list[nn.Module] = []
+    strays: dict[str, nn.Parameter] = {}
+
+    def rest(module: "nn.Module", prefix: str) -> None:
+        # the children outside the vision tower and language model; a child holding one of them is
+        # searched further, its own parameters kept as strays
+        for name, param in module.named_parameters(recurse=False):
+            strays[f"{prefix}{name}".replace(".", "__")] = param
+        for name, child in module.named_children():
+            if id(child) in taken:
+                continue
+            if any(id(m) in taken for m in child.modules()):
+                rest(child, f"{prefix}{name}.")
+            else:
+                projector.append(child)
+
+    rest(top, "")
+    seen = {id(p) for m in [vision, *language] for p in m.parameters()}
+    strays = {k: p for k, p in strays.items() if id(p) not in seen}
+    if strays:  # held by a ParameterDict (the same Parameter objects), so the group lists modules only
+        projector.append(nn.ParameterDict(strays))
+    return ModuleGroups(vision=[vision], projector=projector, language_model=language)
 
 
 class ModelAdapter(ABC):

@@ -65,6 +65,8 @@ _IDEFICS3_TEMPLATE = (
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
+# HuggingFaceTB/SmolVLM-256M-Instruct: Idefics3's structure after "<|im_start|>"
+_SMOLVLM_TEMPLATE = "<|im_start|>" + _IDEFICS3_TEMPLATE[len("<|begin_of_text|>"):]
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503: BOS, [SYSTEM_PROMPT], [INST] ... [/INST] answer</s>
 _MISTRAL3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -99,6 +101,9 @@ class TinyKind:
     pad: str = "<|endoftext|>"
     named_tokens: dict[str, str] = field(default_factory=dict)
     """Tokens the processor reads from tokenizer attributes (``start_image_token`` ...)."""
+    generation_eos: tuple[str, ...] = ()
+    """The stop tokens of the released checkpoint's ``generation_config.json`` (``eos_token_id``),
+    where they are more than the tokenizer's EOS; written with the checkpoint."""
 
 
 _IM = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -114,7 +119,7 @@ KINDS: dict[str, TinyKind] = {
     "gemma3": TinyKind("gemma3", _GEMMA3_TEMPLATE, "google/gemma-3-4b-it",
                        ("<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                         "<end_of_image>", "<image_soft_token>"),
-                       bos="<bos>", eos="<eos>", pad="<pad>",
+                       bos="<bos>", eos="<eos>", pad="<pad>", generation_eos=("<eos>", "<end_of_turn>"),
                        named_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                      "image_token": "<image_soft_token>"}),
     "idefics3": TinyKind("idefics3", _IDEFICS3_TEMPLATE, "HuggingFaceM4/Idefics3-8B-Llama3",
@@ -129,7 +134,11 @@ KINDS: dict[str, TinyKind] = {
                       ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                        "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                        "<|video|>"),
-                      eos="<|user|>", pad="<|endoftext|>"),
+                      eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>")),
+    "smolvlm": TinyKind("smolvlm", _SMOLVLM_TEMPLATE, "HuggingFaceTB/SmolVLM-256M-Instruct",
+                        ("<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                         "<global-img>") + _ROWS,
+                        bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>"),
 }
 
 
@@ -172,6 +181,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "llava_onevision": {"size": 384, "num_image_tokens": 729},
     "gemma3": {"size": 896, "image_seq_length": 256},
     "idefics3": {"longest_edge": 1456, "tile": 364, "image_seq_len": 169},
+    "smolvlm": {"longest_edge": 2048, "tile": 512, "image_seq_len": 64},
     "mistral3": {"longest_edge": 1540},
     "glm4v": {"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 4096},
 }
@@ -212,6 +222,13 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
         image = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
                                        do_image_splitting=True)
         return Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=4, chat_template=template)
+    if kind == "smolvlm":
+        from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+        image = SmolVLMImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
+                                      do_image_splitting=True)
+        return SmolVLMProcessor(image_processor=image, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+                                image_seq_len=4, chat_template=template)  # fmt: skip
     if kind == "mistral3":
         from transformers import PixtralImageProcessor, PixtralProcessor
 
@@ -266,6 +283,13 @@ def _released_processor(kind: str, tokenizer, template: str):
                                        max_image_size={"longest_edge": values["tile"]}, do_image_splitting=True)
         return Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=values["image_seq_len"],
                                  chat_template=template)  # fmt: skip
+    if kind == "smolvlm":
+        from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+        image = SmolVLMImageProcessor(size={"longest_edge": values["longest_edge"]},
+                                      max_image_size={"longest_edge": values["tile"]}, do_image_splitting=True)
+        return SmolVLMProcessor(image_processor=image, tokenizer=tokenizer, video_processor=SmolVLMVideoProcessor(),
+                                image_seq_len=values["image_seq_len"], chat_template=template)  # fmt: skip
     if kind == "mistral3":
         from transformers import PixtralImageProcessor, PixtralProcessor
 
@@ -304,6 +328,10 @@ def tiny_model_config(kind: str, tokenizer):
                   "mm_tokens_per_image": 4, "image_token_index": ids("<image_soft_token>"),
                   "boi_token_index": ids("<start_of_image>"), "eoi_token_index": ids("<end_of_image>")}  # fmt: skip
     elif kind == "idefics3":
+        values = {"vision_config": {**_VISION, "image_size": 56, "patch_size": 14},
+                  "text_config": {**text, "model_type": "llama"}, "image_token_id": ids("<image>"),
+                  "scale_factor": 2}  # fmt: skip
+    elif kind == "smolvlm":
         values = {"vision_config": {**_VISION, "image_size": 56, "patch_size": 14},
                   "text_config": {**text, "model_type": "llama"}, "image_token_id": ids("<image>"),
                   "scale_factor": 2}  # fmt: skip
@@ -361,6 +389,13 @@ def save_tiny_checkpoint(directory: str, kind: str, *, weights: bool = True, see
         model_class = AutoModelForImageTextToText._model_mapping[type(config)]
         model = build_random_model(model_class, config, seed=seed, attn_implementation="sdpa", dtype=None)
         model.save_pretrained(directory)
+    spec = KINDS[kind]
+    if spec.generation_eos:
+        from transformers import GenerationConfig
+
+        GenerationConfig(eos_token_id=[int(tokenizer.convert_tokens_to_ids(t)) for t in spec.generation_eos],
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         ).save_pretrained(directory)  # fmt: skip
     return directory
 
 

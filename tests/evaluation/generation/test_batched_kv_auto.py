@@ -1,5 +1,5 @@
 """Generation for the ``auto`` family's tested classes (tiny random-weight InternVL, LLaVA-OneVision,
-Gemma 3, Idefics3, Mistral 3 and GLM-4.1V checkpoints built from transformers' classes): batched
+Gemma 3, Idefics3, Mistral 3, GLM-4.1V and SmolVLM checkpoints built from transformers' classes): batched
 KV answers equal batch 1 and re-encoding, record for record.
 
 Greedy decoding in fp32. The dialogues differ in turns, images per turn (of different sizes:
@@ -55,21 +55,9 @@ def _run(auto, model, dialogues, window, **settings):
     return gen.generate(dialogues), dict(gen.stats)
 
 
-# Gemma 3's sliding-window layers keep no past beyond the window, so transformers' cache cannot
-# crop a row back to the common prefix once a dialogue outgrew the window (the tiny model's
-# window is 16 tokens; the released ones' 512-1024): the batched path does not handle it yet.
-# The Idefics3 template indexes a message's first content item,
-# and a random model's empty answer renders as an assistant message with none.
-KNOWN = {
-    "gemma3": pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                reason="a sliding-window cache layer cannot be cropped back past its window"),
-    "idefics3": pytest.mark.xfail(strict=True, reason="an empty generated answer leaves an assistant message with no "
-                                                      "content item, which the Idefics3 template indexes"),
-}
-PARAMS = [pytest.param(kind, marks=KNOWN.get(kind, ())) for kind in CLASSES]
 
 
-@pytest.mark.parametrize("kind", PARAMS)
+@pytest.mark.parametrize("kind", CLASSES)
 def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
     auto = adapter(kind)
     model = auto.load_model().eval()
@@ -94,3 +82,29 @@ def _window(auto, dialogues):
     short = max(n for name, n in sizes.items() if name != "long")
     assert sizes["long"] > short + 20, sizes
     return (short + sizes["long"]) // 2 + 8
+
+
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "sliding_attention"),
+                                         ("sliding_attention", "full_attention")])
+def test_windowed_masks_equal_the_models_own_on_one_row(layer_types):
+    """Gemma 3's sliding-window layers (every layer one type: one mask; mixed: transformers'
+    mapping of layer type to mask): the masks the generator builds from a row's own tokens give
+    the logits of transformers' own masks on an unpadded row (window 16, 60 tokens)."""
+    import copy
+
+    from transformers import AutoModelForImageTextToText
+
+    auto = adapter("gemma3")
+    config = copy.deepcopy(auto.load_model().config)
+    config.text_config.layer_types = list(layer_types)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    gen = DialogueGenerator(auto, model, GenerationConfig(max_new_tokens=1))
+    assert gen._windows == {kind: 16 if kind == "sliding_attention" else None for kind in layer_types}
+    ids = torch.randint(10, 200, (1, 60))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        ours = model(input_ids=ids, attention_mask=gen._windowed_masks(torch.ones_like(ids), 60)).logits
+        causal = model(input_ids=ids, attention_mask=torch.ones_like(ids)[:, None, None].expand(1, 1, 60, 60).tril().bool()).logits
+    torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
+    assert not torch.allclose(causal, own, atol=1e-3), "the window changes the logits (the test can tell)"

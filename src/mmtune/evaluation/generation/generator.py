@@ -16,7 +16,8 @@ cache (:class:`~mmtune.evaluation.generation.batched_kv.BatchedKVCache`) and eve
 serves all rows at once: a row starting a turn feeds only that turn's new tokens (the
 user turn with its images), a row mid-answer feeds its last token, right-padded within
 the step, with an attention mask that hides every other column and position ids that
-count the row's own tokens. A row whose answer ends starts its next turn at the next
+count the row's own tokens (for sliding-window layers also the masks, which count the window in
+the row's own tokens: see ``_windowed_masks``). A row whose answer ends starts its next turn at the next
 step; a row whose dialogue is done takes the next dialogue (continuous batching). With
 greedy decoding the answers are those of one dialogue at a time, which tests check on
 LLaVA and XComposer2. The re-encode path (``kv_reuse: false``) encodes the whole
@@ -122,6 +123,18 @@ class _Slot:
 _COMPACT_HOLES = 0.25
 
 
+def _layer_windows(text_config: Any) -> Optional[dict[str, Optional[int]]]:
+    """Layer type -> its attention window (``None``: the whole past) of a language model with
+    sliding-window layers; ``None`` for one that attends to the whole past everywhere."""
+    window = getattr(text_config, "sliding_window", None)
+    types = list(getattr(text_config, "layer_types", None) or [])
+    if window is None or (types and "sliding_attention" not in types):
+        return None
+    if set(types) - {"full_attention", "sliding_attention"}:  # chunked, linear ...: transformers' own masks
+        return None
+    return {kind: (int(window) if kind == "sliding_attention" else None) for kind in (types or ["sliding_attention"])}
+
+
 def _reusable_prefix(ids: list[int], cached: list[int], spans: list[tuple[int, int]]) -> int:
     """How many leading tokens of ``ids`` a cache holding ``cached`` can keep.
 
@@ -178,6 +191,7 @@ class DialogueGenerator:
             text_cfg = adapter.text_config(model.config)
             window = int(getattr(text_cfg, "max_position_embeddings", 0) or 0) or None
         self.context_length = window
+        self._windows = _layer_windows(adapter.text_config(model.config))
         self.pad_id = adapter.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = adapter.stop_token_ids[0]
@@ -334,8 +348,9 @@ class DialogueGenerator:
         if images is not None:
             inputs.update(images if isinstance(images, dict) else {"pixel_values": images})
         self.stats["forward_calls"] += 1
+        attention = mask if self._windows is None else self._windowed_masks(mask, int(ids.shape[1]))
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep, **inputs, **kwargs
+            input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=keep, **inputs, **kwargs
         )
         return out.logits[:, -1, :].float()
 
@@ -415,7 +430,38 @@ class DialogueGenerator:
     def _new_cache(self):
         from transformers import DynamicCache
 
+        if self._windows is not None:
+            # full layers for windowed ones too: a sliding layer drops what falls out of its window,
+            # so it could not be cropped back to a common prefix nor compacted; the window is kept by
+            # the masks of _windowed_masks instead
+            return DynamicCache()
         return DynamicCache(config=self.model.config)
+
+    def _windowed_masks(self, mask, q_length: int):
+        """The attention masks of a model with sliding-window layers, from the 2-D column mask
+        ``mask`` [B, K] (1: a column holding one of the row's tokens) for the last ``q_length``
+        columns: each query sees the row's tokens at positions up to its own and, in a windowed
+        layer, less than the window before it (what a sliding cache of one row keeps), counted in
+        the row's own tokens, not columns (the batched cache has holes). A query on padding sees
+        itself too, so no row of the mask is empty. One 4-D mask when every layer is of one type;
+        else transformers' mapping of layer type to mask, which such models take in place of a 2-D
+        one."""
+        import torch
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        batch, width = int(mask.shape[0]), int(mask.shape[1])
+        position = mask.long().cumsum(1) - 1  # a column's position among the row's tokens
+        gap = position[:, width - q_length:, None] - position[:, None, :]  # [B, Q, K]
+        seen = mask.bool()[:, None, :] & (gap >= 0)
+        own = torch.arange(width - q_length, width, device=mask.device)[:, None] == torch.arange(width, device=mask.device)
+        make = ALL_MASK_ATTENTION_FUNCTIONS[self.model.config.get_text_config()._attn_implementation]
+        out = {}
+        for layer_type, window in self._windows.items():
+            allowed = (seen & (gap < window) if window is not None else seen) | own
+            out[layer_type] = make(batch_size=batch, q_length=q_length, kv_length=width,
+                                   mask_function=lambda b, h, q, kv, a=allowed: a[b, q, kv],
+                                   allow_is_causal_skip=False, dtype=self.dtype, device=mask.device)
+        return next(iter(out.values())) if len(out) == 1 else out
 
     def _answer_text(self, ids: list[int]) -> str:
         return self.adapter.tokenizer.decode(ids, skip_special_tokens=True).strip()
