@@ -12,7 +12,12 @@ and labels the assistant turns as the template renders them:
   what the generation prompt adds; its labelled part is everything the full turn adds after
   the longest common prefix with that (content and end-of-turn tokens). Rendering more turns
   must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
-  the dialogue, turn and first differing character.
+  the dialogue, turn and first differing character. So that a long dialogue costs renders of
+  a few turns each rather than of every prefix, a turn's text is taken from a window (the
+  system message and the turns since the last multiple of four before it), where that gives
+  the every-prefix result on probe dialogues (checked once per checkpoint) and the joined
+  turns equal the whole dialogue's render (checked per dialogue); otherwise every prefix is
+  rendered.
 - **images**: each image placeholder (``processor.image_token``) is replaced by the text the
   processor itself puts there (``return_text_replacement_offsets``), which depends only on the
   image's size: it is computed once per size on a blank image, and the image's size is read
