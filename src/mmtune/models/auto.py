@@ -347,6 +347,21 @@ class AutoAdapter(ModelAdapter):
         bos = self.tokenizer.bos_token
         return not (bos is not None and text.startswith(bos))
 
+    def _tokenize(self, text: str) -> tuple[list[int], "np.ndarray"]:
+        """The ids and ``[n, 2]`` character offsets of ``text`` as the processor tokenizes it.
+
+        The Rust tokenizer is called directly where the transformers call would leave its state
+        as it is (no truncation, no padding, special tokens split as configured), so the ids
+        and offsets are the ones that call returns, without building a BatchEncoding."""
+        add = self._add_special_tokens(text)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
+            encoding = backend.encode_batch([text], add_special_tokens=add)[0]
+            return encoding.ids, _offsets(encoding.offsets)
+        encoding = self.tokenizer(text, add_special_tokens=add, return_offsets_mapping=True)
+        return encoding["input_ids"], _offsets(encoding["offset_mapping"])
+
     @functools.lru_cache(maxsize=65536)
     def _replacement_ids(self, replacement: str) -> tuple[str, tuple[int, ...], str] | None:
         """``(lead, core ids, trail)``: the replacement's text before its first and after its last
@@ -614,10 +629,8 @@ class AutoAdapter(ModelAdapter):
         images = [s for s in moved if s.image is not None]
         pieces = [self._replacement_ids(expanded[s.start:s.end]) for s in images]
         if not self._placeholder_splits or any(p is None for p in pieces):
-            encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
-                                      return_offsets_mapping=True)
-            offsets = _offsets(encoding["offset_mapping"])
-            return _Tokens(encoding["input_ids"], offsets[:, 0], offsets[:, 1], {}, moved)
+            ids, offsets = self._tokenize(expanded)
+            return _Tokens(ids, offsets[:, 0], offsets[:, 1], {}, moved)
         # the expanded text with each image's core (special token to special token) as one placeholder
         parts, markers, cursor, short = [], [], 0, 0  # markers: (position in the short text, image)
         for k, (span, (lead, _, trail)) in enumerate(zip(images, pieces)):
@@ -629,10 +642,7 @@ class AutoAdapter(ModelAdapter):
             cursor = span.end
         parts.append(expanded[cursor:])
         text_short = "".join(parts)
-        encoding = self.tokenizer(text_short, add_special_tokens=self._add_special_tokens(text_short),
-                                  return_offsets_mapping=True)
-        ids = encoding["input_ids"]
-        offsets = _offsets(encoding["offset_mapping"])
+        ids, offsets = self._tokenize(text_short)
         starts, ends = offsets[:, 0].copy(), offsets[:, 1].copy()
         # the placeholders that stand for the images, in order; every later token moves by the
         # length its image's core has beyond the placeholder
