@@ -649,8 +649,13 @@ class AutoAdapter(ModelAdapter):
         cores: dict[int, tuple[int, ...]] = {}
         moves = np.zeros(len(ids), dtype=np.int64)
         k = 0
-        for position in np.flatnonzero(np.asarray(ids, dtype=np.int64) == self._placeholder_id).tolist():
-            if k < len(images) and starts[position] == markers[k][0]:
+        position = -1
+        while k < len(images):
+            try:
+                position = ids.index(self._placeholder_id, position + 1)
+            except ValueError:
+                break
+            if starts[position] == markers[k][0]:
                 cores[position] = pieces[k][1]
                 moves[position] = (markers[k][2] - markers[k][1]) - len(self.image_token)
                 starts[position], ends[position] = markers[k][1], markers[k][1] + 1
