@@ -7,7 +7,8 @@
 Prints, on one CPU core:
 
 1. token utilisation (real tokens / tokens computed incl. padding) of plain padding,
-   length grouping and packing at 8k;
+   length grouping and packing at 8k, and beside it the most any packing of these lengths
+   can reach (a lower bound on the rows needed);
 2. samples/s of the length pass (mmtune: render + tokenize, no pixels) vs the plain HF
    processor path (chat template + processor on the text and every decoded image);
 3. collation samples/s (encode + labels + images + batch) mmtune vs the plain HF path on
@@ -221,6 +222,37 @@ def hf_collate(processor, dialogues: list[Dialogue], nested: bool = False) -> di
                      **_special(processor, texts[0]))
 
 
+def rows_lower_bound(lengths: list[int], max_length: int) -> int:
+    """Martello and Toth's L2 lower bound on the rows any packing needs (Martello & Toth,
+    "Lower bounds and reduction procedures for the bin packing problem", 1990): at least
+    ceil(sum / max_length), and for every threshold a, one row per sample longer than
+    max_length - a, one per sample longer than half a row, plus the rows the samples of
+    a..half a row need beyond the room those leave."""
+    sizes = np.sort(np.asarray([n for n in lengths if n > 0], dtype=np.int64))
+    if not len(sizes):
+        return 0
+    half = max_length / 2
+    best = int(-(-sizes.sum() // max_length))
+    for a in np.unique(np.concatenate([[0], sizes[sizes <= half]])):
+        big = sizes[sizes > max_length - a]
+        large = sizes[(sizes > half) & (sizes <= max_length - a)]
+        small = sizes[(sizes >= a) & (sizes <= half)]
+        left = small.sum() - (len(large) * max_length - large.sum())
+        best = max(best, len(big) + len(large) + max(0, int(-(-left // max_length))))
+    return best
+
+
+def packing_bound(order: list[int], lengths: list[int], max_length: int, window: int) -> tuple[float, float]:
+    """The best utilisation any packing of these lengths can reach: over the whole data set, and
+    packing each window of ``window`` samples on its own (as ``plan_packing`` does)."""
+    valid = [i for i in order if lengths[i] > 0]
+    total = sum(lengths[i] for i in valid)
+    whole = rows_lower_bound([lengths[i] for i in valid], max_length)
+    windows = sum(rows_lower_bound([lengths[i] for i in valid[s:s + window]], max_length)
+                  for s in range(0, len(valid), window))
+    return total / (whole * max_length), total / (windows * max_length)
+
+
 def rate(fn, items, budget_s: float) -> tuple[float, int]:
     """Items per second of ``fn`` over ``items`` (stops after ``budget_s``)."""
     start = time.perf_counter()
@@ -319,6 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     ):
         stats = plan_stats(plan, lengths, row)
         print(f"utilisation  {name:26s} {100 * stats['utilization']:6.2f}%  ({int(stats['batches'])} batches)")
+    whole, per_window = packing_bound(order, lengths, args.max_length, 512)
+    print(f"utilisation  {'packing bound (the data)':26s} {100 * per_window:6.2f}%  packing each window of 512 "
+          f"samples on its own, {100 * whole:.2f}% all samples at once (lower bound on rows: Martello-Toth L2); "
+          f"{sum(l > args.max_length // 2 for l in kept)} samples over half a row, "
+          f"{table.stats.get('truncated', 0)} truncated and {table.stats.get('skipped', 0)} skipped at "
+          f"{args.max_length}")
 
     # 2. length pass ---------------------------------------------------------------------------
     processor = adapter.processor if auto else QwenProcessorPath(adapter) if qwen else hf_processor(adapter)

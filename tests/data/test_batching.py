@@ -73,6 +73,33 @@ def test_packing_fills_rows_and_respects_caps():
     assert stats["utilization"] > 0.9
 
 
+def test_packing_takes_the_least_slack_rows_where_first_fit_needs_more():
+    # first-fit-decreasing: (5, 4) (3, 3, 3) (2); the sum is 20, so two full rows exist
+    lengths = [3, 5, 2, 3, 4, 3]
+    plan = plan_packing(range(6), lengths, 10, window=6)
+    assert sorted(sorted(lengths[i] for i in row) for (row,) in plan) == [[2, 3, 5], [3, 3, 4]]
+    assert plan == plan_packing(range(6), lengths, 10, window=6)
+    # with at most two images per row, the least-slack rows (three samples of one image) are not
+    # allowed and first-fit-decreasing's rows stay
+    capped = plan_packing(range(6), lengths, 10, window=6, num_images=[1] * 6, max_images=2)
+    assert [[lengths[i] for i in row] for (row,) in capped] == [[5, 4], [3, 3], [3, 2]]
+
+
+def test_packing_never_needs_more_rows_than_first_fit_decreasing():
+    from mmtune.data.batching import _first_fit_decreasing
+
+    valid = [i for i in ORDER if LENGTHS[i] > 0]
+    for window in (50, 200):
+        plan = plan_packing(ORDER, LENGTHS, 8192, window=window)
+        first_fit = sum(
+            len(_first_fit_decreasing(sorted(valid[s:s + window], key=lambda i: (-LENGTHS[i], i)),
+                                      {i: LENGTHS[i] for i in valid}, {i: 0 for i in valid}, 8192, None))
+            for s in range(0, len(valid), window)
+        )
+        assert len(plan) <= first_fit
+        assert all(sum(LENGTHS[i] for i in row) <= 8192 for (row,) in plan)
+
+
 def test_shards_are_disjoint_and_equal_sized():
     plan = plan_padding(ORDER, LENGTHS, 4)  # 150 batches
     shards = [shard_plan(plan, r, 4) for r in range(4)]

@@ -118,6 +118,39 @@ def test_unstable_template_raises_a_clear_error(llava, tmp_path, image):
         auto.encode_dialogue(_dialogue(image))
 
 
+# numbers every message: what a turn adds depends on all the turns before it
+NUMBERED = CHATML.replace("'<|im_start|>' + m['role']", "loop.index | string + '<|im_start|>' + m['role']")
+
+
+def _long_dialogue(image, turns=11):
+    out = []
+    for k in range(turns):
+        segments = ("Image: ", Image(image), f" question {k}?") if k % 3 == 0 else (f"question {k}?",)
+        out += [Turn("user", segments), Turn("assistant", (f"answer {k}.",))]
+    return Dialogue("long", "t", tuple(out))
+
+
+@pytest.mark.parametrize("template", ["chatml", "numbered"])
+def test_windowed_rendering_gives_the_every_prefix_spans(llava, tmp_path, image, template):
+    auto = _with_template(llava, tmp_path, CHATML if template == "chatml" else NUMBERED)
+    assert auto._windows_match is (template == "chatml")  # numbered turns differ in a window: every prefix
+    dialogue = _long_dialogue(image)
+    for system_prompt in (None, "Be brief."):
+        for generation in (False, True):
+            d = Dialogue(dialogue.id, dialogue.source, dialogue.turns[:-1]) if generation else dialogue
+            messages = ([auto._message("system", (system_prompt,))] if system_prompt else []) + [
+                auto._message(t.role, t.segments) for t in d.turns]
+            roles = [t.role for t in d.turns]
+            trainable = auto._trainable(roles, "all_assistant")
+            defined = auto._spans_by_prefix(d.id, messages, len(messages) - len(roles), roles, trainable, 0,
+                                            generation)
+            windowed = auto._spans_by_window(messages, len(messages) - len(roles), roles, trainable, generation)
+            assert windowed == (defined if template == "chatml" else None)
+            text, spans, _ = auto._spans(d, system_prompt, "all_assistant", generation)
+            assert (text, spans) == defined
+            assert len(spans) == sum(2 if r == "assistant" else 1 for r in roles) + generation
+
+
 def test_image_count_reads_only_the_header(checkpoint, tmp_path):
     auto = build_adapter(ModelConfig(family="auto", path=str(checkpoint)))
     full = tmp_path / "big.jpg"

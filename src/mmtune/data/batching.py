@@ -19,9 +19,10 @@ Modes:
   step 0.
 - ``token_budget``: within each megabatch, sorted by length, batches grow while
   ``rows * longest <= max_tokens`` and ``images <= max_images``.
-- ``packing``: first-fit-decreasing of each window of ``packing_window`` samples into
-  rows of ``max_length`` tokens (and at most ``max_images`` images per batch), then
-  ``batch_size`` rows per batch.
+- ``packing``: each window of ``packing_window`` samples into rows of ``max_length`` tokens
+  (and at most ``max_images`` images per batch) by first-fit-decreasing or minimum bin slack
+  (or both: see :func:`plan_packing`), whichever needs the fewest rows, then ``batch_size``
+  rows per batch.
 
 Ranks: :func:`rank_plan` deals an epoch's batches round-robin and tops every rank up to
 the same whole number of optimizer steps with filler batches (trained with no loss
@@ -156,39 +157,100 @@ def plan_packing(
     num_images: Sequence[int] | None = None,
     max_images: int | None = None,
 ) -> Plan:
-    """Pack samples into rows of ``max_length`` tokens by first-fit-decreasing per window.
+    """Pack samples into rows of ``max_length`` tokens, each window of ``window`` samples on its own.
 
-    ``max_images`` bounds the images of one batch (rows_per_batch rows): each row is then
-    capped at ``max_images // rows_per_batch`` images.
+    A window is packed by first-fit-decreasing, by minimum bin slack (each row opened by the
+    longest sample left and filled with the subset of the others that leaves the least room),
+    and by first-fit-decreasing with the samples of its emptiest 10 / 20 / 40 % of rows packed
+    again by minimum bin slack; the packing with the fewest rows is kept (first-fit-decreasing
+    on a tie). All are deterministic.
+    ``max_images`` bounds the images of one batch (rows_per_batch rows): each row is then capped
+    at ``max_images // rows_per_batch`` images.
     """
     idx = _valid(order, lengths)
     row_image_cap = None if max_images is None else max(1, max_images // rows_per_batch)
+    size = {i: int(lengths[i]) for i in idx}
+    images = {i: int(num_images[i]) if num_images is not None else 0 for i in idx}
     rows: list[list[int]] = []
     for s in range(0, len(idx), window):
-        chunk = sorted(idx[s : s + window], key=lambda i: (-lengths[i], i))
-        bins: list[list[int]] = []
-        space: list[int] = []
-        images: list[int] = []
+        chunk = sorted(idx[s : s + window], key=lambda i: (-size[i], i))
         for i in chunk:
-            _check_fits(i, lengths[i], max_length)
-            n_img = int(num_images[i]) if num_images is not None else 0
-            if row_image_cap is not None and n_img > row_image_cap:
+            _check_fits(i, size[i], max_length)
+            if row_image_cap is not None and images[i] > row_image_cap:
                 raise ValueError(
-                    f"sample {i} has {n_img} images, over the per-row cap {row_image_cap} "
+                    f"sample {i} has {images[i]} images, over the per-row cap {row_image_cap} "
                     f"(collator.max_images_per_batch={max_images} / batch_size={rows_per_batch}); raise it"
                 )
-            for b in range(len(bins)):
-                if space[b] >= lengths[i] and (row_image_cap is None or images[b] + n_img <= row_image_cap):
-                    bins[b].append(i)
-                    space[b] -= lengths[i]
-                    images[b] += n_img
-                    break
-            else:
-                bins.append([i])
-                space.append(max_length - lengths[i])
-                images.append(n_img)
-        rows.extend(bins)
+        first_fit = _first_fit_decreasing(chunk, size, images, max_length, row_image_cap)
+        candidates = [first_fit, _minimum_bin_slack(chunk, size, images, max_length, row_image_cap)]
+        # first-fit-decreasing's fullest rows kept, the samples of its emptiest ones packed again
+        fullest = sorted(range(len(first_fit)), key=lambda r: (-sum(size[i] for i in first_fit[r]), r))
+        for share in _REPACKED_SHARES:
+            k = int(len(first_fit) * share)
+            if k < 2:
+                continue
+            pool = sorted((i for r in fullest[-k:] for i in first_fit[r]), key=lambda i: (-size[i], i))
+            again = _minimum_bin_slack(pool, size, images, max_length, row_image_cap)
+            if again is not None and len(again) < k:
+                kept = sorted(fullest[:-k])
+                candidates.append([first_fit[r] for r in kept] + again)
+        rows.extend(min((c for c in candidates if c is not None), key=len))  # the first of the fewest rows
     return [tuple(tuple(r) for r in rows[s : s + rows_per_batch]) for s in range(0, len(rows), rows_per_batch)]
+
+
+#: shares of first-fit-decreasing's emptiest rows whose samples minimum bin slack packs again
+_REPACKED_SHARES = (0.1, 0.2, 0.4)
+
+
+def _first_fit_decreasing(chunk: list[int], size: dict[int, int], images: dict[int, int], max_length: int,
+                          cap: int | None) -> list[list[int]]:
+    """Each sample (longest first) into the first row with room for it."""
+    bins: list[list[int]] = []
+    space: list[int] = []
+    used: list[int] = []
+    for i in chunk:
+        for b in range(len(bins)):
+            if space[b] >= size[i] and (cap is None or used[b] + images[i] <= cap):
+                bins[b].append(i)
+                space[b] -= size[i]
+                used[b] += images[i]
+                break
+        else:
+            bins.append([i])
+            space.append(max_length - size[i])
+            used.append(images[i])
+    return bins
+
+
+def _minimum_bin_slack(chunk: list[int], size: dict[int, int], images: dict[int, int], max_length: int,
+                       cap: int | None) -> list[list[int]] | None:
+    """Rows opened by the longest sample left, each filled with the subset of the others whose
+    lengths sum closest to the room left (exact subset sum on a bitset of reachable sums, the
+    longer samples preferred); ``None`` where a row would hold more than ``cap`` images."""
+    remaining = list(chunk)  # longest first
+    rows: list[list[int]] = []
+    while remaining:
+        first, rest = remaining[0], remaining[1:]
+        room = max_length - size[first]
+        fits = [i for i in rest if size[i] <= room]
+        mask = (1 << (room + 1)) - 1
+        reach = 1  # bit t: a subset of the candidates so far sums to t
+        history = [reach]
+        for i in fits:
+            reach = (reach | (reach << size[i])) & mask
+            history.append(reach)
+        target = reach.bit_length() - 1
+        chosen = set()
+        for k in range(len(fits), 0, -1):  # a candidate is taken only where the longer ones cannot reach
+            if not (history[k - 1] >> target) & 1:
+                chosen.add(fits[k - 1])
+                target -= size[fits[k - 1]]
+        row = [first] + [i for i in fits if i in chosen]
+        if cap is not None and sum(images[i] for i in row) > cap:
+            return None
+        rows.append(row)
+        remaining = [i for i in rest if i not in chosen]
+    return rows
 
 
 def build_plan(

@@ -126,8 +126,9 @@ class CollatorConfig:
     megabatch_mult: int = 50
     """length_grouped: megabatch = batch_size x this; sorted by length inside (as transformers)."""
     packing_window: int = 512
-    """packing: samples considered together by first-fit-decreasing; larger packs tighter,
-    smaller keeps the sample order closer to the sampler's."""
+    """packing: samples packed together (first-fit-decreasing or minimum bin slack, whichever
+    needs fewer rows); larger packs tighter, smaller keeps the sample order closer to the
+    sampler's."""
     pad_to_multiple_of: Optional[int] = None
     """Pad the sequence length to a multiple of this (e.g. 8 for tensor cores); null = off."""
     drop_last: bool = False

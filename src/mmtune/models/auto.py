@@ -15,7 +15,12 @@ and labels the assistant turns as the template renders them:
   the stop token the template renders right after the answer is labelled with it, and appended
   after the last answer, so the model learns to stop. Rendering more turns
   must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
-  the dialogue, turn and first differing character.
+  the dialogue, turn and first differing character. So that a long dialogue costs renders of
+  a few turns each rather than of every prefix, a turn's text is taken from a window (the
+  system message and the turns since the last multiple of four before it), where that gives
+  the every-prefix result on probe dialogues (checked once per checkpoint) and the joined
+  turns equal the whole dialogue's render (checked per dialogue); otherwise every prefix is
+  rendered.
 - **images**: each image placeholder (``processor.image_token``) is replaced by the text the
   processor itself puts there (``return_text_replacement_offsets``), which depends only on the
   image's size: it is computed once per size on a blank image, and the image's size is read
@@ -44,8 +49,10 @@ it is refused unless ``model.trust_remote_code`` is set.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -109,6 +116,25 @@ class _Span:
     turn: int  # -1: the generation prompt
     trainable: bool = False
     image: Image | None = None
+
+
+@dataclass
+class _Tokens:
+    """The tokens of a dialogue's expanded text and the spans of that text."""
+
+    ids: list[int]
+    starts: "np.ndarray"  # first character of each token in the expanded text ((0, 0): added by the tokenizer)
+    ends: "np.ndarray"
+    cores: dict[int, tuple[int, ...]]  # token position -> the image core's ids spliced in for that placeholder
+    spans: list[_Span]
+
+
+def _offsets(pairs: list[tuple[int, int]]) -> "np.ndarray":
+    """A tokenizer's offset mapping as an ``[n, 2]`` int64 array."""
+    import numpy as np
+
+    flat = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+    return flat.reshape(-1, 2)
 
 
 def _noise_image(width: int, height: int, seed: int):
@@ -374,6 +400,21 @@ class AutoAdapter(ModelAdapter):
         bos = self.tokenizer.bos_token
         return not (bos is not None and text.startswith(bos))
 
+    def _tokenize(self, text: str) -> tuple[list[int], "np.ndarray"]:
+        """The ids and ``[n, 2]`` character offsets of ``text`` as the processor tokenizes it.
+
+        The Rust tokenizer is called directly where the transformers call would leave its state
+        as it is (no truncation, no padding, special tokens split as configured), so the ids
+        and offsets are the ones that call returns, without building a BatchEncoding."""
+        add = self._add_special_tokens(text)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
+            encoding = backend.encode_batch([text], add_special_tokens=add)[0]
+            return encoding.ids, _offsets(encoding.offsets)
+        encoding = self.tokenizer(text, add_special_tokens=add, return_offsets_mapping=True)
+        return encoding["input_ids"], _offsets(encoding["offset_mapping"])
+
     @functools.lru_cache(maxsize=65536)
     def _replacement_ids(self, replacement: str) -> tuple[str, tuple[int, ...], str] | None:
         """``(lead, core ids, trail)``: the replacement's text before its first and after its last
@@ -427,7 +468,14 @@ class AutoAdapter(ModelAdapter):
 
     def _spans(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
                add_generation_prompt: bool) -> tuple[str, list[_Span], int]:
-        """The rendered text, its spans (turn parts in order) and the index of the first turn."""
+        """The rendered text, its spans (turn parts in order) and the index of the first turn.
+
+        Each turn's part is what rendering it adds to the render of the turns before it. That is
+        computed on a window (the system message and the one or two turns before the turn, so
+        that roles keep their parity) where the template renders turns locally (checked once per
+        checkpoint on probe dialogues, :attr:`_windows_match`), and the joined parts are checked
+        against the render of the whole dialogue; otherwise, or on any difference, every prefix
+        of the dialogue is rendered (quadratic in the turns, same result)."""
         if train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on={train_on!r}; use 'all_assistant' or 'last_assistant'")
         turns = list(dialogue.turns)
@@ -439,35 +487,143 @@ class AutoAdapter(ModelAdapter):
             messages.append(self._message("system", (system_prompt,)))
         offset = 1 if dialogue.turns and dialogue.turns[0].role == "system" else 0
         head = len(messages)
-        last_assistant = max((i for i, t in enumerate(turns) if t.role == "assistant"), default=-1)
         messages += [self._message(t.role, t.segments) for t in turns]
+        roles = [t.role for t in turns]
+        trainable = self._trainable(roles, train_on)
+        found = None
+        if self._windows_match:
+            found = self._spans_by_window(messages, head, roles, trainable, add_generation_prompt)
+        if found is None:
+            found = self._spans_by_prefix(dialogue.id, messages, head, roles, trainable, offset,
+                                          add_generation_prompt)
+        return found[0], found[1], offset
+
+    @staticmethod
+    def _trainable(roles: list[str], train_on: str) -> list[bool]:
+        last_assistant = max((i for i, role in enumerate(roles) if role == "assistant"), default=-1)
+        return [role == "assistant" and (train_on == "all_assistant" or i == last_assistant)
+                for i, role in enumerate(roles)]
+
+    def _spans_by_prefix(self, dialogue_id: str, messages: list[dict], head: int, roles: list[str],
+                         trainable: list[bool], offset: int,
+                         add_generation_prompt: bool) -> tuple[str, list[_Span]]:
+        """Spans from the render of every prefix of the dialogue (the definition)."""
         spans: list[_Span] = []
         text = ""
-        for index, turn in enumerate(turns):
+        for index, role in enumerate(roles):
             where = index + offset
-            if turn.role not in ("user", "assistant"):
-                raise ValueError(f"dialogue {dialogue.id!r}, turn {where}: role {turn.role!r} is not allowed here")
+            if role not in ("user", "assistant"):
+                raise ValueError(f"dialogue {dialogue_id!r}, turn {where}: role {role!r} is not allowed here")
             full = self._render(messages[: head + index + 1], add_generation_prompt=False)
-            self._extends(dialogue.id, where, text, full, f"turn {where}")
-            if turn.role == "assistant":
+            self._extends(dialogue_id, where, text, full, f"turn {where}")
+            if role == "assistant":
                 header = self._render(messages[: head + index], add_generation_prompt=True)
-                self._extends(dialogue.id, where, text, header, "the generation prompt")
+                self._extends(dialogue_id, where, text, header, "the generation prompt")
                 body = _common_prefix(header, full, len(text))
-                trainable = train_on == "all_assistant" or index == last_assistant
-                spans += [_Span(len(text), body, index), _Span(body, len(full), index, trainable)]
+                spans += [_Span(len(text), body, index), _Span(body, len(full), index, trainable[index])]
             else:
                 spans.append(_Span(len(text), len(full), index))
             text = full
         if add_generation_prompt:
-            if not turns or turns[-1].role != "user":
+            if not roles or roles[-1] != "user":
                 raise ValueError(
-                    f"dialogue {dialogue.id!r}: add_generation_prompt needs the dialogue to end with a user turn"
+                    f"dialogue {dialogue_id!r}: add_generation_prompt needs the dialogue to end with a user turn"
                 )
             prompt = self._render(messages, add_generation_prompt=True)
-            self._extends(dialogue.id, len(dialogue.turns), text, prompt, "the generation prompt")
+            self._extends(dialogue_id, offset + len(roles), text, prompt, "the generation prompt")
             spans.append(_Span(len(text), len(prompt), -1))
             text = prompt
-        return text, spans, offset
+        return text, spans
+
+    def _spans_by_window(self, messages: list[dict], head: int, roles: list[str], trainable: list[bool],
+                         add_generation_prompt: bool) -> tuple[str, list[_Span]] | None:
+        """The spans of :meth:`_spans_by_prefix` from renders of a bounded number of turns each,
+        or ``None`` where they cannot be shown equal (then the caller renders every prefix, which
+        also raises the errors of a bad dialogue as the definition does)."""
+        if any(role not in ("user", "assistant") for role in roles):
+            return None
+        if add_generation_prompt and (not roles or roles[-1] != "user"):
+            return None
+        renders: dict[tuple[int, int, bool], str] = {}
+
+        def render(lo: int, hi: int, generation: bool) -> str:  # system message + turns[lo:hi]
+            key = (lo, hi, generation)
+            if key not in renders:
+                renders[key] = self._render(messages[:head] + messages[head + lo:head + hi], generation)
+            return renders[key]
+
+        spans: list[_Span] = []
+        pieces: list[str] = []
+        length = 0
+        try:
+            for index, role in enumerate(roles):
+                # windows of _WINDOW turns (even: the template sees the roles at their parity); the
+                # render before a turn is then the one that ended the turn before it
+                lo = (index - 1) // self._WINDOW * self._WINDOW if index else 0
+                base = render(lo, index, False) if index else ""
+                full = render(lo, index + 1, False)
+                if not full.startswith(base):
+                    return None
+                shift = length - len(base)
+                if role == "assistant":
+                    header = render(lo, index, True)
+                    if not header.startswith(base):
+                        return None
+                    body = _common_prefix(header, full, len(base)) + shift
+                    spans += [_Span(length, body, index), _Span(body, len(full) + shift, index, trainable[index])]
+                else:
+                    spans.append(_Span(length, len(full) + shift, index))
+                pieces.append(full[len(base):])
+                length += len(full) - len(base)
+            text = "".join(pieces)
+            if text != render(0, len(roles), False):
+                return None
+            if add_generation_prompt:
+                prompt = render(0, len(roles), True)
+                if not prompt.startswith(text):
+                    return None
+                spans.append(_Span(len(text), len(prompt), -1))
+                text = prompt
+        except Exception:  # noqa: BLE001 - the template refused a window: the definition decides
+            return None
+        return text, spans
+
+    #: turns per rendering window (even); a turn is rendered after at least one and at most this many
+    _WINDOW: ClassVar[int] = 4
+
+    @functools.cached_property
+    def _windows_match(self) -> bool:
+        """Whether windowed rendering gives the per-prefix spans on probe dialogues (with and
+        without a system message, images in several turns, a generation prompt)."""
+        image = Image("probe.png")
+        user = [("Look at ", image, " and describe it."), ("Second question?",), (image, image, "Compare."),
+                ("More text  with   spaces\n",), ("Last one: ", image)]
+        answer = ["An answer.", " Another one.\n", "Third.", "Fourth answer here."]
+        probes = []
+        for system in (None, "Be brief."):
+            messages = [self._message("system", (system,))] if system else []
+            roles = []
+            for k, segments in enumerate(user):
+                messages.append(self._message("user", segments))
+                roles.append("user")
+                if k < len(answer):
+                    messages.append(self._message("assistant", (answer[k],)))
+                    roles.append("assistant")
+            head = len(messages) - len(roles)
+            probes += [(messages, head, roles, False), (messages, head, roles, True),
+                       (messages[:-1], head, roles[:-1], False)]
+        for messages, head, roles, generation in probes:
+            trainable = self._trainable(roles, "all_assistant")
+            windowed = self._spans_by_window(messages, head, roles, trainable, generation)
+            try:
+                defined = self._spans_by_prefix("probe", messages, head, roles, trainable, 0, generation)
+            except TemplateNotPrefixStableError:
+                return False
+            except Exception:  # noqa: BLE001 - the template's own refusal of the probe
+                defined = None
+            if windowed != defined:
+                return False
+        return True
 
     def _expand(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int) -> tuple[str, list[_Span]]:
         """``text`` with every image placeholder replaced by the processor's text for that image,
@@ -510,9 +666,9 @@ class AutoAdapter(ModelAdapter):
             )
         return "".join(pieces), out
 
-    def _tokens(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int):
-        """The tokens of the expanded text as units ``(ids, start, end)`` (one token, or a spliced
-        image's tokens at once) with their character offsets, and the spans they fall in.
+    def _tokens(self, dialogue: "Dialogue", text: str, spans: list[_Span], offset: int) -> _Tokens:
+        """The tokens of the expanded text with their character offsets (a spliced image's core
+        stands as one token at its first character), and the spans they fall in.
 
         Where the placeholder is a special token and every image's text holds one, each image's
         text from its first to its last special token (its core) is tokenized once per distinct
@@ -520,14 +676,14 @@ class AutoAdapter(ModelAdapter):
         ``\\n\\n`` before and after the core stay in that text): the same ids as tokenizing the whole
         expanded text, since the tokenizer splits at special tokens. Otherwise the expanded text
         is tokenized as a whole."""
+        import numpy as np
+
         expanded, moved = self._expand(dialogue, text, spans, offset)
         images = [s for s in moved if s.image is not None]
         pieces = [self._replacement_ids(expanded[s.start:s.end]) for s in images]
         if not self._placeholder_splits or any(p is None for p in pieces):
-            encoding = self.tokenizer(expanded, add_special_tokens=self._add_special_tokens(expanded),
-                                      return_offsets_mapping=True)
-            return [((token,), start, end) for token, (start, end) in
-                    zip(encoding["input_ids"], encoding["offset_mapping"])], moved
+            ids, offsets = self._tokenize(expanded)
+            return _Tokens(ids, offsets[:, 0], offsets[:, 1], {}, moved)
         # the expanded text with each image's core (special token to special token) as one placeholder
         parts, markers, cursor, short = [], [], 0, 0  # markers: (position in the short text, image)
         for k, (span, (lead, _, trail)) in enumerate(zip(images, pieces)):
@@ -539,44 +695,67 @@ class AutoAdapter(ModelAdapter):
             cursor = span.end
         parts.append(expanded[cursor:])
         text_short = "".join(parts)
-        encoding = self.tokenizer(text_short, add_special_tokens=self._add_special_tokens(text_short),
-                                  return_offsets_mapping=True)
-        units: list[tuple[tuple[int, ...], int, int]] = []  # (ids, start, end): a token or an image's core
+        ids, offsets = self._tokenize(text_short)
+        starts, ends = offsets[:, 0].copy(), offsets[:, 1].copy()
+        # the placeholders that stand for the images, in order; every later token moves by the
+        # length its image's core has beyond the placeholder
+        cores: dict[int, tuple[int, ...]] = {}
+        moves = np.zeros(len(ids), dtype=np.int64)
         k = 0
-        shift = 0  # expanded minus short-text position
-        for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
-            if token == self._placeholder_id and k < len(images) and start == markers[k][0]:
-                units.append((pieces[k][1], markers[k][1], markers[k][1] + 1))
-                shift += (markers[k][2] - markers[k][1]) - len(self.image_token)
+        position = -1
+        while k < len(images):
+            try:
+                position = ids.index(self._placeholder_id, position + 1)
+            except ValueError:
+                break
+            if starts[position] == markers[k][0]:
+                cores[position] = pieces[k][1]
+                moves[position] = (markers[k][2] - markers[k][1]) - len(self.image_token)
+                starts[position], ends[position] = markers[k][1], markers[k][1] + 1
                 k += 1
-                continue
-            units.append(((token,), start + shift, end + shift) if end > start else ((token,), start, end))
         if k != len(images):  # pragma: no cover - the placeholder is one special token, so never
             raise UnsupportedProcessorError(f"dialogue {dialogue.id!r}: image placeholders were not tokenized alone")
-        return units, moved
+        shift = np.cumsum(moves) - moves
+        text_token = ends > starts
+        text_token[list(cores)] = False
+        starts[text_token] += shift[text_token]
+        ends[text_token] += shift[text_token]
+        return _Tokens(ids, starts, ends, cores, moved)
 
     def _encode(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
                 add_generation_prompt: bool) -> EncodedDialogue:
+        import numpy as np
+
         text, spans, offset = self._spans(dialogue, system_prompt, train_on, add_generation_prompt)
-        units, spans = self._tokens(dialogue, text, spans, offset)
-        # each unit goes to the span its first character is in (added special tokens: the first)
+        tokens = self._tokens(dialogue, text, spans, offset)
+        spans = tokens.spans
+        # each token goes to the first span that ends after its first character, never to an
+        # earlier span than the token before it (added special tokens, offsets (0, 0): that one's)
+        ids, starts = tokens.ids, tokens.starts
+        added = (starts == 0) & (tokens.ends == 0)
+        ends = np.fromiter((s.end for s in spans), dtype=np.int64, count=len(spans))
+        where = np.minimum(np.searchsorted(ends, starts, side="right"), len(spans) - 1)
+        where[added] = 0
+        where = np.maximum.accumulate(where) if len(where) else where
+        # a chunk ends before an added special token and where the next token starts past its span
+        last = np.ones(len(ids), dtype=bool)
+        last[:-1] = added[1:] | (ends[where[:-1]] <= starts[1:])
         chunks_of: dict[int, list] = {}
-        k = 0
-        run: list[int] = []
-        for position, (ids, start, end) in enumerate(units):
-            if not start == end == 0:
-                while spans[k].end <= start and k + 1 < len(spans):
-                    k += 1
-            run.extend(ids)
-            following = units[position + 1] if position + 1 < len(units) else None
-            if following is not None and not (following[1] == following[2] == 0) and spans[k].end > following[1]:
-                continue  # the next unit is in the same span
-            span = spans[k]
-            piece = tuple(run)
+        first = 0
+        cores = sorted(tokens.cores)
+        for stop in (np.flatnonzero(last) + 1).tolist():
+            span = spans[where[stop - 1]]
+            if cores and bisect.bisect_left(cores, first) < bisect.bisect_left(cores, stop):
+                joined: list[int] = []
+                for position in range(first, stop):
+                    joined.extend(tokens.cores.get(position, (ids[position],)))
+                piece = tuple(joined)
+            else:
+                piece = tuple(ids[first:stop])
             chunk = (ImageChunk(span.image, len(piece), piece) if span.image is not None
                      else TokenChunk(piece, span.trainable))
             chunks_of.setdefault(span.turn, []).append(chunk)
-            run = []
+            first = stop
         roles = [t.role for t in dialogue.turns[offset:]]
         turns = [EncodedTurn(role, chunks_of.get(index, [])) for index, role in enumerate(roles)]
         if self._answer_stop is not None:
