@@ -9,6 +9,7 @@ from mmtune.models.auto import AutoAdapter, TemplateNotPrefixStableError
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
+from tests.support.auto_checkpoints import labelled_runs
 
 CHATML = (
     "{%- for m in messages -%}"
@@ -275,17 +276,8 @@ def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_render
     assert found == {kind: (user if kind == "glm4v" else None) for kind in CLASSES}
     assert user in glm.stop_token_ids  # generation stops at it
     example = encode_example(glm, dialogue, max_length=None)
-    runs = [glm.tokenizer.decode(run) for run in _labelled_runs(example.labels)]
+    runs = [glm.tokenizer.decode(run) for run in labelled_runs(example.labels)]
     assert runs == ["Hello<|user|>", "Bye<|user|>"]
     assert example.input_ids[-1] == user and example.input_ids.count(user) == 3
 
 
-def _labelled_runs(labels):
-    runs, current = [], []
-    for label in list(labels) + [IGNORE_INDEX]:
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs

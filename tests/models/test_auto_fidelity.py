@@ -40,6 +40,7 @@ from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
 from mmtune.models.tiny_checkpoints import KINDS, save_tiny_checkpoint
+from tests.support.auto_checkpoints import labelled_runs
 
 N_DIALOGUES = 30
 
@@ -214,15 +215,6 @@ def setup(request, tmp_path_factory):
     return kind, adapter, Reference(directory, adapter.image_token_id)
 
 
-def _runs(labels):
-    runs, current = [], []
-    for label in labels + [IGNORE_INDEX]:
-        if label != IGNORE_INDEX:
-            current.append(label)
-        elif current:
-            runs.append(current)
-            current = []
-    return runs
 
 
 def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
@@ -254,7 +246,7 @@ def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
         checks["position_ids"] = checks["input_ids"] and torch.equal(adapter.position_ids(ids, inputs)[..., :n],
                                                                      reference.positions(out))  # fmt: skip
         answers = [t.segments[0] for t in dialogue.turns if t.role == "assistant"]
-        runs = [adapter.tokenizer.decode(run) for run in _runs(example.labels)]
+        runs = [adapter.tokenizer.decode(run) for run in labelled_runs(example.labels)]
         checks["labels"] = example.labels == want and len(runs) == len(answers) and all(
             a.strip() in r for a, r in zip(answers, runs))  # fmt: skip
         cut = max(i for i, t in enumerate(dialogue.turns) if t.role == "user")

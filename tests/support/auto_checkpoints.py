@@ -32,3 +32,17 @@ def adapter(kind: str):
     from mmtune.models.registry import build_adapter
 
     return build_adapter(ModelConfig(family="auto", path=checkpoint(kind)))
+
+
+def labelled_runs(labels) -> list[list[int]]:
+    """The runs of consecutive labelled (not ignored) token ids in ``labels``, in order."""
+    from mmtune.core.encoded import IGNORE_INDEX
+
+    runs, current = [], []
+    for label in list(labels) + [IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs
