@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -226,6 +226,26 @@ class Engine(ABC):
         """Why ``final/`` cannot fold LoRA into the weights here (empty when it can)."""
         return ""
 
+    def final_model(self, model: "nn.Module", state_dict: dict[str, Any]) -> "nn.Module":
+        """The module ``final/`` is written from, holding ``state_dict`` (main process only).
+
+        Its ``save_pretrained`` writes the checkpoint and, for a peft model, its
+        ``merge_and_unload`` folds LoRA in: the same save code under every engine. Here the
+        unwrapped model itself, or for a peft model whose LoRA is merged a plain copy
+        rebuilt from ``state_dict`` (:func:`rebuilt_model`): the merge works on a copy, and
+        the trained model, which the launcher's wrapper has changed, cannot be deep-copied.
+        """
+        from mmtune.training.peft_setup import is_peft_model
+
+        unwrapped = self.unwrap(model)
+        if is_peft_model(unwrapped) and not self.merge_problem():
+            return rebuilt_model(unwrapped, state_dict, self.original_class)
+        return unwrapped
+
+    def original_class(self, module: "nn.Module") -> type:
+        """The class ``module`` was built with, before this engine changed it (if it does)."""
+        return type(module)
+
     # -- planning --------------------------------------------------------------------------
     @classmethod
     @abstractmethod
@@ -250,6 +270,54 @@ class Engine(ABC):
 def adamw_bytes(trainable: int, weight_bytes: int) -> float:
     """AdamW's m and v in fp32, plus an fp32 master copy when the weights are 16-bit."""
     return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
+
+
+def rebuilt_model(model: "nn.Module", state_dict: dict[str, Any],
+                   original_class: Callable[["nn.Module"], type]) -> "nn.Module":
+    """A plain module like ``model`` (a transformers model, perhaps inside peft) holding ``state_dict``.
+
+    Built from the model's config with ``original_class(model)`` on the meta device, peft's
+    wrapper added again with the model's own peft config, then loaded with ``assign=True``
+    (the tensors of ``state_dict`` become the parameters); which parameters train is copied
+    from ``model`` (the adapter's non-LoRA trainables are saved beside it). Buffers that are
+    not saved (rotary frequencies) stay on the meta device: the copy is for saving, not computing.
+
+    Raises:
+        RuntimeError: the copy's parameter names differ from ``state_dict``'s (both named).
+    """
+    import copy
+
+    import torch
+
+    from mmtune.training.peft_setup import is_peft_model
+
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    with torch.device("meta"):
+        twin = original_class(base)._from_config(copy.deepcopy(base.config))
+        twin.generation_config = copy.deepcopy(base.generation_config)
+        # A model read with from_pretrained remembers how its checkpoint's names were mapped;
+        # save_pretrained maps them back the same way (as it does for the trained model under DDP).
+        if hasattr(base, "_weight_conversions"):
+            twin._weight_conversions = base._weight_conversions
+        if peft:
+            from peft import get_peft_model
+
+            name = model.active_adapter
+            twin = get_peft_model(twin, copy.deepcopy(model.peft_config[name]), adapter_name=name)
+    expected = set(twin.state_dict())
+    if expected != set(state_dict):
+        missing, extra = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        raise RuntimeError(f"final/: the {type(twin).__name__} rebuilt from the model's config has other "
+                           f"parameters than the trained model: missing {missing[:5]}, unexpected {extra[:5]} "
+                           f"({len(missing)} and {len(extra)}); the model's structure changed after it was built")
+    twin.load_state_dict(state_dict, assign=True)
+    if hasattr(twin, "tie_weights"):
+        twin.tie_weights()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in twin.named_parameters():
+        p.requires_grad_(n in trained)
+    return twin.eval()
 
 
 # The registry lives beside the interface so each engine module imports only this one.

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, register_engine
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -167,13 +167,11 @@ class FSDP2Engine(Engine):
                 if id(module) not in done:
                     _fully_shard(module, **kwargs)
                     done.add(id(module))
-        # The output head is a unit of its own (unless tied to the input embeddings): the loss
-        # reads its weight outside the model's forward, run as the head's forward, whose hooks
-        # gather it then (see mmtune.training.loss._call_as_forward).
-        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-        if head is not None and id(head) not in done and not (
-                embeddings is not None and {id(p) for p in head.parameters()} & {id(p) for p in embeddings.parameters()}):
-            _fully_shard(head, **kwargs)
+        # The output head stays in the root unit, which FSDP2 keeps unsharded from its forward
+        # to its backward: the linear cross-entropy reads the head's weight after the model's
+        # forward (Engine.gathered makes it whole should it be sharded then). As a unit of its
+        # own, the loss's call of the head outside the root's forward makes FSDP2 close the
+        # iteration's other units early and free weights their backward still reads.
         _fully_shard(model, **kwargs)
         self.units = {u: len(found[u]) for u in self.config.units}
         return model
@@ -191,10 +189,11 @@ class FSDP2Engine(Engine):
 
     @contextlib.contextmanager
     def gathered(self, params: list["nn.Parameter"]) -> Iterator[None]:
-        """Unshard the unit that owns any still-sharded ``params`` (a tied head in the root unit).
+        """Unshard the unit that owns any still-sharded ``params``.
 
-        Run as the head's forward, a head that is its own unit is gathered by its hooks already.
-        The unit stays unsharded until its backward is done, where FSDP reshards it.
+        The output head lives in the root unit, which FSDP2 leaves unsharded after the
+        model's forward, so the loss usually finds it whole; otherwise the unit stays
+        unsharded until its backward is done, where FSDP reshards it.
         """
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
@@ -261,8 +260,27 @@ class FSDP2Engine(Engine):
         # Every rank takes part in the all-gathers; the main process keeps full CPU tensors.
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def merge_problem(self) -> str:
-        return "FSDP2 LoRA runs save the adapter only; merge it with peft offline (or train with ddp to merge)"
+    def final_model(self, model: "nn.Module", state_dict: dict[str, Any]) -> "nn.Module":
+        """An unsharded CPU twin of ``model`` holding ``state_dict`` (the gathered full weights).
+
+        ``fully_shard`` gives every unit a new class (``FSDP<Name>``, which transformers'
+        save code does not recognise when it maps parameter names back to the checkpoint's)
+        and forbids copying it, so the twin is built again: the model's original class from
+        its own config on the meta device (no memory, no initialisation), wrapped by peft
+        with the run's LoRA config for a peft model, then given the full weights with
+        ``assign=True``. ``final/`` is then written by the same code as under DDP, LoRA
+        merged by peft's ``merge_and_unload``.
+
+        Raises:
+            RuntimeError: the copy's parameter names differ from the gathered ones (names both).
+        """
+        return rebuilt_model(model, state_dict, self.original_class)
+
+    def original_class(self, module: "nn.Module") -> type:
+        from torch.distributed.fsdp import FSDPModule
+
+        # fully_shard's class derives from FSDPModule and the module's own class, in that order.
+        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
     # -- planning --------------------------------------------------------------------------
     @classmethod
