@@ -80,13 +80,59 @@ def test_two_fsdp2_ranks_match_one_process(family, peft, tmp_path, synthetic_dir
                    for s in read_jsonl(single / "sample_ids.jsonl")]
     assert len(_losses(sharded)) == 4
     assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
-    if peft == "full":
-        trained = _weights(sharded / "final", family)
-        _assert_same_weights(trained, _weights(single / "final", family))
-    else:
+    # final/ is the full model (LoRA merged into it), as one process writes it.
+    _assert_same_weights(_weights(sharded / "final", family), _weights(single / "final", family))
+    if peft == "lora":
         _assert_same_weights(_adapter_weights(sharded / "final"), _adapter_weights(single / "final"))
-        run = json.loads((sharded / "final" / "mmtune_run.json").read_text())
-        assert run["merged"] is False and "FSDP2" in run["merged_note"]
+        assert "merged" not in json.loads((sharded / "final" / "mmtune_run.json").read_text())
+
+
+def _files(final: Path) -> list[str]:
+    return sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+
+
+def _saved_tensors(final: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(final / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,peft", [("llava", "full"), ("qwen2_vl", "full"), ("llava", "lora")])
+def test_fsdp2_final_is_the_checkpoint_ddp_writes_and_it_loads_and_evaluates(family, peft, tmp_path, synthetic_dir,
+                                                                             tiny_overrides):
+    """2 ranks each: FSDP2's final/ has DDP's files, tensor names and weights (LoRA merged), loads
+    with the family's from_pretrained and runs the synthetic benchmark."""
+    from mmtune.evaluation.config import EvalConfig, GenerationConfig
+    from mmtune.evaluation.runner import evaluate_checkpoint
+
+    common = (*FAMILIES[family], *PEFT[peft], "training.max_steps=2", "training.lr=2e-4")
+    finals = {}
+    for engine in ("fsdp2", "ddp"):
+        _run([*_torchrun(2), *tiny_overrides(tmp_path / engine, synthetic_dir, *common,
+                                             f"training.backend.engine={engine}")])
+        finals[engine] = tmp_path / engine / "final"
+    sharded, replicated = finals["fsdp2"], finals["ddp"]
+    assert _files(sharded) == _files(replicated) and "model.safetensors" in _files(sharded)
+    if peft == "lora":
+        assert "adapter/adapter_model.safetensors" in _files(sharded)
+    saved, reference = _saved_tensors(sharded), _saved_tensors(replicated)
+    assert saved.keys() == reference.keys()
+    _assert_same_weights(saved, reference)
+    loaded = _weights(sharded, family)  # the family's XForConditionalGeneration.from_pretrained
+    _assert_same_weights(loaded, _weights(replicated, family))
+    if peft == "lora":  # merged as DDP merges, not left adapter-only
+        assert "merged" not in json.loads((sharded / "mmtune_run.json").read_text())
+        assert not any("lora_" in n for n in saved)
+
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False,
+                     generation=GenerationConfig(max_new_tokens=4, batch_size=2, device="cpu"))
+    cfg.synthetic.data_path = str(synthetic_dir / "test.json")
+    cfg.synthetic.image_root = str(synthetic_dir / "images")
+    results = evaluate_checkpoint(str(sharded), cfg, output_dir=str(tmp_path / "eval"), run_name=family)
+    assert results["synthetic"].counts["missing"] == 0
+    rows = (tmp_path / "eval" / "generations" / "synthetic.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(r)["answer"] is not None for r in rows)
 
 
 @pytest.mark.slow
