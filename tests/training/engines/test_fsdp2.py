@@ -199,6 +199,60 @@ def test_sigkill_of_one_rank_then_resume_on_two_ranks_matches_the_uninterrupted_
     _assert_same_weights(_weights(killed / "final", "llava"), _weights(reference / "final", "llava"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [("training.gradient_checkpointing=true",),
+                                     ("collator.batching=packing", "collator.packing_window=256",
+                                      "training.epochs=2")], ids=["activation_checkpointing", "packing"])
+def test_activation_checkpointing_and_packing_under_fsdp2_match_one_process(setting, tmp_path, synthetic_dir,
+                                                                           tiny_overrides):
+    """Recomputed activations inside the sharded decoder layers, and packed rows, on 2 FSDP2
+    ranks: the same losses and final weights as one process over the same batches, at 1e-5."""
+    common = ("training.max_steps=3", "training.lr=2e-4", *setting)
+    sharded, single = tmp_path / "fsdp2", tmp_path / "one"
+    _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2")])
+    _run([sys.executable, SFT, *tiny_overrides(single, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+    assert len(_losses(sharded)) >= 2
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+    _assert_same_weights(_weights(sharded / "final", "llava"), _weights(single / "final", "llava"))
+
+
+def _first_gradient(tmp_path: Path, name: str, cmd: list[str], overrides: list[str]) -> tuple[dict, str]:
+    """The first optimizer step's (gathered) gradients, saved by dist_worker.py, and the run's output."""
+    proc = subprocess.run([*cmd, str(REPO / "tests" / "training" / "dist_worker.py"), str(tmp_path / f"{name}{{rank}}.json"),
+                           *overrides], cwd=REPO, env={**_env(), "GRADS_OUT": str(tmp_path / f"{name}-grads{{rank}}.pt")},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return torch.load(tmp_path / f"{name}-grads0.pt"), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_runs_under_fsdp2_with_the_materialised_gradients(tmp_path, synthetic_dir, tiny_overrides):
+    """Chunked (the head read in the root unit, Engine.gathered) and materialised losses on 2 FSDP2
+    ranks give the same first-step gradients at 1e-5, equal to one process's over the same batch."""
+    common = ("training.max_steps=1", "training.loss_chunk_size=16")
+    grads, outputs = {}, {}
+    for impl in ("chunked", "materialized"):
+        grads[impl], outputs[impl] = _first_gradient(
+            tmp_path, impl, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port())],
+            tiny_overrides(tmp_path / impl, synthetic_dir, *common, f"training.loss_impl={impl}",
+                           "training.backend.engine=fsdp2"))
+    grads["one"], _ = _first_gradient(tmp_path, "one", [sys.executable],
+                                      tiny_overrides(tmp_path / "one", synthetic_dir, *common,
+                                                     "training.loss_impl=chunked",
+                                                     "training.gradient_accumulation_steps=2"))
+    assert "loss: chunked linear cross-entropy" in outputs["chunked"] and "fallback" not in outputs["chunked"]
+    assert grads["chunked"].keys() == grads["materialized"].keys() == grads["one"].keys()
+    head = next(n for n in grads["chunked"] if n.endswith("lm_head.weight"))
+    assert grads["chunked"][head].abs().max() > 0
+    for name, grad in grads["materialized"].items():
+        torch.testing.assert_close(grads["chunked"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads["one"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    losses = {run: _losses(tmp_path / run) for run in ("chunked", "materialized", "one")}
+    assert losses["chunked"] == pytest.approx(losses["materialized"], rel=1e-5)
+    assert losses["chunked"] == pytest.approx(losses["one"], rel=1e-5)
+
+
 # -- start-up refusals (fast) ---------------------------------------------------------------------
 
 
