@@ -88,7 +88,8 @@ class Engine(ABC):
             engine.backward(loss)
             if engine.sync_gradients: norm = engine.clip_grad_norm(model, max_norm)
         engine.save_state(directory) / engine.load_state(directory)
-        state_dict = engine.full_state_dict(model)      # final/, on the main process
+        state_dict = engine.full_state_dict(model)      # final/: a collective, complete on the main process
+        module = engine.final_model(model, state_dict)  # main process: what save_pretrained / the merge run on
     """
 
     name: ClassVar[str]
