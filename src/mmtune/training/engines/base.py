@@ -96,6 +96,10 @@ class Engine(ABC):
     """The value of ``training.backend.engine`` that selects this engine."""
     package: ClassVar[Optional[str]] = None
     """The importable package the engine needs beyond torch and accelerate (checked at start-up)."""
+    settings_class: ClassVar[type]
+    """The dataclass of the engine's ``training.backend.<name>`` section (declared in its module)."""
+    sequence_parallel: ClassVar[bool] = False
+    """Whether ``training.sequence_parallel.size > 1`` runs under this engine (tested against one process)."""
 
     def __init__(self, cfg: "SFTConfig"):
         self.cfg = cfg
@@ -326,7 +330,17 @@ _ENGINES: dict[str, type[Engine]] = {}
 
 
 def register_engine(cls: type[Engine]) -> type[Engine]:
-    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``."""
+    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``, its
+    ``settings_class`` the ``training.backend.<cls.name>`` section.
+
+    Raises:
+        ValueError: the name is registered twice, or ``settings_class`` is not a dataclass.
+    """
+    import dataclasses
+
+    if not (isinstance(getattr(cls, "settings_class", None), type) and dataclasses.is_dataclass(cls.settings_class)):
+        raise ValueError(f"engine {cls.__name__} has no settings_class: set it to the dataclass of its "
+                         f"training.backend.{getattr(cls, 'name', '<name>')} section")
     if cls.name in _ENGINES and _ENGINES[cls.name] is not cls:
         raise ValueError(f"engine {cls.name!r} is registered twice ({_ENGINES[cls.name].__name__}, {cls.__name__})")
     _ENGINES[cls.name] = cls

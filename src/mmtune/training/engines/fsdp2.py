@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
 from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModuleGroups
     from mmtune.training.config import SFTConfig
 
-__all__ = ["FSDP2Engine", "UNITS", "sharding_units"]
+__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "UNITS", "sharding_units"]
 
 UNITS = ("decoder_layers", "vision_layers", "vision_tower")
 SHARDED_DIR = "sharded"
@@ -89,11 +90,33 @@ def _fully_shard(module: "nn.Module", **kwargs: Any) -> None:
         _CAN_RECORD_REGISTRY[module] = recorded
 
 
+@dataclass
+class FSDP2EngineConfig:
+    """``training.backend.fsdp2``: PyTorch FSDP2 (``fully_shard`` on a 1-D device mesh)."""
+
+    units: List[str] = field(default_factory=lambda: ["decoder_layers", "vision_tower"])
+    """Sharding units, each all-gathered as one piece around its forward and backward:
+    ``decoder_layers`` (each language-model layer), ``vision_layers`` (each vision-tower
+    block), ``vision_tower`` (the whole tower, what ``vision_layers`` leaves). The rest
+    (embeddings, projector, final norm, output head) is the root unit."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered weights after its forward (gathered again for backward):
+    less memory, one more all-gather per unit and step."""
+    mixed_precision: str = "auto"
+    """Weights' dtype inside forward and backward: ``auto`` (bf16 when
+    ``training.mixed_precision=bf16``, else fp32), ``bf16`` or ``fp32``. Gradients are
+    reduced and the optimizer steps in fp32 either way."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and optimizer states in CPU memory (GPU runs)."""
+
+
 @register_engine
 class FSDP2Engine(Engine):
     """Fully sharded data parallel, PyTorch's ``fully_shard`` (``training.backend.engine=fsdp2``)."""
 
     name = "fsdp2"
+    settings_class = FSDP2EngineConfig
+    sequence_parallel = True
     launch_hint = "torchrun --nproc_per_node N recipes/sft.py"
 
     # -- start-up --------------------------------------------------------------------------
