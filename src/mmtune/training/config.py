@@ -205,7 +205,7 @@ class TrainingConfig:
     """Append the dialogue ids of every optimizer step to ``sample_ids.jsonl`` (rank 0
     gathers all ranks): proves exact resume and no overlap between ranks."""
     backend: BackendConfig = field(default_factory=BackendConfig)
-    """The distributed engine (``ddp``, ``deepspeed``, ``fsdp2``) and its settings."""
+    """The distributed engine (``training.backend.engine``, a registered engine) and its settings."""
     eval_before: bool = False
     """Evaluate the ``eval`` benchmarks before training (the baseline score)."""
     eval_after: bool = False

@@ -591,7 +591,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
 def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor:
     """``fn(*args)`` run as ``module``'s forward, so the hooks on ``module`` bracket it.
 
-    A sharding engine (ZeRO-3, FSDP2) gathers a module's parameters in hooks
+    A sharding engine gathers a module's parameters in hooks
     around its forward *and* its backward, and autograd accumulates a parameter's gradient right after the node that
     produced it, while the parameter is still gathered. A custom autograd function that
     reads ``lm_head.weight`` outside those hooks returns a full-size gradient for a

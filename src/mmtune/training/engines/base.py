@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModuleGroups
     from mmtune.training.config import SFTConfig
 
-__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launched_engine", "register_engine"]
+__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launch_file_engine", "launched_engine", "register_engine"]
 
 
 class EngineLaunchError(RuntimeError):
@@ -52,6 +52,18 @@ def launched_engine() -> Optional[str]:
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return "accelerate-fsdp"
+    return None
+
+
+def launch_file_engine(launch: dict[str, Any]) -> Optional[str]:
+    """The engine an accelerate config file (parsed) starts processes for, named as
+    :func:`launched_engine` names it: ``deepspeed``, ``accelerate-fsdp`` or ``None`` (plain
+    processes, which every engine accepts)."""
+    kind = str(launch.get("distributed_type", "")).upper()
+    if kind == "DEEPSPEED" or launch.get("deepspeed_config"):
+        return "deepspeed"
+    if kind == "FSDP":
         return "accelerate-fsdp"
     return None
 
@@ -140,6 +152,21 @@ class Engine(ABC):
                 f"(accelerate launch --config_file with distributed_type "
                 f"{'DEEPSPEED' if launched == 'deepspeed' else 'FSDP'}): launch with "
                 f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
+
+    @classmethod
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+        """Why the accelerate config file ``origin`` (parsed: ``launch``) cannot start this engine
+        with ``config``, its ``training.backend.<name>`` section; empty when it can.
+
+        ``mmtune plan`` asks before a job is submitted; at start-up :meth:`start` refuses the
+        same launch from what the launcher passed to the process.
+        """
+        launched = launch_file_engine(launch)
+        if launched is None or launched == cls.name:
+            return ""
+        return (f"training.backend.engine={cls.name} but {origin} launches {launched} (distributed_type "
+                f"{launch.get('distributed_type')}): set training.backend.engine={launched.replace('accelerate-', '')} "
+                "or launch with another config")
 
     launch_hint: ClassVar[str] = "torchrun --nproc_per_node N recipes/sft.py (or python recipes/sft.py)"
     """How to launch this engine, for error messages and docs."""

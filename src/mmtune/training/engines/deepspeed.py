@@ -92,6 +92,18 @@ class DeepSpeedEngine(Engine):
                 "agree (the config decides; the launch file must match it)"
                 for key, value in found.items() if getattr(c, key) != value]
 
+    @classmethod
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+        problem = super().launch_config_problem(config, launch, origin)
+        ds = launch.get("deepspeed_config") or {}
+        if problem or not ds:
+            return problem
+        stage = int(ds.get("zero_stage", 0))
+        if stage != config.stage:
+            return (f"training.backend.deepspeed.stage={config.stage} but {origin} launches ZeRO-{stage}: make them "
+                    "agree (the config decides; the launch file must match it)")
+        return ""
+
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config this engine runs with when it builds the plugin itself."""
         c = self.config
