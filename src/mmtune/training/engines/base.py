@@ -265,12 +265,15 @@ class Engine(ABC):
         ``merge_and_unload`` folds LoRA in: the same save code under every engine. Here the
         unwrapped model itself, or for a peft model whose LoRA is merged a plain copy
         rebuilt from ``state_dict`` (:func:`rebuilt_model`): the merge works on a copy, and
-        the trained model, which the launcher's wrapper has changed, cannot be deep-copied.
+        the trained model, which the launcher's wrapper has changed, cannot be deep-copied
+        on several processes (a 4-bit QLoRA base, which a config cannot rebuild, still is).
         """
         from mmtune.training.peft_setup import is_peft_model
 
         unwrapped = self.unwrap(model)
-        if is_peft_model(unwrapped) and not self.merge_problem():
+        # A 4-bit (QLoRA) base cannot be rebuilt from its config; peft merges it on a deep copy.
+        if (is_peft_model(unwrapped) and not self.merge_problem()
+                and not getattr(unwrapped.get_base_model(), "is_quantized", False)):
             return rebuilt_model(unwrapped, state_dict, self.original_class)
         return unwrapped
 

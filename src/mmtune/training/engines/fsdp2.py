@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
 from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
@@ -167,6 +167,8 @@ class FSDP2Engine(Engine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+        from mmtune.models.base import unwrap_model
+
         acc = self.accelerator
         assert acc is not None
         found = sharding_units(groups)
@@ -197,6 +199,7 @@ class FSDP2Engine(Engine):
         # iteration's other units early and free weights their backward still reads.
         _fully_shard(model, **kwargs)
         self.units = {u: len(found[u]) for u in self.config.units}
+        self.quantized = bool(getattr(unwrap_model(model), "is_quantized", False))
         return model
 
     def prepare(self, model: "nn.Module", optimizer: Any, scheduler: Any) -> tuple["nn.Module", Any, Any]:
@@ -297,7 +300,15 @@ class FSDP2Engine(Engine):
         Raises:
             RuntimeError: the copy's parameter names differ from the gathered ones (names both).
         """
+        if getattr(self, "quantized", False):
+            return model  # a 4-bit base cannot be rebuilt from its config: the adapter is saved alone
         return rebuilt_model(model, state_dict, self.original_class)
+
+    def merge_problem(self) -> str:
+        if getattr(self, "quantized", False):
+            return ("FSDP2 QLoRA runs save the adapter only (a 4-bit base cannot be rebuilt unsharded); merge it with "
+                    "peft offline")
+        return ""
 
     def original_class(self, module: "nn.Module") -> type:
         from torch.distributed.fsdp import FSDPModule
