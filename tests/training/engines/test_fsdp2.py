@@ -1,7 +1,8 @@
-"""FSDP2 on 2 gloo ranks (torchrun, CPU) against one process: the same losses and final weights
-(full and LoRA, tiny LLaVA and Qwen2-VL), a text-only micro-batch on one rank beside images on
-the other, SIGKILL of one rank and resume (refused on one process), ``final/`` loading with
-``from_pretrained``; and the start-up refusals of the engine (fast)."""
+"""FSDP2 on 2 gloo ranks (torchrun, CPU) against one process and against DDP: the same losses and
+final weights (full and LoRA merged, tiny LLaVA and Qwen2-VL), DDP's final/ (files, tensor names,
+from_pretrained, the synthetic benchmark), the chunked loss's gradients, activation checkpointing
+and packing, a text-only micro-batch on one rank beside images on the other, SIGKILL of one rank
+and resume (refused on one process); and the start-up refusals of the engine (fast)."""
 
 import json
 import os
