@@ -243,6 +243,8 @@ def output_head(module: nn.Module, engine_problem: str = "",
     """
     # Exactly nn.Linear: a subclass (a quantized linear layer) may not compute hidden @ weight.T.
     if (head_class or type(module)) is nn.Linear:
+        if engine_problem:
+            return None, engine_problem
         return OutputHead(module, [p for p in (module.weight, module.bias) if p is not None], "linear"), ""
     try:
         from peft.tuners.lora import Linear as LoraLinear

@@ -228,8 +228,8 @@ def _first_gradient(tmp_path: Path, name: str, cmd: list[str], overrides: list[s
 
 @pytest.mark.slow
 def test_the_chunked_loss_runs_under_fsdp2_with_the_materialised_gradients(tmp_path, synthetic_dir, tiny_overrides):
-    """Chunked (the head read in the root unit, Engine.gathered) and materialised losses on 2 FSDP2
-    ranks give the same first-step gradients at 1e-5, equal to one process's over the same batch."""
+    """training.loss_impl=chunked and materialized on 2 FSDP2 ranks give the same first-step
+    gradients at 1e-5, equal to one process's (chunked) over the same batch."""
     common = ("training.max_steps=1", "training.loss_chunk_size=16")
     grads, outputs = {}, {}
     for impl in ("chunked", "materialized"):
@@ -242,7 +242,9 @@ def test_the_chunked_loss_runs_under_fsdp2_with_the_materialised_gradients(tmp_p
                                       tiny_overrides(tmp_path / "one", synthetic_dir, *common,
                                                      "training.loss_impl=chunked",
                                                      "training.gradient_accumulation_steps=2"))
-    assert "loss: chunked linear cross-entropy" in outputs["chunked"] and "fallback" not in outputs["chunked"]
+    # On several ranks FSDP2 falls back to materialised logits (a text-only rank beside an image
+    # rank hangs the chunked path), saying why; the gradients stay one process's.
+    assert "loss: materialised logits + cross-entropy (fallback: FSDP2 on several processes" in outputs["chunked"]
     assert grads["chunked"].keys() == grads["materialized"].keys() == grads["one"].keys()
     head = next(n for n in grads["chunked"] if n.endswith("lm_head.weight"))
     assert grads["chunked"][head].abs().max() > 0

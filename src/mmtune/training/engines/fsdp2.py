@@ -234,6 +234,18 @@ class FSDP2Engine(Engine):
                 owner.unshard()
         yield
 
+    _HEAD_PROBLEM = ("FSDP2 on several processes: the linear cross-entropy hangs a step where one rank's "
+                     "micro-batch is text-only beside a rank with images (its gradients match the materialised "
+                     "path's otherwise); materialised logits until that is solved")
+
+    def head_problem(self, head: "nn.Module") -> str:
+        acc = self.accelerator
+        return self._HEAD_PROBLEM if acc is not None and acc.num_processes > 1 else ""
+
+    @classmethod
+    def planned_head_problem(cls, config: Any, *, lora_head: bool) -> str:
+        return cls._HEAD_PROBLEM
+
     # -- one step --------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, model: "nn.Module") -> Iterator[None]:
