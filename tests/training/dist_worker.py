@@ -29,16 +29,19 @@ def main() -> None:
     recipe._micro_batches = lambda: (micro_batches.append(item[1]) or item for item in batches())
     grads_out = os.environ.get("GRADS_OUT")
     if grads_out:
-        inner_step = recipe.optimizer.optimizer.step
+        inner = getattr(recipe.optimizer, "optimizer", recipe.optimizer)  # FSDP2 leaves it unwrapped
+        inner_step = inner.step
 
         def save_first_gradient(*args, **kwargs):
             path = grads_out.format(rank=recipe.accelerator.process_index)
             if not os.path.exists(path):
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                # An FSDP2 gradient is this rank's shard: every rank gathers the whole one (a collective).
+                grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                         for n, p in model.named_parameters() if p.grad is not None}
                 torch.save(grads, path)
             return inner_step(*args, **kwargs)
 
-        recipe.optimizer.optimizer.step = save_first_gradient
+        inner.step = save_first_gradient
     recipe.train()
     digest = hashlib.sha256()
     changed = 0

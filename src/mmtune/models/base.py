@@ -437,6 +437,6 @@ class ModelAdapter(ABC):
         """A zero-valued scalar that runs the vision tower (and projector) on a dummy image.
 
         Added to the loss of text-only batches so every rank calls the vision tower every
-        step (sharded engines, ZeRO-3 and FSDP2, hang otherwise) and vision parameters get zero, not
+        step (engines that shard the weights hang otherwise) and vision parameters get zero, not
         ``None``, gradients.
         """

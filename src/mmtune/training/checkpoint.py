@@ -368,9 +368,11 @@ def save_final(accelerator: "Accelerator", model: "nn.Module", out_dir: str | os
     accelerator.wait_for_everyone()
     # A collective under sharding engines: every rank takes part.
     state_dict = engine.full_state_dict(model) if engine is not None else accelerator.get_state_dict(model)
-    unwrapped = engine.unwrap(model) if engine is not None else accelerator.unwrap_model(model)
     merge_problem = engine.merge_problem() if engine is not None else ""
     if accelerator.is_main_process:
+        # The module whose save_pretrained (and merge) writes the weights: the trained model
+        # itself, or an unsharded copy holding the gathered ones (Engine.final_model).
+        unwrapped = engine.final_model(model, state_dict) if engine is not None else accelerator.unwrap_model(model)
         previous = " The previous final/ is intact." if (out_dir / RUN_METADATA).is_file() else ""
         with disk_full_guard(tmp, "the final checkpoint", cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True),
                              intact=lambda: f"{out_dir} was not replaced.{previous} " + intact_note(out_dir.parent)):

@@ -42,9 +42,7 @@ __all__ = [
     "ConfigError",
     "GroupConfig",
     "BackendConfig",
-    "DDPEngineConfig",
-    "DeepSpeedEngineConfig",
-    "FSDP2EngineConfig",
+    "backend_config_class",
     "TrainingConfig",
     "PeftConfig",
     "LoggingConfig",
@@ -83,72 +81,58 @@ class GroupConfig:
 
 
 @dataclass
-class DDPEngineConfig:
-    """``training.backend.ddp``: PyTorch DistributedDataParallel, full weights on every rank."""
-
-    find_unused_parameters: Optional[bool] = None
-    """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
-    the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
-
-
-@dataclass
-class DeepSpeedEngineConfig:
-    """``training.backend.deepspeed``: DeepSpeed ZeRO through accelerate."""
-
-    stage: int = 3
-    """ZeRO stage: 2 shards optimizer states and gradients, 3 the weights too (less memory
-    per GPU, one all-gather per layer and step)."""
-    offload_optimizer: bool = False
-    """Keep optimizer states (and their step) in CPU memory: frees 12 bytes per trained
-    parameter on the GPU, the step runs on the CPU."""
-    offload_params: bool = False
-    """ZeRO-3 only: keep the weights' shards in CPU memory between uses."""
-    config_file: Optional[str] = None
-    """A DeepSpeed JSON with tuning values (bucket sizes, prefetch); its
-    ``zero_optimization.stage`` must equal ``stage``. ``None``: DeepSpeed's defaults.
-    Batch size, accumulation, clipping and precision always come from this config."""
-
-
-@dataclass
-class FSDP2EngineConfig:
-    """``training.backend.fsdp2``: PyTorch FSDP2 (``fully_shard`` on a 1-D device mesh)."""
-
-    units: List[str] = field(default_factory=lambda: ["decoder_layers", "vision_tower"])
-    """Sharding units, each all-gathered as one piece around its forward and backward:
-    ``decoder_layers`` (each language-model layer), ``vision_layers`` (each vision-tower
-    block), ``vision_tower`` (the whole tower, what ``vision_layers`` leaves). The rest
-    (embeddings, projector, final norm, output head) is the root unit."""
-    reshard_after_forward: bool = True
-    """Free each unit's gathered weights after its forward (gathered again for backward):
-    less memory, one more all-gather per unit and step."""
-    mixed_precision: str = "auto"
-    """Weights' dtype inside forward and backward: ``auto`` (bf16 when
-    ``training.mixed_precision=bf16``, else fp32), ``bf16`` or ``fp32``. Gradients are
-    reduced and the optimizer steps in fp32 either way."""
-    cpu_offload: bool = False
-    """Keep parameter shards, gradients and optimizer states in CPU memory (GPU runs)."""
-
-
-ENGINE_NAMES = ("ddp", "deepspeed", "fsdp2")
-#: the engines sequence parallelism is tested under (2 CPU ranks against one process)
-SEQUENCE_PARALLEL_ENGINES = ("ddp", "fsdp2")
-
-
-@dataclass
 class BackendConfig:
-    """``training.backend``: the distributed engine and its settings (one section per engine)."""
+    """``training.backend``: the distributed engine and its settings, one section per
+    registered engine (``training.backend.<name>``, typed by the engine's ``settings_class``
+    in its own module under :mod:`mmtune.training.engines`).
+
+    ``BackendConfig(...)`` returns an instance of :func:`backend_config_class`: this class
+    extended by one section per registered engine, as :class:`~mmtune.models.config.ModelConfig`
+    holds one per model family, so an engine brings its keys without an edit here and an
+    unknown key still fails at start-up.
+    """
 
     engine: str = "ddp"
-    """``ddp`` (full weights on every rank; one process needs no launcher), ``deepspeed``
-    (ZeRO-2/3, ``accelerate launch`` with a DeepSpeed config or torchrun) or ``fsdp2``
-    (PyTorch ``fully_shard``, launched by ``torchrun``). A launcher that started another
+    """The registered engine that runs the job (:func:`mmtune.training.engines.engine_names`):
+    ``ddp`` (full weights on every rank; one process needs no launcher) and the sharding
+    engines, each with its launch in docs/training.md. A launcher that started another
     engine is refused at start-up."""
-    ddp: DDPEngineConfig = field(default_factory=DDPEngineConfig)
-    """Settings of ``engine=ddp``."""
-    deepspeed: DeepSpeedEngineConfig = field(default_factory=DeepSpeedEngineConfig)
-    """Settings of ``engine=deepspeed``."""
-    fsdp2: FSDP2EngineConfig = field(default_factory=FSDP2EngineConfig)
-    """Settings of ``engine=fsdp2``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "BackendConfig":
+        if cls is BackendConfig:
+            cls = backend_config_class()
+        return super().__new__(cls)
+
+    def __reduce__(self):
+        # the class is built at run time, so pickles and deep copies name BackendConfig itself
+        return BackendConfig, (), dict(self.__dict__)
+
+
+_BACKEND_CLASSES: dict[tuple, type] = {}
+
+
+def backend_config_class() -> type:
+    """:class:`BackendConfig` with one section per registered engine, named after it and typed
+    by its ``settings_class`` (built once per set of registered engines).
+
+    Raises:
+        ValueError: an engine's name is one of the section's own keys (``engine``).
+    """
+    from mmtune.training.engines import settings_classes
+
+    sections = settings_classes()
+    key = tuple(sections.items())
+    if key not in _BACKEND_CLASSES:
+        clash = sorted({f.name for f in dataclasses.fields(BackendConfig)} & set(sections))
+        if clash:
+            raise ValueError(f"engine name(s) {clash} collide with training.backend's own keys; rename the engine")
+        cls = dataclasses.make_dataclass(
+            "BackendConfig", [(name, settings, field(default_factory=settings)) for name, settings in sections.items()],
+            bases=(BackendConfig,),
+        )
+        cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "BackendConfig", BackendConfig.__doc__
+        _BACKEND_CLASSES[key] = cls
+    return _BACKEND_CLASSES[key]
 
 
 @dataclass
@@ -221,7 +205,7 @@ class TrainingConfig:
     """Append the dialogue ids of every optimizer step to ``sample_ids.jsonl`` (rank 0
     gathers all ranks): proves exact resume and no overlap between ranks."""
     backend: BackendConfig = field(default_factory=BackendConfig)
-    """The distributed engine (``ddp``, ``deepspeed``, ``fsdp2``) and its settings."""
+    """The distributed engine (``training.backend.engine``, a registered engine) and its settings."""
     eval_before: bool = False
     """Evaluate the ``eval`` benchmarks before training (the baseline score)."""
     eval_after: bool = False
@@ -455,8 +439,12 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.sequence_parallel.size={sp} cannot split model.attn_implementation="
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
-    if sp > 1 and t.backend.engine not in SEQUENCE_PARALLEL_ENGINES:
-        problems.append(engine_problem(sp, t.backend.engine))
+    from mmtune.training.engines import engine_class, engine_names
+
+    if sp > 1 and t.backend.engine in engine_names() and engine_class(t.backend.engine).sequence_parallel_problem:
+        able = [name for name in engine_names() if not engine_class(name).sequence_parallel_problem]
+        problems.append(engine_problem(sp, t.backend.engine, engine_class(t.backend.engine).sequence_parallel_problem,
+                                       able))
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")
@@ -481,11 +469,9 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.num_workers={t.num_workers} must be >= 0 (0: load in the main process)")
     if not any(getattr(t, g).train for g in ("vision", "projector", "language_model")):
         problems.append("training.{vision,projector,language_model}.train are all false: nothing would train")
-    if t.backend.engine not in ENGINE_NAMES:
-        problems.append(f"training.backend.engine={t.backend.engine!r}: use one of {', '.join(ENGINE_NAMES)}")
+    if t.backend.engine not in engine_names():
+        problems.append(f"training.backend.engine={t.backend.engine!r}: use one of {', '.join(engine_names())}")
     else:
-        from mmtune.training.engines import engine_class
-
         problems += engine_class(t.backend.engine).config_problems(cfg)
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")

@@ -28,7 +28,7 @@ must get exactly right are awkward to reach inside ``Trainer``.
    divided by ``N`` (each row counted once), and the ranks' gradients, averaged over
    ``world_size`` by DDP, add up to those of the rows (``mmtune.training.sequence_parallel``).
 
-The distributed engine (``training.backend.engine``: DDP, ZeRO or FSDP2) is one
+The distributed engine (``training.backend.engine``, replicated or sharded) is one
 object behind :class:`~mmtune.training.engines.base.Engine`: it wraps or shards the model,
 syncs and clips gradients, saves and loads the resumable state and gathers ``final/``; the
 loop never asks which engine it runs under. accelerate still does what it does well:
@@ -42,7 +42,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict

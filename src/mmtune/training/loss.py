@@ -44,7 +44,7 @@ import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +152,9 @@ def model_head_problem(adapter, model: nn.Module, engine=None) -> str:
         _, head_module = adapter.loss_modules(getattr(model, "_orig_mod", model))
     except NotImplementedError as err:
         return str(err)
-    return output_head(head_module, engine.head_problem(head_module) if engine else "")[1]
+    if engine is None:
+        return output_head(head_module)[1]
+    return output_head(head_module, engine.head_problem(head_module), head_class=engine.original_class(head_module))[1]
 
 
 def planned_loss_impl(cfg, model: nn.Module) -> LossChoice:
@@ -225,18 +227,24 @@ class OutputHead:
         return weight, base.bias
 
 
-def output_head(module: nn.Module, engine_problem: str = "") -> tuple[Optional[OutputHead], str]:
+def output_head(module: nn.Module, engine_problem: str = "",
+                head_class: Optional[type] = None) -> tuple[Optional[OutputHead], str]:
     """Read ``module`` (a model's output embeddings) as one matrix, or say why it cannot be.
 
     ``engine_problem`` is why the run's engine cannot gather a LoRA head's factors
-    (``Engine.head_problem``), empty when it can.
+    (``Engine.head_problem``), empty when it can. ``head_class`` is the class the module
+    was built with where the engine gave it another (``Engine.original_class``: a sharding
+    unit's class derives from the module's own); default ``type(module)``.
 
     Returns:
         ``(head, "")`` for an ``nn.Linear`` or a peft LoRA ``Linear`` with one active
         adapter, no dropout and nothing merged; ``(None, reason)`` otherwise, and the
         caller falls back to materialised logits.
     """
-    if type(module) is nn.Linear:
+    # Exactly nn.Linear: a subclass (a quantized linear layer) may not compute hidden @ weight.T.
+    if (head_class or type(module)) is nn.Linear:
+        if engine_problem:
+            return None, engine_problem
         return OutputHead(module, [p for p in (module.weight, module.bias) if p is not None], "linear"), ""
     try:
         from peft.tuners.lora import Linear as LoraLinear
@@ -540,7 +548,8 @@ def materialized_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *
 def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, labels: torch.Tensor, *,
                              impl: str = "chunked", chunk_size: int = DEFAULT_CHUNK_SIZE,
                              gathered: Optional[Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]] = None,
-                             engine_problem: str = "", shifted: bool = False) -> torch.Tensor:
+                             engine_problem: str = "", head_class: Optional[type] = None,
+                             shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross-entropy of ``head_module(hidden)`` against ``labels``, in fp32.
 
     Args:
@@ -554,12 +563,14 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
         gathered: the engine's ``gathered(params)``: makes sharded head parameters whole
             for the block (``Engine.gathered``); ``None`` when nothing is sharded.
         engine_problem: the engine's ``head_problem`` for this head (see :func:`output_head`).
+        head_class: the class the head was built with, where the engine changed it
+            (``Engine.original_class``; see :func:`output_head`).
         shifted: ``labels`` are already each position's target (a sequence-parallel shard's,
             shifted on the whole row before it was cut).
     """
     if impl == "materialized":
         return materialized_cross_entropy_sum(head_module(hidden), labels, shifted=shifted)
-    head, reason = output_head(head_module, engine_problem)
+    head, reason = output_head(head_module, engine_problem, head_class)
     gather = gathered or (lambda params: contextlib.nullcontext())
     if head is None:
         raise ValueError(f"training.loss_impl={impl} cannot read the output head: {reason}")
@@ -582,7 +593,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, head_module: nn.Module, label
 def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor:
     """``fn(*args)`` run as ``module``'s forward, so the hooks on ``module`` bracket it.
 
-    A sharding engine (ZeRO-3, FSDP2) gathers a module's parameters in hooks
+    A sharding engine gathers a module's parameters in hooks
     around its forward *and* its backward, and autograd accumulates a parameter's gradient right after the node that
     produced it, while the parameter is still gathered. A custom autograd function that
     reads ``lm_head.weight`` outside those hooks returns a full-size gradient for a
@@ -694,6 +705,7 @@ class TrainingLoss:
         return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device), impl=self.impl,
                                         chunk_size=self.chunk_size, gathered=engine.gathered if engine else None,
                                         engine_problem=engine.head_problem(head_module) if engine else "",
+                                        head_class=engine.original_class(head_module) if engine else None,
                                         shifted=shifted)
 
     def _keep(self, _module: nn.Module, _args: tuple, output) -> None:

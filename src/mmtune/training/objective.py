@@ -18,7 +18,7 @@ engine divides by ``accum`` and averages gradients over ``world_size`` ranks, so
 gradient is exactly that of the token-weighted mean (see :mod:`mmtune.training.loop`).
 
 :class:`VisionOnEveryRank` is why a text-only micro-batch does not hang a sharded engine.
-ZeRO-3 and FSDP2 gather the vision tower's weights from every rank in its
+An engine that shards the weights gathers the vision tower's from every rank in its
 forward, so every rank must run it, and at the same point of the forward as a rank with
 images: before the language model. A forward pre-hook on the language model's layer stack
 runs the adapter's zero-valued dummy image there (``vision_dummy_loss``) when the

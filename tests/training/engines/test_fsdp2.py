@@ -1,10 +1,10 @@
-"""FSDP2 on 2 gloo ranks (torchrun, CPU) against one process: the same losses and final weights
-(full and LoRA, tiny LLaVA and Qwen2-VL), a text-only micro-batch on one rank beside images on
-the other, SIGKILL of one rank and resume on two ranks and on one, ``final/`` loading with
-``from_pretrained``; and the start-up refusals of the engine (fast)."""
+"""FSDP2 on 2 gloo ranks (torchrun, CPU) against one process and against DDP: the same losses and
+final weights (full and LoRA merged, tiny LLaVA and Qwen2-VL), DDP's final/ (files, tensor names,
+from_pretrained, the synthetic benchmark), the chunked loss's gradients, activation checkpointing
+and packing, a text-only micro-batch on one rank beside images on the other, SIGKILL of one rank
+and resume on two ranks and on one; and the start-up refusals of the engine (fast)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import torch
 
 from tests.support.processes import REPO, SFT, read_jsonl, run_ok as _run, torchrun as _torchrun
 from tests.support.processes import assert_same_weights as _assert_same_weights, child_env as _env
-from tests.support.processes import final_weights as _weights, step_sample_ids
+from tests.support.processes import final_weights as _weights, free_port, step_sample_ids
 
 FAMILIES = {"llava": (), "qwen2_vl": ("model=qwen2_vl_tiny",)}
 PEFT = {"full": (), "lora": ("peft=lora", "peft.dropout=0.0")}  # no dropout: the ranks' RNG streams differ
@@ -51,13 +51,59 @@ def test_two_fsdp2_ranks_match_one_process(family, peft, tmp_path, synthetic_dir
                    for s in read_jsonl(single / "sample_ids.jsonl")]
     assert len(_losses(sharded)) == 4
     assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
-    if peft == "full":
-        trained = _weights(sharded / "final", family)
-        _assert_same_weights(trained, _weights(single / "final", family))
-    else:
+    # final/ is the full model (LoRA merged into it), as one process writes it.
+    _assert_same_weights(_weights(sharded / "final", family), _weights(single / "final", family))
+    if peft == "lora":
         _assert_same_weights(_adapter_weights(sharded / "final"), _adapter_weights(single / "final"))
-        run = json.loads((sharded / "final" / "mmtune_run.json").read_text())
-        assert run["merged"] is False and "FSDP2" in run["merged_note"]
+        assert "merged" not in json.loads((sharded / "final" / "mmtune_run.json").read_text())
+
+
+def _files(final: Path) -> list[str]:
+    return sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+
+
+def _saved_tensors(final: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(final / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,peft", [("llava", "full"), ("qwen2_vl", "full"), ("llava", "lora")])
+def test_fsdp2_final_is_the_checkpoint_ddp_writes_and_it_loads_and_evaluates(family, peft, tmp_path, synthetic_dir,
+                                                                             tiny_overrides):
+    """2 ranks each: FSDP2's final/ has DDP's files, tensor names and weights (LoRA merged), loads
+    with the family's from_pretrained and runs the synthetic benchmark."""
+    from mmtune.evaluation.config import EvalConfig, GenerationConfig
+    from mmtune.evaluation.runner import evaluate_checkpoint
+
+    common = (*FAMILIES[family], *PEFT[peft], "training.max_steps=2", "training.lr=2e-4")
+    finals = {}
+    for engine in ("fsdp2", "ddp"):
+        _run([*_torchrun(2), *tiny_overrides(tmp_path / engine, synthetic_dir, *common,
+                                             f"training.backend.engine={engine}")])
+        finals[engine] = tmp_path / engine / "final"
+    sharded, replicated = finals["fsdp2"], finals["ddp"]
+    assert _files(sharded) == _files(replicated) and "model.safetensors" in _files(sharded)
+    if peft == "lora":
+        assert "adapter/adapter_model.safetensors" in _files(sharded)
+    saved, reference = _saved_tensors(sharded), _saved_tensors(replicated)
+    assert saved.keys() == reference.keys()
+    _assert_same_weights(saved, reference)
+    loaded = _weights(sharded, family)  # the family's XForConditionalGeneration.from_pretrained
+    _assert_same_weights(loaded, _weights(replicated, family))
+    if peft == "lora":  # merged as DDP merges, not left adapter-only
+        assert "merged" not in json.loads((sharded / "mmtune_run.json").read_text())
+        assert not any("lora_" in n for n in saved)
+
+    cfg = EvalConfig(benchmarks=["synthetic"], progress=False,
+                     generation=GenerationConfig(max_new_tokens=4, batch_size=2, device="cpu"))
+    cfg.synthetic.data_path = str(synthetic_dir / "test.json")
+    cfg.synthetic.image_root = str(synthetic_dir / "images")
+    results = evaluate_checkpoint(str(sharded), cfg, output_dir=str(tmp_path / "eval"), run_name=family)
+    assert results["synthetic"].counts["missing"] == 0
+    rows = (tmp_path / "eval" / "generations" / "synthetic.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(r)["answer"] is not None for r in rows)
 
 
 @pytest.mark.slow
@@ -141,6 +187,62 @@ def test_sigkill_of_one_rank_then_resume_on_two_ranks_or_on_one_matches_the_unin
             assert [m[key] for m in after] == pytest.approx([m[key] for m in expected[resumed_at:]], rel=rel), key
         assert step_sample_ids(run) == step_sample_ids(reference)
         _assert_same_weights(_weights(run / "final", "llava"), _weights(reference / "final", "llava"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [("training.gradient_checkpointing=true",),
+                                     ("collator.batching=packing", "collator.packing_window=256",
+                                      "training.epochs=2")], ids=["activation_checkpointing", "packing"])
+def test_activation_checkpointing_and_packing_under_fsdp2_match_one_process(setting, tmp_path, synthetic_dir,
+                                                                           tiny_overrides):
+    """Recomputed activations inside the sharded decoder layers, and packed rows, on 2 FSDP2
+    ranks: the same losses and final weights as one process over the same batches, at 1e-5."""
+    common = ("training.max_steps=3", "training.lr=2e-4", *setting)
+    sharded, single = tmp_path / "fsdp2", tmp_path / "one"
+    _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2")])
+    _run([sys.executable, SFT, *tiny_overrides(single, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
+    assert len(_losses(sharded)) >= 2
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+    _assert_same_weights(_weights(sharded / "final", "llava"), _weights(single / "final", "llava"))
+
+
+def _first_gradient(tmp_path: Path, name: str, cmd: list[str], overrides: list[str]) -> tuple[dict, str]:
+    """The first optimizer step's (gathered) gradients, saved by dist_worker.py, and the run's output."""
+    proc = subprocess.run([*cmd, str(REPO / "tests" / "training" / "dist_worker.py"), str(tmp_path / f"{name}{{rank}}.json"),
+                           *overrides], cwd=REPO, env={**_env(), "GRADS_OUT": str(tmp_path / f"{name}-grads{{rank}}.pt")},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return torch.load(tmp_path / f"{name}-grads0.pt"), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_runs_under_fsdp2_with_the_materialised_gradients(tmp_path, synthetic_dir, tiny_overrides):
+    """training.loss_impl=chunked and materialized on 2 FSDP2 ranks give the same first-step
+    gradients at 1e-5, equal to one process's (chunked) over the same batch."""
+    common = ("training.max_steps=1", "training.loss_chunk_size=16")
+    grads, outputs = {}, {}
+    for impl in ("chunked", "materialized"):
+        grads[impl], outputs[impl] = _first_gradient(
+            tmp_path, impl, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port())],
+            tiny_overrides(tmp_path / impl, synthetic_dir, *common, f"training.loss_impl={impl}",
+                           "training.backend.engine=fsdp2"))
+    grads["one"], _ = _first_gradient(tmp_path, "one", [sys.executable],
+                                      tiny_overrides(tmp_path / "one", synthetic_dir, *common,
+                                                     "training.loss_impl=chunked",
+                                                     "training.gradient_accumulation_steps=2"))
+    # On several ranks FSDP2 falls back to materialised logits (a text-only rank beside an image
+    # rank hangs the chunked path), saying why; the gradients stay one process's.
+    assert "loss: materialised logits + cross-entropy (fallback: FSDP2 on several processes" in outputs["chunked"]
+    assert grads["chunked"].keys() == grads["materialized"].keys() == grads["one"].keys()
+    head = next(n for n in grads["chunked"] if n.endswith("lm_head.weight"))
+    assert grads["chunked"][head].abs().max() > 0
+    for name, grad in grads["materialized"].items():
+        torch.testing.assert_close(grads["chunked"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads["one"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    losses = {run: _losses(tmp_path / run) for run in ("chunked", "materialized", "one")}
+    assert losses["chunked"] == pytest.approx(losses["materialized"], rel=1e-5)
+    assert losses["chunked"] == pytest.approx(losses["one"], rel=1e-5)
 
 
 # -- start-up refusals (fast) ---------------------------------------------------------------------

@@ -313,3 +313,19 @@ def test_sequence_parallel_divides_activations_and_lengthens_the_longest_row():
     # the longest row is where the total meets the GPU's memory
     at = estimate_cost(params, sequence_parallel=4, **{**common, "micro_batch_tokens": four.longest_row_tokens})
     assert at.memory_gib["total"] == pytest.approx(GPU_TYPES["h100"].memory_gib, rel=1e-3)
+
+
+def test_a_launch_file_for_another_engine_or_another_zero_stage_is_refused_by_the_engine(env):
+    """The engine class reads the accelerate config (Engine.launch_config_problem), as at start-up."""
+    zero3 = "launch/accelerate/single_node_8gpu_zero3.yaml"
+    with pytest.raises(PlanError, match=r"training.backend.engine=fsdp2 but .*zero3.yaml launches deepspeed "
+                                        r"\(distributed_type DEEPSPEED\): set training.backend.engine=deepspeed"):
+        plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"], num_gpus=8,
+                 accelerate_config=zero3)
+    with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=2 but .*zero3.yaml launches ZeRO-3"):
+        plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=8,
+                 accelerate_config=zero3)
+    fsdp2 = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"], num_gpus=None,
+                     accelerate_config="launch/accelerate/single_node_8gpu_fsdp2.yaml")
+    assert fsdp2.zero["stage"] == 0 and fsdp2.zero["num_gpus"] == 8
+    assert fsdp2.zero["description"].startswith("FSDP2")

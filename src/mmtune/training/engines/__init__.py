@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.config import SFTConfig
 
 __all__ = ["Engine", "EngineLaunchError", "StateMemory", "build_engine", "engine_class", "engine_names",
-           "launched_engine", "register_engine"]
+           "launched_engine", "register_engine", "settings_classes"]
 
 def _load_builtin() -> None:
     # Imported on first use: the modules import torch, the config module must not.
@@ -35,6 +35,12 @@ def engine_names() -> list[str]:
     """Every registered engine name."""
     _load_builtin()
     return sorted(_ENGINES)
+
+
+def settings_classes() -> dict[str, type]:
+    """``{name: settings dataclass}`` of every registered engine: the sections of ``training.backend``."""
+    _load_builtin()
+    return {name: cls.settings_class for name, cls in sorted(_ENGINES.items())}
 
 
 def engine_class(name: str) -> type[Engine]:

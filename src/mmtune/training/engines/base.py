@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModuleGroups
     from mmtune.training.config import SFTConfig
 
-__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launched_engine", "register_engine"]
+__all__ = ["Engine", "EngineLaunchError", "StateMemory", "launch_file_engine", "launched_engine", "register_engine"]
 
 
 class EngineLaunchError(RuntimeError):
@@ -52,6 +52,18 @@ def launched_engine() -> Optional[str]:
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return "accelerate-fsdp"
+    return None
+
+
+def launch_file_engine(launch: dict[str, Any]) -> Optional[str]:
+    """The engine an accelerate config file (parsed) starts processes for, named as
+    :func:`launched_engine` names it: ``deepspeed``, ``accelerate-fsdp`` or ``None`` (plain
+    processes, which every engine accepts)."""
+    kind = str(launch.get("distributed_type", "")).upper()
+    if kind == "DEEPSPEED" or launch.get("deepspeed_config"):
+        return "deepspeed"
+    if kind == "FSDP":
         return "accelerate-fsdp"
     return None
 
@@ -89,13 +101,19 @@ class Engine(ABC):
             if engine.sync_gradients: norm = engine.clip_grad_norm(model, max_norm)
         engine.reshard_problem(saved_world_size, world_size)  # a resume, before any load
         engine.save_state(directory) / engine.load_state(directory)
-        state_dict = engine.full_state_dict(model)      # final/, on the main process
+        state_dict = engine.full_state_dict(model)      # final/: a collective, complete on the main process
+        module = engine.final_model(model, state_dict)  # main process: what save_pretrained / the merge run on
     """
 
     name: ClassVar[str]
     """The value of ``training.backend.engine`` that selects this engine."""
     package: ClassVar[Optional[str]] = None
     """The importable package the engine needs beyond torch and accelerate (checked at start-up)."""
+    settings_class: ClassVar[type]
+    """The dataclass of the engine's ``training.backend.<name>`` section (declared in its module)."""
+    sequence_parallel_problem: ClassVar[str] = "never run under this engine"
+    """Why ``training.sequence_parallel.size > 1`` is refused under this engine; empty for an
+    engine it runs under (tested there against one process)."""
 
     def __init__(self, cfg: "SFTConfig"):
         self.cfg = cfg
@@ -136,6 +154,21 @@ class Engine(ABC):
                 f"(accelerate launch --config_file with distributed_type "
                 f"{'DEEPSPEED' if launched == 'deepspeed' else 'FSDP'}): launch with "
                 f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
+
+    @classmethod
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+        """Why the accelerate config file ``origin`` (parsed: ``launch``) cannot start this engine
+        with ``config``, its ``training.backend.<name>`` section; empty when it can.
+
+        ``mmtune plan`` asks before a job is submitted; at start-up :meth:`start` refuses the
+        same launch from what the launcher passed to the process.
+        """
+        launched = launch_file_engine(launch)
+        if launched is None or launched == cls.name:
+            return ""
+        return (f"training.backend.engine={cls.name} but {origin} launches {launched} (distributed_type "
+                f"{launch.get('distributed_type')}): set training.backend.engine={launched.replace('accelerate-', '')} "
+                "or launch with another config")
 
     launch_hint: ClassVar[str] = "torchrun --nproc_per_node N recipes/sft.py (or python recipes/sft.py)"
     """How to launch this engine, for error messages and docs."""
@@ -236,6 +269,29 @@ class Engine(ABC):
         """Why ``final/`` cannot fold LoRA into the weights here (empty when it can)."""
         return ""
 
+    def final_model(self, model: "nn.Module", state_dict: dict[str, Any]) -> "nn.Module":
+        """The module ``final/`` is written from, holding ``state_dict`` (main process only).
+
+        Its ``save_pretrained`` writes the checkpoint and, for a peft model, its
+        ``merge_and_unload`` folds LoRA in: the same save code under every engine. Here the
+        unwrapped model itself, or for a peft model whose LoRA is merged a plain copy
+        rebuilt from ``state_dict`` (:func:`rebuilt_model`): the merge works on a copy, and
+        the trained model, which the launcher's wrapper has changed, cannot be deep-copied
+        on several processes (a 4-bit QLoRA base, which a config cannot rebuild, still is).
+        """
+        from mmtune.training.peft_setup import is_peft_model
+
+        unwrapped = self.unwrap(model)
+        # A 4-bit (QLoRA) base cannot be rebuilt from its config; peft merges it on a deep copy.
+        if (is_peft_model(unwrapped) and not self.merge_problem()
+                and not getattr(unwrapped.get_base_model(), "is_quantized", False)):
+            return rebuilt_model(unwrapped, state_dict, self.original_class)
+        return unwrapped
+
+    def original_class(self, module: "nn.Module") -> type:
+        """The class ``module`` was built with, before this engine changed it (if it does)."""
+        return type(module)
+
     # -- planning --------------------------------------------------------------------------
     @classmethod
     @abstractmethod
@@ -262,12 +318,70 @@ def adamw_bytes(trainable: int, weight_bytes: int) -> float:
     return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
 
 
+def rebuilt_model(model: "nn.Module", state_dict: dict[str, Any],
+                   original_class: Callable[["nn.Module"], type]) -> "nn.Module":
+    """A plain module like ``model`` (a transformers model, perhaps inside peft) holding ``state_dict``.
+
+    Built from the model's config with ``original_class(model)`` on the meta device, peft's
+    wrapper added again with the model's own peft config, then loaded with ``assign=True``
+    (the tensors of ``state_dict`` become the parameters); which parameters train is copied
+    from ``model`` (the adapter's non-LoRA trainables are saved beside it). Buffers that are
+    not saved (rotary frequencies) stay on the meta device: the copy is for saving, not computing.
+
+    Raises:
+        RuntimeError: the copy's parameter names differ from ``state_dict``'s (both named).
+    """
+    import copy
+
+    import torch
+
+    from mmtune.training.peft_setup import is_peft_model
+
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    with torch.device("meta"):
+        twin = original_class(base)._from_config(copy.deepcopy(base.config))
+        twin.generation_config = copy.deepcopy(base.generation_config)
+        # A model read with from_pretrained remembers how its checkpoint's names were mapped;
+        # save_pretrained maps them back the same way (as it does for the trained model under DDP).
+        if hasattr(base, "_weight_conversions"):
+            twin._weight_conversions = base._weight_conversions
+        if peft:
+            from peft import get_peft_model
+
+            name = model.active_adapter
+            twin = get_peft_model(twin, copy.deepcopy(model.peft_config[name]), adapter_name=name)
+    expected = set(twin.state_dict())
+    if expected != set(state_dict):
+        missing, extra = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        raise RuntimeError(f"final/: the {type(twin).__name__} rebuilt from the model's config has other "
+                           f"parameters than the trained model: missing {missing[:5]}, unexpected {extra[:5]} "
+                           f"({len(missing)} and {len(extra)}); the model's structure changed after it was built")
+    twin.load_state_dict(state_dict, assign=True)
+    if hasattr(twin, "tie_weights"):
+        twin.tie_weights()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in twin.named_parameters():
+        p.requires_grad_(n in trained)
+    return twin.eval()
+
+
 # The registry lives beside the interface so each engine module imports only this one.
 _ENGINES: dict[str, type[Engine]] = {}
 
 
 def register_engine(cls: type[Engine]) -> type[Engine]:
-    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``."""
+    """Class decorator: make ``cls`` selectable as ``training.backend.engine=<cls.name>``, its
+    ``settings_class`` the ``training.backend.<cls.name>`` section.
+
+    Raises:
+        ValueError: the name is registered twice, or ``settings_class`` is not a dataclass.
+    """
+    import dataclasses
+
+    if not (isinstance(getattr(cls, "settings_class", None), type) and dataclasses.is_dataclass(cls.settings_class)):
+        raise ValueError(f"engine {cls.__name__} has no settings_class: set it to the dataclass of its "
+                         f"training.backend.{getattr(cls, 'name', '<name>')} section")
     if cls.name in _ENGINES and _ENGINES[cls.name] is not cls:
         raise ValueError(f"engine {cls.name!r} is registered twice ({_ENGINES[cls.name].__name__}, {cls.__name__})")
     _ENGINES[cls.name] = cls

@@ -6,11 +6,21 @@ several are started by ``torchrun`` or ``accelerate launch`` and all-reduce grad
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, register_engine
 
-__all__ = ["DDPEngine"]
+__all__ = ["DDPEngine", "DDPEngineConfig"]
+
+
+@dataclass
+class DDPEngineConfig:
+    """``training.backend.ddp``: PyTorch DistributedDataParallel, full weights on every rank."""
+
+    find_unused_parameters: Optional[bool] = None
+    """DDP's unused-parameter search. ``None``: on when the vision tower trains (LLaVA reads
+    the penultimate CLIP layer, so the last one gets no gradient), off otherwise (faster)."""
 
 
 @register_engine
@@ -18,6 +28,8 @@ class DDPEngine(Engine):
     """Data parallel with replicated state (``training.backend.engine=ddp``, the default)."""
 
     name = "ddp"
+    settings_class = DDPEngineConfig
+    sequence_parallel_problem = ""
 
     def accelerator_kwargs(self) -> dict[str, Any]:
         from accelerate.utils import DistributedDataParallelKwargs

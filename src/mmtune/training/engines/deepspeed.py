@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from mmtune.training.engines.base import (Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine,
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.training.config import SFTConfig
 
-__all__ = ["DeepSpeedEngine", "ZERO3_LIVE_PARAMETERS"]
+__all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
@@ -37,12 +38,37 @@ def _offload_device(zero: dict[str, Any], key: str) -> bool:
     return str((zero.get(key) or {}).get("device", "none")) not in ("none", "None")
 
 
+@dataclass
+class DeepSpeedEngineConfig:
+    """``training.backend.deepspeed``: DeepSpeed ZeRO through accelerate."""
+
+    stage: int = 3
+    """ZeRO stage: 2 shards optimizer states and gradients, 3 the weights too (less memory
+    per GPU, one all-gather per layer and step)."""
+    offload_optimizer: bool = False
+    """Keep optimizer states (and their step) in CPU memory: frees 12 bytes per trained
+    parameter on the GPU, the step runs on the CPU."""
+    offload_params: bool = False
+    """ZeRO-3 only: keep the weights' shards in CPU memory between uses."""
+    config_file: Optional[str] = None
+    """A DeepSpeed JSON with tuning values (bucket sizes, prefetch); its
+    ``zero_optimization.stage`` must equal ``stage``. ``None``: DeepSpeed's defaults.
+    Batch size, accumulation, clipping and precision always come from this config."""
+
+
 @register_engine
 class DeepSpeedEngine(Engine):
     """ZeRO-2/3 (``training.backend.engine=deepspeed``)."""
 
     name = "deepspeed"
+    settings_class = DeepSpeedEngineConfig
     package = "deepspeed"
+    sequence_parallel_problem = (
+        "not known to be wrong, but never run: DeepSpeed trains several processes only through deepspeed.comm, "
+        "which hangs on CPU (gloo) ranks, so the check that losses and gradients equal one process's (passed under "
+        "ddp and fsdp2 on 2 and 4 ranks) has not run under it, in particular ZeRO's gradient reduction overlapping "
+        "the Ulysses all-to-all in the backward, and ZeRO-3 gathering the vision tower's weights while each rank of "
+        "a group encodes its own share of the images")
     launch_hint = "accelerate launch --config_file launch/accelerate/single_node_8gpu_zero3.yaml recipes/sft.py"
 
     # -- start-up --------------------------------------------------------------------------
@@ -71,6 +97,18 @@ class DeepSpeedEngine(Engine):
         return [f"training.backend.deepspeed.{key}={getattr(c, key)!r} but {origin} has {value!r}: make them "
                 "agree (the config decides; the launch file must match it)"
                 for key, value in found.items() if getattr(c, key) != value]
+
+    @classmethod
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+        problem = super().launch_config_problem(config, launch, origin)
+        ds = launch.get("deepspeed_config") or {}
+        if problem or not ds:
+            return problem
+        stage = int(ds.get("zero_stage", 0))
+        if stage != config.stage:
+            return (f"training.backend.deepspeed.stage={config.stage} but {origin} launches ZeRO-{stage}: make them "
+                    "agree (the config decides; the launch file must match it)")
+        return ""
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config this engine runs with when it builds the plugin itself."""

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, register_engine
+from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
 
 if TYPE_CHECKING:  # pragma: no cover
-    from accelerate import Accelerator
     from torch import nn
 
     from mmtune.models.base import ModuleGroups
     from mmtune.training.config import SFTConfig
 
-__all__ = ["FSDP2Engine", "UNITS", "sharding_units"]
+__all__ = ["FSDP2Engine", "FSDP2EngineConfig", "UNITS", "sharding_units"]
 
 UNITS = ("decoder_layers", "vision_layers", "vision_tower")
 SHARDED_DIR = "sharded"
@@ -90,11 +90,33 @@ def _fully_shard(module: "nn.Module", **kwargs: Any) -> None:
         _CAN_RECORD_REGISTRY[module] = recorded
 
 
+@dataclass
+class FSDP2EngineConfig:
+    """``training.backend.fsdp2``: PyTorch FSDP2 (``fully_shard`` on a 1-D device mesh)."""
+
+    units: List[str] = field(default_factory=lambda: ["decoder_layers", "vision_tower"])
+    """Sharding units, each all-gathered as one piece around its forward and backward:
+    ``decoder_layers`` (each language-model layer), ``vision_layers`` (each vision-tower
+    block), ``vision_tower`` (the whole tower, what ``vision_layers`` leaves). The rest
+    (embeddings, projector, final norm, output head) is the root unit."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered weights after its forward (gathered again for backward):
+    less memory, one more all-gather per unit and step."""
+    mixed_precision: str = "auto"
+    """Weights' dtype inside forward and backward: ``auto`` (bf16 when
+    ``training.mixed_precision=bf16``, else fp32), ``bf16`` or ``fp32``. Gradients are
+    reduced and the optimizer steps in fp32 either way."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and optimizer states in CPU memory (GPU runs)."""
+
+
 @register_engine
 class FSDP2Engine(Engine):
     """Fully sharded data parallel, PyTorch's ``fully_shard`` (``training.backend.engine=fsdp2``)."""
 
     name = "fsdp2"
+    settings_class = FSDP2EngineConfig
+    sequence_parallel_problem = ""
     launch_hint = "torchrun --nproc_per_node N recipes/sft.py"
 
     # -- start-up --------------------------------------------------------------------------
@@ -145,6 +167,8 @@ class FSDP2Engine(Engine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+        from mmtune.models.base import unwrap_model
+
         acc = self.accelerator
         assert acc is not None
         found = sharding_units(groups)
@@ -168,15 +192,14 @@ class FSDP2Engine(Engine):
                 if id(module) not in done:
                     _fully_shard(module, **kwargs)
                     done.add(id(module))
-        # The output head is a unit of its own (unless tied to the input embeddings): the loss
-        # reads its weight outside the model's forward, run as the head's forward, whose hooks
-        # gather it then (see mmtune.training.loss._call_as_forward).
-        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-        if head is not None and id(head) not in done and not (
-                embeddings is not None and {id(p) for p in head.parameters()} & {id(p) for p in embeddings.parameters()}):
-            _fully_shard(head, **kwargs)
+        # The output head stays in the root unit, which FSDP2 keeps unsharded from its forward
+        # to its backward: the linear cross-entropy reads the head's weight after the model's
+        # forward (Engine.gathered makes it whole should it be sharded then). As a unit of its
+        # own, the loss's call of the head outside the root's forward makes FSDP2 close the
+        # iteration's other units early and free weights their backward still reads.
         _fully_shard(model, **kwargs)
         self.units = {u: len(found[u]) for u in self.config.units}
+        self.quantized = bool(getattr(unwrap_model(model), "is_quantized", False))
         return model
 
     def prepare(self, model: "nn.Module", optimizer: Any, scheduler: Any) -> tuple["nn.Module", Any, Any]:
@@ -192,10 +215,11 @@ class FSDP2Engine(Engine):
 
     @contextlib.contextmanager
     def gathered(self, params: list["nn.Parameter"]) -> Iterator[None]:
-        """Unshard the unit that owns any still-sharded ``params`` (a tied head in the root unit).
+        """Unshard the unit that owns any still-sharded ``params``.
 
-        Run as the head's forward, a head that is its own unit is gathered by its hooks already.
-        The unit stays unsharded until its backward is done, where FSDP reshards it.
+        The output head lives in the root unit, which FSDP2 leaves unsharded after the
+        model's forward, so the loss usually finds it whole; otherwise the unit stays
+        unsharded until its backward is done, where FSDP reshards it.
         """
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
@@ -209,6 +233,18 @@ class FSDP2Engine(Engine):
             if owner is not None:
                 owner.unshard()
         yield
+
+    _HEAD_PROBLEM = ("FSDP2 on several processes: the linear cross-entropy hangs a step where one rank's "
+                     "micro-batch is text-only beside a rank with images (its gradients match the materialised "
+                     "path's otherwise); materialised logits until that is solved")
+
+    def head_problem(self, head: "nn.Module") -> str:
+        acc = self.accelerator
+        return self._HEAD_PROBLEM if acc is not None and acc.num_processes > 1 else ""
+
+    @classmethod
+    def planned_head_problem(cls, config: Any, *, lora_head: bool) -> str:
+        return cls._HEAD_PROBLEM
 
     # -- one step --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -262,8 +298,35 @@ class FSDP2Engine(Engine):
         # Every rank takes part in the all-gathers; the main process keeps full CPU tensors.
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def final_model(self, model: "nn.Module", state_dict: dict[str, Any]) -> "nn.Module":
+        """An unsharded CPU twin of ``model`` holding ``state_dict`` (the gathered full weights).
+
+        ``fully_shard`` gives every unit a new class (``FSDP<Name>``, which transformers'
+        save code does not recognise when it maps parameter names back to the checkpoint's)
+        and forbids copying it, so the twin is built again: the model's original class from
+        its own config on the meta device (no memory, no initialisation), wrapped by peft
+        with the run's LoRA config for a peft model, then given the full weights with
+        ``assign=True``. ``final/`` is then written by the same code as under DDP, LoRA
+        merged by peft's ``merge_and_unload``.
+
+        Raises:
+            RuntimeError: the copy's parameter names differ from the gathered ones (names both).
+        """
+        if getattr(self, "quantized", False):
+            return model  # a 4-bit base cannot be rebuilt from its config: the adapter is saved alone
+        return rebuilt_model(model, state_dict, self.original_class)
+
     def merge_problem(self) -> str:
-        return "FSDP2 LoRA runs save the adapter only; merge it with peft offline (or train with ddp to merge)"
+        if getattr(self, "quantized", False):
+            return ("FSDP2 QLoRA runs save the adapter only (a 4-bit base cannot be rebuilt unsharded); merge it with "
+                    "peft offline")
+        return ""
+
+    def original_class(self, module: "nn.Module") -> type:
+        from torch.distributed.fsdp import FSDPModule
+
+        # fully_shard's class derives from FSDPModule and the module's own class, in that order.
+        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
     # -- planning --------------------------------------------------------------------------
     @classmethod

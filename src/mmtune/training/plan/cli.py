@@ -58,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--gpu", default="a100-80g", choices=sorted(GPU_TYPES), help="GPU type (default a100-80g)")
     parser.add_argument("--utilization", type=float, default=0.35,
                         help="assumed fraction of peak bf16 FLOP/s achieved, recompute included (default 0.35)")
-    parser.add_argument("--accelerate-config", help="accelerate config whose DeepSpeed settings and process count "
+    parser.add_argument("--accelerate-config", help="accelerate config whose engine settings and process count "
                         "the run uses (a relative path: from the current folder, else from the project); default: "
                         "the experiment's `launcher` key")
     parser.add_argument("--allow-skipped", action="store_true",

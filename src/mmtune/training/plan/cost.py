@@ -39,7 +39,7 @@ from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
 from mmtune.training.engines.base import StateMemory
 from mmtune.training.plan.model import ParamCounts
 
-__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "resolve_launch_file", "launcher_processes",
+__all__ = ["CostEstimate", "estimate_cost", "zero_settings", "resolve_launch_file", "launcher_processes", "launch_config",
            "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
@@ -230,10 +230,33 @@ def launcher_processes(accelerate_config: str) -> Optional[int]:
     return int(processes) if isinstance(processes, int) and processes > 0 else None
 
 
+def launch_config(accelerate_config: str) -> dict[str, Any]:
+    """An accelerate config file as a dict, what an engine's ``launch_config_problem`` reads:
+    a DeepSpeed section that names a DeepSpeed JSON gets that file's ZeRO stage as its
+    ``zero_stage``, as if written inline.
+
+    Raises:
+        PlanError: the file (or the DeepSpeed JSON it names) is not found.
+    """
+    from omegaconf import OmegaConf
+
+    acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config))) or {}
+    ds = acc.get("deepspeed_config") or {}
+    if ds.get("deepspeed_config_file"):
+        ds_path = resolve_launch_file(ds["deepspeed_config_file"], "DeepSpeed config")
+        stage = json.loads(Path(ds_path).read_text()).get("zero_optimization", {}).get("stage", 0)
+        acc["deepspeed_config"] = {**ds, "zero_stage": int(stage)}
+    return acc
+
+
 def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[int, bool, bool, str]:
     """ZeRO stage and offload from the DeepSpeed JSON (training config or accelerate config);
-    relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`)."""
+    relative paths resolve from the current folder, then from the project (:func:`resolve_launch_file`).
+    Stage 0 and no offload under any other engine (the origin names it and the launch file)."""
     backend = training_cfg.backend
+    if backend.engine != "deepspeed":
+        return 0, False, False, (f"training.backend.engine={backend.engine}"
+                                 + (f" ({accelerate_config})" if accelerate_config else ""))
     ds_path = backend.deepspeed.config_file if backend.engine == "deepspeed" else None
     origin = "training.backend.deepspeed.config_file"
     if accelerate_config:
@@ -247,8 +270,7 @@ def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[
         elif ds:
             return (int(ds.get("zero_stage", 0)), ds.get("offload_optimizer_device", "none") not in (None, "none"),
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
-        else:
-            return 0, False, False, f"{accelerate_config} (no DeepSpeed: DDP)"
+        # else a plain launch: the engine builds its plugin from training.backend.deepspeed
     if not ds_path and backend.engine == "deepspeed":
         d = backend.deepspeed
         return d.stage, d.offload_optimizer, d.offload_params, "training.backend.deepspeed"

@@ -10,7 +10,7 @@ from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES
-from mmtune.training.plan.cost import estimate_cost, launcher_processes, zero_settings
+from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, zero_settings
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
 from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
@@ -77,7 +77,7 @@ class RunPlan:
         lines.append(f"  attention   {self.attention}")
         lines.append(f"  loss        {self.loss}")
         z = self.zero
-        if z.get("engine", "deepspeed") == "deepspeed":
+        if z["stage"]:  # the ZeRO accounting of plan/cost.py; other engines describe themselves
             lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
                          + (" + optimizer offload" if z["offload_optimizer"] else "")
                          + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
@@ -212,17 +212,12 @@ def plan_run(
     engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
     try:
         # The engine is the config's; a launcher that started another one is a problem, as at start-up.
+        if accelerate_config:
+            problem = engine_cls.launch_config_problem(engine_cfg, launch_config(accelerate_config),
+                                                       str(accelerate_config))
+            if problem:
+                problems.append(problem)
         stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
-        if accelerate_config and stage and backend.engine != "deepspeed":
-            problems.append(f"training.backend.engine={backend.engine} but {accelerate_config} launches DeepSpeed "
-                            f"ZeRO-{stage}: set training.backend.engine=deepspeed or launch with another config")
-        elif backend.engine == "deepspeed" and accelerate_config and stage != engine_cfg.stage:
-            problems.append(f"training.backend.deepspeed.stage={engine_cfg.stage} but {accelerate_config} launches "
-                            f"ZeRO-{stage}: make them agree")
-        if backend.engine != "deepspeed":
-            stage, off_opt, off_par = 0, False, False
-            origin = f"training.backend.engine={backend.engine}" + (f" ({accelerate_config})" if accelerate_config
-                                                                  else "")
         if num_gpus is None:
             num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
             launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"

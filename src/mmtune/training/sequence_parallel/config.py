@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SequenceParallelConfig", "UNVERIFIED_ENGINES", "engine_problem"]
+__all__ = ["SequenceParallelConfig", "engine_problem"]
 
 
 @dataclass
@@ -18,20 +18,8 @@ class SequenceParallelConfig:
     needs ``model.attn_implementation`` sdpa or eager. ``1``: off."""
 
 
-#: engines sequence parallelism is refused under, with what was never run under them
-UNVERIFIED_ENGINES = {
-    "deepspeed": "not known to be wrong, but never run: DeepSpeed trains several processes only through "
-                 "deepspeed.comm, which hangs on CPU (gloo) ranks, so the check that losses and gradients equal one "
-                 "process's (passed under ddp and fsdp2 on 2 and 4 ranks) has not run under it, in particular ZeRO's "
-                 "gradient reduction overlapping the Ulysses all-to-all in the backward, and ZeRO-3 gathering the "
-                 "vision tower's weights while each rank of a group encodes its own share of the images",
-}
-
-
-def engine_problem(size: int, engine: str) -> str:
+def engine_problem(size: int, engine: str, why: str, able: list[str]) -> str:
     """Why ``training.sequence_parallel.size`` is refused under ``training.backend.engine``
-    (one outside the engines it runs under), and what to use instead."""
-    why = UNVERIFIED_ENGINES.get(engine, "not supported")
+    (``why``: the engine's own reason), and the engines it runs under (``able``)."""
     return (f"training.sequence_parallel.size={size} with training.backend.engine={engine} is refused: {why}. Use "
-            "training.backend.engine=fsdp2 (weights, gradients and optimizer states sharded, as ZeRO-3) or ddp, or "
-            "training.sequence_parallel.size=1")
+            f"training.backend.engine={' or '.join(able)}, or training.sequence_parallel.size=1")

@@ -62,7 +62,7 @@ def new_groups(size: int) -> SPGroups:
     """Create every sequence-parallel group (every rank must call this, in the same order).
 
     A group of its own even when it spans the whole world: the Ulysses exchange runs inside
-    autograd's backward while DDP or FSDP reduce gradients on the default group, and with a
+    autograd's backward while the engine reduces gradients on the default group, and with a
     group per concern neither can take the other's collective for its own.
 
     Raises:

@@ -14,8 +14,8 @@ How a micro-batch goes through (every rank of a group holds the same batch):
    implementation for the step.
 3. The final hidden states are this shard's; the loss takes this shard's targets (the whole
    row's labels shifted, then sliced) and returns the shard's summed loss. Summed over the
-   group it is the row's loss, and the gradients summed over the group (what DDP's and
-   FSDP's reductions do, see the training loop) are the row's gradients.
+   group it is the row's loss, and the gradients summed over the group (what the data-parallel
+   engines' reductions do, see the training loop) are the row's gradients.
 """
 
 from __future__ import annotations

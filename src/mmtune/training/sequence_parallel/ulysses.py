@@ -5,9 +5,9 @@ keys and values for all ``H`` heads. One ``all_to_all_single`` turns that into a
 tokens for ``H/N`` heads (rank ``j`` gets heads ``j H/N .. (j+1) H/N - 1``, and the key/value
 heads that serve them), the rank runs ordinary attention on its heads over the whole
 row, and a second ``all_to_all_single`` gives every rank back its own tokens with all
-heads. This is what DeepSpeed-Ulysses' ``DistributedAttention`` does around a local
-attention; it is written here as two autograd functions because DeepSpeed's runs only
-under ``deepspeed.comm`` (which hangs on gloo CPU ranks) and the exchange is a few lines.
+heads. This is the exchange of Ulysses (Jacobs et al., 2023, arXiv:2309.14509), written
+here as two autograd functions on ``torch.distributed`` collectives, which also run on gloo
+CPU ranks.
 The backward of each exchange is the other exchange.
 
 The local attention is mmtune's per-sample attention

@@ -13,7 +13,7 @@ the whole row for its images, and the group's sum is the one-process gradient.
 
 A rank whose share is empty (fewer images than ranks) still runs the encoder on the
 smallest image and keeps none of the output: every rank calls the same modules each step,
-which sharded engines (FSDP2, ZeRO-3) need.
+which engines that shard the weights need.
 
 It hooks the model's ``get_image_features`` (the transformers method a multimodal model's
 forward calls to encode its images) for the duration of a step; the adapter says how the
