@@ -296,7 +296,7 @@ class Engine(ABC):
     @classmethod
     @abstractmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int, num_layers: int = 1) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1, root_params: int = 0) -> StateMemory:
         """Bytes per GPU of weights, gradients and AdamW states under this engine.
 
         Args:
@@ -305,6 +305,9 @@ class Engine(ABC):
             weight_bytes: bytes per weight in its stored dtype.
             num_gpus: data-parallel ranks.
             num_layers: decoder layers (an engine that gathers one layer at a time holds that much).
+            root_params: parameters outside the decoder layers and the vision tower (input
+                embeddings, output head): an engine whose root unit holds them whole through
+                the step counts them.
         """
 
     @classmethod

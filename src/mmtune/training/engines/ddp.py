@@ -42,7 +42,7 @@ class DDPEngine(Engine):
 
     @classmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int, num_layers: int = 1) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1, root_params: int = 0) -> StateMemory:
         return StateMemory(weights=float(weight_bytes * total), gradients=float(weight_bytes * trainable),
                            optimizer=adamw_bytes(trainable, weight_bytes))
 

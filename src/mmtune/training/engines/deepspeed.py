@@ -231,7 +231,7 @@ class DeepSpeedEngine(Engine):
     # -- planning --------------------------------------------------------------------------
     @classmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int, num_layers: int = 1) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1, root_params: int = 0) -> StateMemory:
         g = max(1, num_gpus)
         weights, grads = float(weight_bytes * total), float(weight_bytes * trainable)
         optim = adamw_bytes(trainable, weight_bytes) / g  # stage >= 1

@@ -331,7 +331,7 @@ class FSDP2Engine(Engine):
     # -- planning --------------------------------------------------------------------------
     @classmethod
     def state_memory(cls, config: Any, *, total: int, trainable: int, weight_bytes: int,
-                     num_gpus: int, num_layers: int = 1) -> StateMemory:
+                     num_gpus: int, num_layers: int = 1, root_params: int = 0) -> StateMemory:
         g = max(1, num_gpus)
         # Sharded parameters and gradients stay in the weights' dtype (bf16 compute weights
         # are cast copies inside the units), AdamW's m and v are fp32, plus an fp32 master
@@ -344,6 +344,10 @@ class FSDP2Engine(Engine):
         # The unit being computed and the next one prefetched: about two decoder layers of
         # full weights on top of the shards.
         gathered = float(weight_bytes * total) * min(1.0, 2 / max(1, num_layers)) if g > 1 else 0.0
+        # The root unit (embeddings, the output head the loss reads) stays whole from its
+        # forward to the end of its backward.
+        if g > 1:
+            gathered += float(weight_bytes * root_params) * (1 - 1 / g)
         return StateMemory(weights=weights, gradients=grads, optimizer=optim, gathered=gathered)
 
     @classmethod

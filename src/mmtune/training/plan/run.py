@@ -268,7 +268,9 @@ def plan_run(
             num_gpus=num_gpus,
             state=engine_cls.state_memory(engine_cfg, total=params.total, trainable=params.trainable,
                                           weight_bytes=DTYPE_BYTES.get(cfg.model.torch_dtype, 4),
-                                          num_gpus=num_gpus, num_layers=params.num_layers),
+                                          num_gpus=num_gpus, num_layers=params.num_layers,
+                                          # input embeddings and output head (a tied pair counted twice: an upper bound)
+                                          root_params=2 * params.hidden_size * params.vocab_size),
             engine=engine_cls.describe(engine_cfg),
             gpu=GPU_TYPES[gpu],
             utilization=utilization,
