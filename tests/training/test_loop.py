@@ -80,14 +80,15 @@ def test_frozen_groups_stay_fixed_and_group_lrs_apply(make_recipe):
 
 
 def test_every_epoch_of_a_packed_plan_trains_each_sample_once(make_recipe, tmp_path):
-    # Windows of 8 samples into 768-token rows: the epochs' plans hold 8 and 9 rows, and
+    # Windows of 12 samples into 640-token rows: the epochs' plans hold 11 and 10 rows, and
     # 3 micro-batches per step leave a partial last group in both epochs.
-    recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=768",
-                         "collator.packing_window=8", "training.gradient_accumulation_steps=3",
+    recipe = make_recipe("collator.batching=packing", "collator.batch_size=1", "collator.max_length=640",
+                         "collator.packing_window=12", "training.gradient_accumulation_steps=3",
                          "training.epochs=2", "training.log_sample_ids=true",
                          "training.gradient_checkpointing=false")  # faster; not what is tested
     real = [recipe.data.rank_plan(epoch).real for epoch in range(2)]
     assert len(set(real)) > 1, "the epochs' plans should differ in length"
+    assert all(n % 3 for n in real), "each epoch should end on a partial group"
     assert recipe.steps_per_epoch == [-(-n // 3) for n in real]
     assert recipe.total_steps == sum(recipe.steps_per_epoch)
     recipe.train()
