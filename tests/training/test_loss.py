@@ -24,6 +24,7 @@ from mmtune.training.loss import (
     _onednn_linear,
     choose_loss_impl,
     chunked_linear_cross_entropy,
+    joined_with_outputs,
     linear_cross_entropy_sum,
     materialized_cross_entropy_sum,
     output_head,
@@ -232,6 +233,30 @@ def test_backward_twice_with_a_kept_graph_gives_each_scale_its_own_gradient():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         torch.autograd.grad(ours, [hidden, weight])
+
+
+def test_a_loss_joined_with_the_model_outputs_keeps_its_value_and_gradients_and_reaches_every_output():
+    """What FSDP2 needs: the hooks on the forward's outputs run in backward (with zero gradients)
+    although the loss does not read them; the loss and its gradients are unchanged."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden, weight, _, targets = _problem(seed=7)
+    logits = hidden[:1] @ weight.t()  # the one position per row a model returns under logits_to_keep=1
+    output = CausalLMOutputWithPast(logits=logits, hidden_states=(hidden * 2,))
+    seen = []
+    for tensor in (logits, output.hidden_states[0]):
+        tensor.register_hook(lambda grad: seen.append(grad.abs().max().item()))
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    joined = joined_with_outputs(loss, output)
+    assert joined.item() == loss.item()
+    joined.backward()
+    assert seen == [0.0, 0.0]  # each output hook ran once, with a zero gradient
+    ref_hidden, ref_weight = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    _reference(ref_hidden, ref_weight, targets).backward()
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, ref_weight.grad, rtol=1e-5, atol=1e-6)
+    # Nothing to join (no output needs a gradient): the loss itself.
+    assert joined_with_outputs(loss, CausalLMOutputWithPast(logits=logits.detach())) is loss
 
 
 def test_every_shape_chunking_and_label_mask_equals_materialized():

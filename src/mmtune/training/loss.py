@@ -63,6 +63,7 @@ __all__ = [
     "chunked_linear_cross_entropy",
     "describe",
     "fused_available",
+    "joined_with_outputs",
     "liger_installed",
     "linear_cross_entropy_sum",
     "materialized_cross_entropy_sum",
@@ -609,6 +610,42 @@ def _call_as_forward(module: nn.Module, fn, *args: torch.Tensor) -> torch.Tensor
         del module.forward
 
 
+class _JoinOutputs(torch.autograd.Function):
+    """``loss``, unchanged, with ``outputs`` as inputs of its node: backward hands ``loss`` its
+    gradient and every output a zero one."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, *outputs: torch.Tensor) -> torch.Tensor:
+        ctx.outputs = [(o.shape, o.dtype, o.device) for o in outputs]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.outputs))
+
+
+def joined_with_outputs(loss: torch.Tensor, output) -> torch.Tensor:
+    """``loss`` (same value) whose backward also reaches the tensors of ``output`` that need a
+    gradient (a model forward's output: a ``ModelOutput``, tuple or tensor), with zeros.
+
+    An engine that starts a sharding unit's backward from hooks on that unit's forward
+    outputs (FSDP2's root unit: the whole model) needs those hooks to run on every rank at
+    the same point of the backward. Under the linear cross-entropy the outputs (logits of
+    one position per row) are not part of the loss, so the hook would run only where some
+    output is reached through the graph anyway (the image features a LLaVA-style model also
+    returns, on a rank whose micro-batch has images), and there it starts the root unit's
+    backward prefetch, an all-gather the other ranks never join. Joined here, the hook runs
+    right after the loss on every rank, as it does from materialised logits.
+    """
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    tensors = []
+    for value in values:
+        for t in (value if isinstance(value, (tuple, list)) else [value]):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
+    return _JoinOutputs.apply(loss, *tensors) if tensors else loss
+
+
 def _liger_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                targets: torch.Tensor) -> torch.Tensor:
     """Liger's fused kernel with our conventions: autocast dtype matmuls, fp32 accumulation, sum."""
@@ -695,18 +732,21 @@ class TrainingLoss:
         self._armed = True  # the hook stays registered but keeps nothing outside this call (evaluation)
         try:
             # logits_to_keep=1: the head runs on one position per row (wrappers still see a normal forward).
-            model(**inputs, use_cache=False, logits_to_keep=1)
+            output = model(**inputs, use_cache=False, logits_to_keep=1)
         finally:
             self._armed = False
         if len(self._captured) != 1:
             raise RuntimeError(f"expected one call of {type(body).__name__} per forward, saw {len(self._captured)}")
         hidden = self._captured.pop()
         engine = self.engine
-        return linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device), impl=self.impl,
+        loss = linear_cross_entropy_sum(hidden, head_module, labels.to(hidden.device), impl=self.impl,
                                         chunk_size=self.chunk_size, gathered=engine.gathered if engine else None,
                                         engine_problem=engine.head_problem(head_module) if engine else "",
                                         head_class=engine.original_class(head_module) if engine else None,
                                         shifted=shifted)
+        if engine is not None and engine.loss_joins_model_outputs:
+            loss = joined_with_outputs(loss, output)
+        return loss
 
     def _keep(self, _module: nn.Module, _args: tuple, output) -> None:
         if self._armed:

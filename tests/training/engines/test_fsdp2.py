@@ -109,7 +109,8 @@ def test_fsdp2_final_is_the_checkpoint_ddp_writes_and_it_loads_and_evaluates(fam
 @pytest.mark.slow
 def test_a_text_only_rank_beside_an_image_rank_completes_the_step(tmp_path, synthetic_dir, tiny_overrides):
     """The vision tower runs on the text-only rank too (a zero-weighted dummy image inside the
-    forward, where images would go), so the ranks' gathers line up; the result is one process's."""
+    forward, where images would go), so the ranks' gathers line up, also under the chunked
+    linear cross-entropy; the result is one process's."""
     records = json.loads((synthetic_dir / "llava.json").read_text())
     records += [{"id": f"text-{i}", "conversations": [{"from": "human", "value": f"Say {i} please"},
                                                        {"from": "gpt", "value": f"{i} then"}]} for i in range(8)]
@@ -119,7 +120,11 @@ def test_a_text_only_rank_beside_an_image_rank_completes_the_step(tmp_path, synt
               f"data.mixture.sources.0.image_root={synthetic_dir / 'images'}", "collator.batch_size=1",
               "training.max_steps=6", "training.lr=2e-4", "training.log_sample_ids=true", "training.vision.train=true")
     sharded, single = tmp_path / "fsdp2", tmp_path / "one"
-    _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2")])
+    out = _run([*_torchrun(2), *tiny_overrides(sharded, synthetic_dir, *common, "training.backend.engine=fsdp2",
+                                               "training.loss_impl=chunked")])
+    # The linear cross-entropy, not a fallback: its loss joins the model's outputs, so FSDP2's root
+    # unit starts its backward at the same point on the text-only rank as on the image rank.
+    assert "loss: chunked linear cross-entropy" in out and "fallback" not in out
     _run([sys.executable, SFT, *tiny_overrides(single, synthetic_dir, *common, "training.gradient_accumulation_steps=2")])
     mixed_steps = [s for s in read_jsonl(sharded / "sample_ids.jsonl")
                    if sorted(r["ids"][0][0].startswith("text-") for r in s["ranks"]) == [False, True]]
@@ -231,9 +236,7 @@ def test_the_chunked_loss_runs_under_fsdp2_with_the_materialised_gradients(tmp_p
                                       tiny_overrides(tmp_path / "one", synthetic_dir, *common,
                                                      "training.loss_impl=chunked",
                                                      "training.gradient_accumulation_steps=2"))
-    # On several ranks FSDP2 falls back to materialised logits (a text-only rank beside an image
-    # rank hangs the chunked path), saying why; the gradients stay one process's.
-    assert "loss: materialised logits + cross-entropy (fallback: FSDP2 on several processes" in outputs["chunked"]
+    assert "loss: chunked linear cross-entropy" in outputs["chunked"] and "fallback" not in outputs["chunked"]
     assert grads["chunked"].keys() == grads["materialized"].keys() == grads["one"].keys()
     head = next(n for n in grads["chunked"] if n.endswith("lm_head.weight"))
     assert grads["chunked"][head].abs().max() > 0

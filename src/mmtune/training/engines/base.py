@@ -235,6 +235,11 @@ class Engine(ABC):
         """Why the linear cross-entropy cannot read ``head`` under this engine (empty when it can)."""
         return ""
 
+    loss_joins_model_outputs: ClassVar[bool] = False
+    """The linear cross-entropy's loss also reaches the model forward's outputs (with zero
+    gradients), so backward passes through them first, as it does from materialised logits:
+    for an engine whose hooks on those outputs start its backward (FSDP2's root unit)."""
+
     @classmethod
     def planned_head_problem(cls, config: Any, *, lora_head: bool) -> str:
         """:meth:`head_problem` predicted from the config (``mmtune plan``)."""

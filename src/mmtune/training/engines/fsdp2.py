@@ -7,6 +7,13 @@ between; the rest of the model (embeddings, projector, final norm, output head) 
 unit. The units come from the adapter's module groups (:class:`~mmtune.models.base.ModuleGroups`),
 found the same way for every family: no family is named here.
 
+The linear cross-entropy (``training.loss_impl=chunked``/``fused``) runs on any number of
+ranks: it reads the output head in the root unit, and its loss joins the model's outputs with
+zero gradients, because FSDP2 starts the root unit's backward (with an all-gather prefetch of
+the last unit) from hooks on those outputs. Without that join the hook runs only on a rank
+whose outputs the loss reaches anyway (the image features a rank with images returns), and a
+text-only rank beside it never joins that all-gather.
+
 Launched by ``torchrun`` (or an accelerate multi-GPU config), not through accelerate's FSDP
 plugin: with ``cpu=True`` that plugin silently runs DDP. accelerate still places the
 devices, autocasts, counts the accumulation and saves the scheduler and every rank's RNG;
@@ -117,6 +124,10 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
     settings_class = FSDP2EngineConfig
     sequence_parallel_problem = ""
+    # The root unit's backward (and its backward prefetch) starts from hooks on the model's
+    # outputs; the linear cross-entropy joins them so that happens at the same point on every
+    # rank, a text-only micro-batch's as an image one's (see loss.joined_with_outputs).
+    loss_joins_model_outputs = True
     launch_hint = "torchrun --nproc_per_node N recipes/sft.py"
 
     # -- start-up --------------------------------------------------------------------------
@@ -196,7 +207,9 @@ class FSDP2Engine(Engine):
         # to its backward: the linear cross-entropy reads the head's weight after the model's
         # forward (Engine.gathered makes it whole should it be sharded then). As a unit of its
         # own, the loss's call of the head outside the root's forward makes FSDP2 close the
-        # iteration's other units early and free weights their backward still reads.
+        # iteration's other units early and free weights their backward still reads. The
+        # loss also joins the model's outputs (loss_joins_model_outputs), so the root unit's
+        # backward starts right after the loss on every rank, with or without images.
         _fully_shard(model, **kwargs)
         self.units = {u: len(found[u]) for u in self.config.units}
         self.quantized = bool(getattr(unwrap_model(model), "is_quantized", False))
@@ -233,18 +246,6 @@ class FSDP2Engine(Engine):
             if owner is not None:
                 owner.unshard()
         yield
-
-    _HEAD_PROBLEM = ("FSDP2 on several processes: the linear cross-entropy hangs a step where one rank's "
-                     "micro-batch is text-only beside a rank with images (its gradients match the materialised "
-                     "path's otherwise); materialised logits until that is solved")
-
-    def head_problem(self, head: "nn.Module") -> str:
-        acc = self.accelerator
-        return self._HEAD_PROBLEM if acc is not None and acc.num_processes > 1 else ""
-
-    @classmethod
-    def planned_head_problem(cls, config: Any, *, lora_head: bool) -> str:
-        return cls._HEAD_PROBLEM
 
     # -- one step --------------------------------------------------------------------------
     @contextlib.contextmanager
