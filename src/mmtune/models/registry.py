@@ -21,8 +21,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
-_IMPORTED = False
-
 
 def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:
     """Class decorator: register an adapter under its ``family`` name.
@@ -50,10 +48,6 @@ def register_adapter(cls: type["ModelAdapter"]) -> type["ModelAdapter"]:
 
 
 def _import_builtins() -> None:
-    global _IMPORTED
-    if _IMPORTED:
-        return
-    _IMPORTED = True  # first: a family module that builds a config while it is imported must not recurse
     # every module of this package; the family modules register themselves (the others are
     # their shared parts), so adding a family is adding its module: there is no list to keep
     import_package_modules(__package__, str(Path(__file__).parent))

@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["register_format", "format_names", "get_format", "detect_format"]
 
 _REGISTRY: dict[str, "DataFormat"] = {}
-_DISCOVERED = False
 
 
 def register_format(cls: type["DataFormat"]) -> type["DataFormat"]:
@@ -44,10 +43,6 @@ def register_format(cls: type["DataFormat"]) -> type["DataFormat"]:
 
 def _discover() -> None:
     """Import every module of this package once; the format modules register themselves."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True  # first: a module that asks the registry while it is imported must not recurse
     import_package_modules(__package__, str(Path(__file__).parent))
 
 

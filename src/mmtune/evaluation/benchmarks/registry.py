@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["register", "registered_names", "get_benchmark", "benchmarks_for", "settings_classes"]
 
 _REGISTRY: dict[str, type["Benchmark"]] = {}
-_DISCOVERED = False
 
 
 def register(cls: type["Benchmark"]) -> type["Benchmark"]:
@@ -46,10 +45,6 @@ def register(cls: type["Benchmark"]) -> type["Benchmark"]:
 
 def _discover() -> None:
     """Import every module of this package once; the benchmark modules register themselves."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True  # first: a module that asks the registry while it is imported must not recurse
     import_package_modules(__package__, str(Path(__file__).parent))
 
 
