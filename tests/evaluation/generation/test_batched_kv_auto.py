@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image as PILImage
 
-from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator
 from tests.support.auto_checkpoints import CLASSES, adapter
+from tests.support.dialogues import numbered_dialogue
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +28,9 @@ def dialogues(tmp_path_factory):
         PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         paths.append(str(path))
 
-    def make(k: int, images: list[int], words: int = 1, name: str | None = None) -> Dialogue:
-        out, seen = [], 0
-        for t, n in enumerate(images):
-            segments: list = []
-            for _ in range(n):
-                seen += 1
-                segments += [f"Image{seen}: ", Image(paths[(k + seen) % len(paths)]), "\n"]
-            question = f"What is in Image{max(seen, 1)}?" if n else f"Compare Image1 and Image{max(seen, 1)}."
-            segments.append(" ".join([question] + ["please"] * (words * (t % 3))))
-            out += [Turn("user", tuple(segments)), Turn("assistant", (f"ref {k}-{t}",))]
-        return Dialogue(name or f"d{k}", "test", tuple(out))
-
-    return [make(0, [1]), make(1, [2, 0]), make(2, [1, 0, 1], words=3), make(3, [0, 1]), make(4, [0, 0], words=5),
-            make(5, [2, 1, 2, 1, 0], words=4, name="long")]
+    return [numbered_dialogue(paths, k, images, words=words, name=name) for k, images, words, name in [
+        (0, [1], 1, None), (1, [2, 0], 1, None), (2, [1, 0, 1], 3, None), (3, [0, 1], 1, None), (4, [0, 0], 5, None),
+        (5, [2, 1, 2, 1, 0], 4, "long")]]
 
 
 def _fields(records):
