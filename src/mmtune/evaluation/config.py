@@ -13,11 +13,11 @@ variables *named* in ``eval.judge``, never stored.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mmtune.core.sections import with_sections
 from mmtune.evaluation.generation.config import BACKENDS, ApiGenerationConfig, GenerationConfig
 from mmtune.evaluation.judge.config import JudgeConfig
 from mmtune.experiment import Recipe
@@ -72,9 +72,6 @@ class EvalConfig:
         return EvalConfig, (), dict(self.__dict__)
 
 
-_CLASSES: dict[tuple, type] = {}
-
-
 def eval_config_class() -> type:
     """:class:`EvalConfig` with one field per registered benchmark, named after it and typed
     by its ``settings_class`` (built once per set of registered benchmarks).
@@ -84,20 +81,8 @@ def eval_config_class() -> type:
     """
     from mmtune.evaluation.benchmarks.registry import settings_classes
 
-    sections = settings_classes()
-    key = tuple(sections.items())
-    if key not in _CLASSES:
-        common = {f.name for f in dataclasses.fields(EvalConfig)}
-        clash = sorted(common & set(sections))
-        if clash:
-            raise ValueError(f"benchmark name(s) {clash} collide with the eval config's own keys; rename the benchmark")
-        cls = dataclasses.make_dataclass(
-            "EvalConfig", [(name, settings, field(default_factory=settings)) for name, settings in sections.items()],
-            bases=(EvalConfig,),
-        )
-        cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "EvalConfig", EvalConfig.__doc__
-        _CLASSES[key] = cls
-    return _CLASSES[key]
+    return with_sections(EvalConfig, settings_classes(),
+                         clash="benchmark name(s) {names} collide with the eval config's own keys; rename the benchmark")
 
 
 @dataclass

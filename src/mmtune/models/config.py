@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from mmtune.core.images import ImageLimits
+from mmtune.core.sections import with_sections
 
 __all__ = ["FamilySettings", "ModelConfig", "model_config_class", "positive_or_null", "DEPRECATED_FLAT_KEYS"]
 
@@ -228,9 +229,6 @@ def _sections(cls: type) -> dict[str, type]:
     return getattr(cls, "_family_sections", {})
 
 
-_CLASSES: dict[tuple, type] = {}
-
-
 def model_config_class() -> type:
     """:class:`ModelConfig` with one section per registered family, named after it and typed
     by its adapter's ``settings_class`` (built once per set of registered families).
@@ -241,17 +239,7 @@ def model_config_class() -> type:
     from mmtune.models.registry import settings_classes
 
     sections = settings_classes()
-    key = tuple(sections.items())
-    if key not in _CLASSES:
-        common = {f.name for f in dataclasses.fields(ModelConfig)}
-        clash = sorted(common & set(sections))
-        if clash:
-            raise ValueError(f"model family name(s) {clash} collide with the model config's own keys; rename the family")
-        cls = dataclasses.make_dataclass(
-            "ModelConfig", [(name, settings, field(default_factory=settings)) for name, settings in sections.items()],
-            bases=(ModelConfig,),
-        )
-        cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "ModelConfig", ModelConfig.__doc__
-        cls._family_sections = dict(sections)
-        _CLASSES[key] = cls
-    return _CLASSES[key]
+    cls = with_sections(ModelConfig, sections, clash="model family name(s) {names} collide with the model config's "
+                                                     "own keys; rename the family")
+    cls._family_sections = dict(sections)
+    return cls

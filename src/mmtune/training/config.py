@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from mmtune.core.sections import with_sections
 from mmtune.data.collator import CollatorConfig
 from mmtune.data.config import DataConfig
 from mmtune.evaluation.config import EvalConfig
@@ -108,9 +109,6 @@ class BackendConfig:
         return BackendConfig, (), dict(self.__dict__)
 
 
-_BACKEND_CLASSES: dict[tuple, type] = {}
-
-
 def backend_config_class() -> type:
     """:class:`BackendConfig` with one section per registered engine, named after it and typed
     by its ``settings_class`` (built once per set of registered engines).
@@ -120,19 +118,8 @@ def backend_config_class() -> type:
     """
     from mmtune.training.engines import settings_classes
 
-    sections = settings_classes()
-    key = tuple(sections.items())
-    if key not in _BACKEND_CLASSES:
-        clash = sorted({f.name for f in dataclasses.fields(BackendConfig)} & set(sections))
-        if clash:
-            raise ValueError(f"engine name(s) {clash} collide with training.backend's own keys; rename the engine")
-        cls = dataclasses.make_dataclass(
-            "BackendConfig", [(name, settings, field(default_factory=settings)) for name, settings in sections.items()],
-            bases=(BackendConfig,),
-        )
-        cls.__module__, cls.__qualname__, cls.__doc__ = __name__, "BackendConfig", BackendConfig.__doc__
-        _BACKEND_CLASSES[key] = cls
-    return _BACKEND_CLASSES[key]
+    return with_sections(BackendConfig, settings_classes(),
+                         clash="engine name(s) {names} collide with training.backend's own keys; rename the engine")
 
 
 @dataclass
