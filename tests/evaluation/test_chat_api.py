@@ -72,6 +72,22 @@ def test_a_reply_within_a_raised_cap_is_read_whole():
     assert whole.ok and whole.content == answer
 
 
+@pytest.mark.parametrize("declared, body", [(2000, b"a" * 200_000), (2000, b'{"id": "c", "choi'), (10, b"a" * 10)],
+                         ids=["longer_than_declared", "shorter_than_declared", "declared_but_not_json"])
+def test_a_body_that_breaks_its_framing_is_malformed_on_every_attempt(declared, body):
+    """Whichever read notices a lying Content-Length first (the JSON parser or the HTTP parser,
+    on this connection or a reused one), the reply is ``malformed`` and retried, not blamed on
+    the network."""
+    with FakeJudgeServer(lambda _: Scripted(stream=lambda: iter([body]), framing="length", declared=declared),
+                         max_requests=10, lifetime_s=60) as server:
+        endpoint = _endpoint(server)
+        reply = endpoint.complete("m", [{"role": "user", "content": "hi"}], temperature=0, max_tokens=32,
+                                  sleep=lambda s: None)
+        endpoint.close()
+    assert not reply.ok and reply.kind == "malformed", (reply.kind, reply.error)
+    assert "after 3 attempts" in reply.error and endpoint.stats.retries == 2
+
+
 @pytest.mark.parametrize("behaviour", ["50MB_chunked", "endless_until_close", "error_500_endless"])
 def test_the_judge_is_capped_the_same_and_caches_nothing(tmp_path, behaviour):
     with FakeJudgeServer(lambda body: OVERSIZED[behaviour](), max_requests=10, lifetime_s=60) as server:

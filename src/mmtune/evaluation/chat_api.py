@@ -362,6 +362,10 @@ class ChatEndpoint:
         except openai.APITimeoutError:
             raise _Retryable(f"timeout: no complete reply within {self.settings.timeout_s}s", kind="timeout") from None
         except openai.APIConnectionError as err:
+            if _broke_http(err):
+                # The server broke HTTP's framing (a Content-Length that lies, a runaway header
+                # block): its reply is malformed, whichever read noticed it first.
+                raise _Retryable(f"malformed reply: {_root_cause(err)}", kind="malformed") from None
             raise _Retryable(f"connection error: {_root_cause(err)}", kind="connection") from None
         except (openai.APIResponseValidationError, json.JSONDecodeError) as err:
             # Proxies and overloaded servers sometimes answer 200 with an HTML or truncated body.
@@ -518,6 +522,20 @@ def _retry_after(err: Any) -> Optional[float]:
         return float(value) if value is not None else None
     except ValueError:
         return None
+
+
+def _broke_http(err: BaseException) -> bool:
+    """Whether a connection error's chain holds h11's ``RemoteProtocolError``: the peer's bytes
+    broke HTTP/1.1 (a body longer or shorter than its Content-Length, a header block past h11's
+    limit), as opposed to a refused, reset or silently dropped connection."""
+    import h11
+
+    seen: Optional[BaseException] = err
+    while seen is not None:
+        if isinstance(seen, h11.RemoteProtocolError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _root_cause(err: BaseException) -> str:
