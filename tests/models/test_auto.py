@@ -281,3 +281,55 @@ def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_render
     assert example.input_ids[-1] == user and example.input_ids.count(user) == 3
 
 
+
+
+def test_a_template_without_any_stop_token_warns_and_answer_stop_eos_appends_the_eos(caplog):
+    """llava-hf's LLaVA-NeXT template ends an answer with a space and renders no stop token
+    anywhere: as rendered, the model never learns to stop, so start-up says so; with
+    ``model.auto.answer_stop=eos`` every answer gets the tokenizer's EOS, labelled, and nothing
+    else changes (the ids are the template's with one EOS after each answer)."""
+    import logging
+
+    from tests.support.auto_checkpoints import checkpoint
+
+    path = checkpoint("llava_next")
+    dialogue = Dialogue("n", "t", (Turn("user", ("Hi",)), Turn("assistant", ("Hello",)),
+                                   Turn("user", ("More",)), Turn("assistant", ("Bye",))))
+    with caplog.at_level(logging.WARNING, logger="mmtune.models.auto"):
+        as_rendered = build_adapter(ModelConfig(family="auto", path=path))
+    assert "model.auto.answer_stop=eos" in caplog.text and path in caplog.text
+    eos = as_rendered.tokenizer.eos_token_id
+    plain = encode_example(as_rendered, dialogue, max_length=None)
+    assert eos not in plain.input_ids
+    assert [as_rendered.tokenizer.decode(r) for r in labelled_runs(plain.labels)] == [" Hello ", " Bye "]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmtune.models.auto"):
+        stopping = build_adapter(ModelConfig(family="auto", path=path, **{"auto": {"answer_stop": "eos"}}))
+    assert "answer_stop" not in caplog.text
+    assert stopping.fingerprint() != as_rendered.fingerprint()  # cached encodings are not shared
+    example = encode_example(stopping, dialogue, max_length=None)
+    runs = labelled_runs(example.labels)
+    assert [stopping.tokenizer.decode(r) for r in runs] == [" Hello </s>", " Bye </s>"]
+    assert all(run[-1] == eos for run in runs) and example.input_ids.count(eos) == 2
+    assert [i for i in example.input_ids if i != eos] == plain.input_ids
+    # a prompt built by mmtune carries the EOS after the earlier answer, as in training
+    prompt = Dialogue("n", "t", dialogue.turns[:3])
+    prompt_ids = flatten(stopping.encode_dialogue(prompt, add_generation_prompt=True), stopping.image_token_id)[0]
+    assert prompt_ids.count(eos) == 1 and prompt_ids == example.input_ids[: len(prompt_ids)]
+
+
+def test_answer_stop_eos_leaves_a_template_with_its_own_stop_unchanged():
+    from tests.support.auto_checkpoints import checkpoint
+
+    dialogue = Dialogue("c", "t", (Turn("user", ("Hi",)), Turn("assistant", ("Hello",))))
+    path = checkpoint("internvl")
+    default = encode_example(build_adapter(ModelConfig(family="auto", path=path)), dialogue, max_length=None)
+    eos = encode_example(build_adapter(ModelConfig(family="auto", path=path, **{"auto": {"answer_stop": "eos"}})),
+                         dialogue, max_length=None)
+    assert (eos.input_ids, eos.labels) == (default.input_ids, default.labels)
+
+
+def test_an_unknown_answer_stop_is_refused_at_start_up():
+    with pytest.raises(ValueError, match=r"model\.auto\.answer_stop='always'.*'template', 'eos'"):
+        ModelConfig(family="auto", path="unused", **{"auto": {"answer_stop": "always"}}).validate()

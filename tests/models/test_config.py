@@ -15,7 +15,7 @@ from mmtune.models.registry import adapter_class, build_adapter, register_adapte
 FAMILIES = ("llava", "auto", "internlm_xcomposer2", "qwen2_vl")
 # a value off the default for every key of every built-in family's section
 SET = {"image_aspect_ratio": "resize", "image_size": 56, "label_final_eos": False, "min_pixels": 784,
-       "max_pixels": 50176}
+       "max_pixels": 50176, "answer_stop": "eos"}
 
 
 def test_every_registered_family_has_its_section_typed_by_its_settings_class():
@@ -53,7 +53,7 @@ def test_every_problem_is_listed_at_once():
     message = str(info.value)
     for key in ("llava.image_aspect_ratio", "llava.image_size", "architecture", "internlm_xcomposer2.label_final_eos"):
         assert f"model.{key}=" in message
-    assert "which reads no family keys (it always loads model.path)" in message
+    assert "which reads model.auto.answer_stop" in message
 
 
 def test_values_of_the_chosen_section_are_checked():

@@ -35,7 +35,6 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from mmtune.io.deadline import deadline

@@ -1,8 +1,8 @@
 """Any transformers image-text-to-text checkpoint, exact against its own processor.
 
 For a checkpoint whose processor and chat template are in transformers (LLaVA-1.5,
-InternVL, LLaVA-OneVision, Gemma 3, Idefics3 / SmolVLM, Mistral 3, GLM-4.1V, ...), this
-adapter gives the tokens, image inputs and positions that ``processor(text=
+InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3 / SmolVLM, Mistral 3, GLM-4.1V, ...),
+this adapter gives the tokens, image inputs and positions that ``processor(text=
 processor.apply_chat_template(messages), images=images)`` gives for the whole dialogue,
 and labels the assistant turns as the template renders them:
 
@@ -13,7 +13,9 @@ and labels the assistant turns as the template renders them:
   the longest common prefix with that (content and end-of-turn tokens). Where that part holds no
   generation stop token (GLM-4.1V's template ends an answer with the next turn's ``<|user|>``),
   the stop token the template renders right after the answer is labelled with it, and appended
-  after the last answer, so the model learns to stop. Rendering more turns
+  after the last answer, so the model learns to stop; where the template renders no stop token
+  at all (llava-hf's LLaVA templates), start-up warns, and ``model.auto.answer_stop=eos``
+  appends the tokenizer's EOS to every answer. Rendering more turns
   must never change the text of earlier ones, or :class:`TemplateNotPrefixStableError` names
   the dialogue, turn and first differing character. So that a long dialogue costs renders of
   a few turns each rather than of every prefix, a turn's text is taken from a window (the
@@ -54,6 +56,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
@@ -89,6 +92,8 @@ __all__ = ["AutoAdapter", "AutoSettings", "RemoteCodeError", "TemplateNotPrefixS
 #: processor outputs that are text inputs, not image inputs
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
                         "text_replacement_offsets"})
+
+log = logging.getLogger(__name__)
 
 
 class TemplateNotPrefixStableError(ValueError):
@@ -188,11 +193,28 @@ def _packed_window_masks(module, args, kwargs, *, window: int):
     return args, {**kwargs, "attention_mask": {**masks, "sliding_attention": fixed}}
 
 
+ANSWER_STOPS = ("template", "eos")
+
+
 @dataclass
 class AutoSettings(FamilySettings):
-    """``model.auto``: no keys of its own; the checkpoint's processor and template decide."""
+    """``model.auto``: the checkpoint's processor and template decide everything but this."""
 
     builds_random_model: ClassVar[bool] = False
+
+    answer_stop: str = "template"
+    """How an answer ends in training. ``template``: as the chat template renders it (its own end
+    of turn, or the stop token it renders right after the answer). ``eos``: where the template
+    renders no generation stop token in or right after an answer (llava-hf's LLaVA-1.5 and
+    LLaVA-NeXT templates end an answer with a space), the tokenizer's EOS is appended to every
+    answer and labelled, as the original LLaVA training appended ``</s>``; the model then learns
+    to stop, and prompts built by mmtune carry it after earlier answers too. A template that has
+    its stop token is unchanged by ``eos``."""
+
+    def problems(self, prefix: str) -> list[str]:
+        if self.answer_stop not in ANSWER_STOPS:
+            return [f"{prefix}.answer_stop={self.answer_stop!r}: use one of {list(ANSWER_STOPS)}"]
+        return []
 
 
 @register_adapter
@@ -255,6 +277,12 @@ class AutoAdapter(ModelAdapter):
         self.image_input_names = tuple(self._joins)
         self._rope = self._rope_index()
         self.position_id_rows = 3 if self._rope is not None else 1
+        if self._template_answer_end[0] == "none" and config.settings.answer_stop == "template":
+            log.warning(
+                "model.path=%s: its chat template renders no stop token (%s) in or right after an assistant "
+                "answer, so a model trained on it as rendered does not learn to end its answers; set "
+                "model.auto.answer_stop=eos to append %r to every answer, labelled", config.path,
+                self.tokenizer.convert_ids_to_tokens(self.stop_token_ids), self.tokenizer.eos_token)
 
     def _generation_eos(self) -> Any:
         """``eos_token_id`` of the checkpoint's ``generation_config.json`` (``None`` without one)."""
@@ -763,34 +791,54 @@ class AutoAdapter(ModelAdapter):
         return EncodedDialogue(dialogue.id, [], turns, chunks_of.get(-1, []))
 
     @functools.cached_property
-    def _answer_stop(self) -> int | None:
-        """The stop token that ends an answer where the template renders none in the answer's own
-        text: the first token of what the template renders after it, when that is one of the
-        generation stop tokens (GLM-4.1V: the next turn's ``<|user|>``, one of its generation
-        config's ``eos_token_id``); ``None`` where an answer carries its own stop token."""
+    def _template_answer_end(self) -> tuple[str, int | None]:
+        """How the chat template ends an answer: ``("own", None)`` with a generation stop token in
+        the answer's own text; ``("next", id)`` with one as the first token it renders after the
+        answer (GLM-4.1V: the next turn's ``<|user|>``, one of its generation config's
+        ``eos_token_id``); ``("none", None)`` with neither (llava-hf's LLaVA templates), or for a
+        template whose turns are not prefix-stable on the probe (refused per dialogue later)."""
         user, answer = self._message("user", ("a",)), self._message("assistant", ("b",))
         before = self._render([user], add_generation_prompt=True)
         after = self._render([user, answer], add_generation_prompt=False)
         following = self._render([user, answer, user], add_generation_prompt=False)
         if not (after.startswith(before) and following.startswith(after)):
-            return None
+            return "own", None
         stops = set(self.stop_token_ids)
         own = self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
         if stops & set(own):
-            return None
+            return "own", None
         next_ids = self.tokenizer(following[len(after):], add_special_tokens=False)["input_ids"]
-        return int(next_ids[0]) if next_ids and next_ids[0] in stops else None
+        if next_ids and next_ids[0] in stops:
+            return "next", int(next_ids[0])
+        return "none", None
+
+    @functools.cached_property
+    def _answer_ends(self) -> tuple[int | None, bool]:
+        """``(stop, appended)``: the stop token given to every answer whose text holds none, and
+        whether it is appended (``model.auto.answer_stop=eos`` on a template with no stop token:
+        the tokenizer's EOS) rather than moved from the next turn; ``(None, False)``: nothing to add."""
+        end, stop = self._template_answer_end
+        if end == "next":
+            return stop, False
+        if end == "none" and self.config.settings.answer_stop == "eos" and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id), True
+        return None, False
+
+    @property
+    def _answer_stop(self) -> int | None:
+        return self._answer_ends[0]
 
     def _label_answer_stops(self, turns: list[EncodedTurn]) -> None:
         """Give every assistant turn the stop token the model must learn to end it with
-        (:attr:`_answer_stop`), labelled: the next turn's first token moves into the answer, and
-        the last answer of the dialogue gets one appended (what the template renders next)."""
-        stop = self._answer_stop
+        (:attr:`_answer_ends`), labelled: the next turn's first token moves into the answer, and
+        the last answer of the dialogue gets one appended (what the template renders next); an
+        appended EOS (``model.auto.answer_stop=eos``) goes after every answer."""
+        stop, appended = self._answer_ends
         for index, turn in enumerate(turns):
             if turn.role != "assistant" or not any(isinstance(c, TokenChunk) and c.trainable for c in turn.chunks):
                 continue
             following = turns[index + 1] if index + 1 < len(turns) else None
-            if following is None:
+            if following is None or appended:
                 turn.chunks.append(TokenChunk((stop,), True))
                 continue
             first = following.chunks[0] if following.chunks else None
@@ -832,6 +880,7 @@ class AutoAdapter(ModelAdapter):
             "family": self.family,
             "path": self.config.path,
             "template": hashlib.sha1(self.chat_template.encode()).hexdigest(),
+            "answer_stop": self.config.settings.answer_stop,
             "vocab": len(self.tokenizer),
             "processor": self.processor.to_dict() if hasattr(self.processor, "to_dict") else repr(self.processor),
         }

@@ -77,6 +77,14 @@ _MISTRAL3_TEMPLATE = (
     "{% else %}{% for item in message['content'] %}{{ item['text'] }}{% endfor %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
 )
+# llava-hf/llava-v1.6-vicuna-7b-hf: "USER: " / "ASSISTANT: " headers, a message's images first (each
+# "<image>\n"), each text item followed by " "; no stop token in or after an answer
+_LLAVA_NEXT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}"
+    "{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 # zai-org/GLM-4.1V-9B-Thinking: "[gMASK]<sop>", "<|role|>\n" headers, images in begin/end markers
 _GLM4V_TEMPLATE = (
     "[gMASK]<sop>{% for msg in messages %}{{ '<|' + msg['role'] + '|>\n' }}"
@@ -135,6 +143,8 @@ KINDS: dict[str, TinyKind] = {
                        "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                        "<|video|>"),
                       eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>")),
+    "llava_next": TinyKind("llava_next", _LLAVA_NEXT_TEMPLATE, "llava-hf/llava-v1.6-vicuna-7b-hf",
+                           ("<unk>", "<s>", "</s>", "<image>"), bos="<s>", eos="</s>", pad="<unk>"),
     "smolvlm": TinyKind("smolvlm", _SMOLVLM_TEMPLATE, "HuggingFaceTB/SmolVLM-256M-Instruct",
                         ("<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
                          "<global-img>") + _ROWS,
@@ -184,6 +194,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "smolvlm": {"longest_edge": 2048, "tile": 512, "image_seq_len": 64},
     "mistral3": {"longest_edge": 1540},
     "glm4v": {"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 4096},
+    "llava_next": {"size": 336, "pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]},
 }
 
 
@@ -235,6 +246,15 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
         image = PixtralImageProcessor(size={"longest_edge": 84}, patch_size=14)
         return PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, spatial_merge_size=2,
                                 chat_template=template)  # fmt: skip
+    if kind == "llava_next":
+        from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+        image = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                        image_grid_pinpoints=_PINPOINTS)
+        # num_additional_image_tokens=1: CLIP's CLS token, as the released processors say
+        return LlavaNextProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=template)  # fmt: skip
     if kind == "glm4v":
         from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
@@ -296,6 +316,15 @@ def _released_processor(kind: str, tokenizer, template: str):
         image = PixtralImageProcessor(size={"longest_edge": values["longest_edge"]}, patch_size=14)
         return PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, spatial_merge_size=2,
                                 chat_template=template)  # fmt: skip
+    if kind == "llava_next":
+        from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+        size = values["size"]
+        image = LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                        image_grid_pinpoints=values["pinpoints"])
+        return LlavaNextProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=template)  # fmt: skip
     from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
     image = Glm4vImageProcessor(size={"shortest_edge": values["min_pixels"], "longest_edge": values["max_pixels"]},
@@ -342,6 +371,12 @@ def tiny_model_config(kind: str, tokenizer):
                   "text_config": {**text, "model_type": "mistral", "head_dim": 16, "sliding_window": None},
                   "image_token_index": ids("[IMG]"),
                   "spatial_merge_size": 2, "vision_feature_layer": -1}  # fmt: skip
+    elif kind == "llava_next":
+        values = {"vision_config": {**_VISION, "model_type": "clip_vision_model", "image_size": 28, "patch_size": 14,
+                                    "projection_dim": 32},
+                  "text_config": {**text, "model_type": "llama"}, "image_token_index": ids("<image>"),
+                  "image_grid_pinpoints": _PINPOINTS, "vision_feature_layer": -2,
+                  "vision_feature_select_strategy": "default", "image_seq_length": 4}  # fmt: skip
     elif kind == "glm4v":
         values = {"vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,

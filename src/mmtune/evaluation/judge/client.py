@@ -36,7 +36,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from mmtune.evaluation.chat_api import (CHECK_TIMEOUT_S, CONNECT_TIMEOUT_S, JUDGE, CallStats, ChatEndpoint, Role,
