@@ -31,13 +31,14 @@ byte-level BPE.
   ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
   grid's token count, the tokenizer on the expanded text.
 - ``--family internvl | llava_onevision | gemma3 | idefics3 | mistral3 | glm4v | smolvlm |
-  llava_next``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.models.tiny_checkpoints``) whose
+  llava_next | aya_vision``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.models.tiny_checkpoints``) whose
   processor has the released checkpoint's image settings (InternVL3: 448 px tiles, up to 12, 256
   tokens each; LLaVA-OneVision: 384 px anyres, 729 tokens per tile; Gemma 3: 896 px, 256
   tokens; Idefics3: 364 px tiles of a 1456 px image, 169 tokens each; Mistral 3: 1540 px, 14 px
   patches merged 2x2; GLM-4.1V: up to 4096 merged patches; SmolVLM: 512 px tiles of a 2048 px
   image, 64 tokens each; LLaVA-NeXT: 336 px anyres tiles on 5 grids, 576 tokens per tile before
-  unpadding), the photo sizes of the qwen2_vl mix.
+  unpadding; Aya Vision: 364 px tiles, up to 12 plus a thumbnail, 169 tokens each), the photo
+  sizes of the qwen2_vl mix.
   The HF path is that processor itself: ``processor(text=apply_chat_template(...), images=...)``.
 """
 

@@ -8,7 +8,7 @@ Usage::
     python scripts/tiny_checkpoint.py glm4v --out /tmp/glm4v_tiny
 
 Classes: those of ``mmtune.models.tiny_checkpoints.KINDS`` (internvl, llava_onevision, gemma3,
-idefics3, mistral3, glm4v, smolvlm, llava_next).
+idefics3, mistral3, glm4v, smolvlm, llava_next, aya_vision).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Any transformers image-text-to-text checkpoint, exact against its own processor.
 
 For a checkpoint whose processor and chat template are in transformers (LLaVA-1.5,
-InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3 / SmolVLM, Mistral 3, GLM-4.1V, ...),
-this adapter gives the tokens, image inputs and positions that ``processor(text=
-processor.apply_chat_template(messages), images=images)`` gives for the whole dialogue,
+InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3 / SmolVLM, Mistral 3, GLM-4.1V, Aya
+Vision, ...), this adapter gives the tokens, image inputs and positions that
+``processor(text=processor.apply_chat_template(messages), images=images)`` gives for the whole dialogue,
 and labels the assistant turns as the template renders them:
 
 - **text**: the dialogue's messages (image and text items in order, every text piece kept

@@ -85,6 +85,18 @@ _LLAVA_NEXT_TEMPLATE = (
     "{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
+# CohereLabs/aya-vision-8b: BOS, "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>" headers, answers between
+# "<|START_RESPONSE|>" and "<|END_RESPONSE|>", each turn ended by "<|END_OF_TURN_TOKEN|>"
+_AYA_VISION_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|START_OF_TURN_TOKEN|>' }}"
+    "{% if message['role'] == 'system' %}{{ '<|SYSTEM_TOKEN|>' }}{% elif message['role'] == 'user' %}"
+    "{{ '<|USER_TOKEN|>' }}{% else %}{{ '<|CHATBOT_TOKEN|><|START_RESPONSE|>' }}{% endif %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|END_RESPONSE|>' }}{% endif %}{{ '<|END_OF_TURN_TOKEN|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>' }}"
+    "{% endif %}"
+)
 # zai-org/GLM-4.1V-9B-Thinking: "[gMASK]<sop>", "<|role|>\n" headers, images in begin/end markers
 _GLM4V_TEMPLATE = (
     "[gMASK]<sop>{% for msg in messages %}{{ '<|' + msg['role'] + '|>\n' }}"
@@ -145,6 +157,12 @@ KINDS: dict[str, TinyKind] = {
                       eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>")),
     "llava_next": TinyKind("llava_next", _LLAVA_NEXT_TEMPLATE, "llava-hf/llava-v1.6-vicuna-7b-hf",
                            ("<unk>", "<s>", "</s>", "<image>"), bos="<s>", eos="</s>", pad="<unk>"),
+    "aya_vision": TinyKind("aya_vision", _AYA_VISION_TEMPLATE, "CohereLabs/aya-vision-8b",
+                           ("<PAD>", "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", "<|START_OF_TURN_TOKEN|>",
+                            "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_RESPONSE|>",
+                            "<|END_RESPONSE|>", "<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>",
+                            "<|IMG_LINE_BREAK|>"),
+                           bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", pad="<PAD>"),
     "smolvlm": TinyKind("smolvlm", _SMOLVLM_TEMPLATE, "HuggingFaceTB/SmolVLM-256M-Instruct",
                         ("<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
                          "<global-img>") + _ROWS,
@@ -194,6 +212,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "smolvlm": {"longest_edge": 2048, "tile": 512, "image_seq_len": 64},
     "mistral3": {"longest_edge": 1540},
     "glm4v": {"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 4096},
+    "aya_vision": {"size": 364, "max_patches": 12, "patch_size": 14, "downsample_factor": 2},
     "llava_next": {"size": 336, "pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]},
 }
 
@@ -246,6 +265,13 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
         image = PixtralImageProcessor(size={"longest_edge": 84}, patch_size=14)
         return PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, spatial_merge_size=2,
                                 chat_template=template)  # fmt: skip
+    if kind == "aya_vision":
+        from transformers import AyaVisionProcessor, GotOcr2ImageProcessor
+
+        image = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
+                                      max_patches=4)
+        return AyaVisionProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, img_size=56,
+                                  downsample_factor=2, chat_template=template)  # fmt: skip
     if kind == "llava_next":
         from transformers import LlavaNextImageProcessor, LlavaNextProcessor
 
@@ -316,6 +342,15 @@ def _released_processor(kind: str, tokenizer, template: str):
         image = PixtralImageProcessor(size={"longest_edge": values["longest_edge"]}, patch_size=14)
         return PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14, spatial_merge_size=2,
                                 chat_template=template)  # fmt: skip
+    if kind == "aya_vision":
+        from transformers import AyaVisionProcessor, GotOcr2ImageProcessor
+
+        size = values["size"]
+        image = GotOcr2ImageProcessor(size={"height": size, "width": size}, crop_to_patches=True, min_patches=1,
+                                      max_patches=values["max_patches"])
+        return AyaVisionProcessor(image_processor=image, tokenizer=tokenizer, patch_size=values["patch_size"],
+                                  img_size=size, downsample_factor=values["downsample_factor"],
+                                  chat_template=template)  # fmt: skip
     if kind == "llava_next":
         from transformers import LlavaNextImageProcessor, LlavaNextProcessor
 
@@ -371,6 +406,13 @@ def tiny_model_config(kind: str, tokenizer):
                   "text_config": {**text, "model_type": "mistral", "head_dim": 16, "sliding_window": None},
                   "image_token_index": ids("[IMG]"),
                   "spatial_merge_size": 2, "vision_feature_layer": -1}  # fmt: skip
+    elif kind == "aya_vision":
+        values = {"vision_config": {**_VISION, "model_type": "siglip_vision_model", "image_size": 56, "patch_size": 14},
+                  # one sliding-window layer and one full one, as the released 3:1 pattern mixes them
+                  "text_config": {**text, "model_type": "cohere2", "head_dim": 16, "sliding_window": 16,
+                                  "layer_types": ["sliding_attention", "full_attention"]},
+                  "image_token_index": ids("<|IMG_PATCH|>"), "downsample_factor": 2,
+                  "vision_feature_layer": -1, "vision_feature_select_strategy": "full"}  # fmt: skip
     elif kind == "llava_next":
         values = {"vision_config": {**_VISION, "model_type": "clip_vision_model", "image_size": 28, "patch_size": 14,
                                     "projection_dim": 32},
