@@ -317,6 +317,10 @@ def test_a_template_without_any_stop_token_warns_and_answer_stop_eos_appends_the
     prompt = Dialogue("n", "t", dialogue.turns[:3])
     prompt_ids = flatten(stopping.encode_dialogue(prompt, add_generation_prompt=True), stopping.image_token_id)[0]
     assert prompt_ids.count(eos) == 1 and prompt_ids == example.input_ids[: len(prompt_ids)]
+    # training only the last answer: the same text, the earlier EOS unlabelled
+    last = encode_example(stopping, dialogue, max_length=None, train_on="last_assistant")
+    assert last.input_ids == example.input_ids
+    assert [stopping.tokenizer.decode(r) for r in labelled_runs(last.labels)] == [" Bye </s>"]
 
 
 def test_answer_stop_eos_leaves_a_template_with_its_own_stop_unchanged():

@@ -277,6 +277,9 @@ class AutoAdapter(ModelAdapter):
         self.image_input_names = tuple(self._joins)
         self._rope = self._rope_index()
         self.position_id_rows = 3 if self._rope is not None else 1
+        if config.settings.answer_stop == "eos" and self.tokenizer.eos_token_id is None:
+            raise ValueError(f"model.auto.answer_stop=eos: the tokenizer of model.path={config.path} has no EOS token "
+                             "to append; set its eos_token, or model.auto.answer_stop=template")
         if self._template_answer_end[0] == "none" and config.settings.answer_stop == "template":
             log.warning(
                 "model.path=%s: its chat template renders no stop token (%s) in or right after an assistant "
@@ -831,14 +834,21 @@ class AutoAdapter(ModelAdapter):
     def _label_answer_stops(self, turns: list[EncodedTurn]) -> None:
         """Give every assistant turn the stop token the model must learn to end it with
         (:attr:`_answer_ends`), labelled: the next turn's first token moves into the answer, and
-        the last answer of the dialogue gets one appended (what the template renders next); an
-        appended EOS (``model.auto.answer_stop=eos``) goes after every answer."""
+        the last answer of the dialogue gets one appended (what the template renders next). An
+        appended EOS (``model.auto.answer_stop=eos``) goes after every answer, trained or not (so
+        the text is the same whichever turns ``train_on`` picks), labelled where the answer is."""
         stop, appended = self._answer_ends
         for index, turn in enumerate(turns):
-            if turn.role != "assistant" or not any(isinstance(c, TokenChunk) and c.trainable for c in turn.chunks):
+            if turn.role != "assistant":
+                continue
+            trainable = any(isinstance(c, TokenChunk) and c.trainable for c in turn.chunks)
+            if appended:
+                turn.chunks.append(TokenChunk((stop,), trainable))
+                continue
+            if not trainable:
                 continue
             following = turns[index + 1] if index + 1 < len(turns) else None
-            if following is None or appended:
+            if following is None:
                 turn.chunks.append(TokenChunk((stop,), True))
                 continue
             first = following.chunks[0] if following.chunks else None
