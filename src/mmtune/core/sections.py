@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["with_sections"]
+__all__ = ["Sectioned", "with_sections"]
 
 _CLASSES: dict[tuple, type] = {}
 
@@ -36,5 +36,28 @@ def with_sections(base: type, sections: dict[str, type], *, clash: str) -> type:
                              for name, settings in sections.items()]
         cls = dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
         cls.__module__, cls.__qualname__, cls.__doc__ = base.__module__, base.__qualname__, base.__doc__
+        cls._declared = base
         _CLASSES[key] = cls
     return _CLASSES[key]
+
+
+class Sectioned:
+    """Base of a config dataclass whose sections are added at run time (:func:`with_sections`):
+    constructing the declared class builds an instance of :meth:`sectioned_class`, and pickles
+    and deep copies name the declared class, since the built one exists only at run time."""
+
+    _declared: type | None = None
+    """The declared class, on a class :func:`with_sections` built (``None`` on the declared one)."""
+
+    @classmethod
+    def sectioned_class(cls) -> type:
+        """The declared class with its registered sections (each declared class says how)."""
+        raise NotImplementedError(f"{cls.__name__}.sectioned_class")
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls.__dict__.get("_declared") is None:
+            cls = cls.sectioned_class()
+        return super().__new__(cls)
+
+    def __reduce__(self):
+        return type(self)._declared, (), dict(self.__dict__)

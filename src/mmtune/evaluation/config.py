@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mmtune.core.sections import with_sections
+from mmtune.core.sections import Sectioned, with_sections
 from mmtune.evaluation.generation.config import BACKENDS, ApiGenerationConfig, GenerationConfig
 from mmtune.evaluation.judge.config import JudgeConfig
 from mmtune.experiment import Recipe
@@ -38,7 +38,7 @@ __all__ = [
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Sectioned):
     """The ``eval/`` group: which benchmarks, how to generate, how to judge, and one
     section per registered benchmark (``eval.mmdu``, ``eval.mmvet``, ...).
 
@@ -62,14 +62,9 @@ class EvalConfig:
     progress: bool = True
     """Show progress bars for generation and judging."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "EvalConfig":
-        if cls is EvalConfig:
-            cls = eval_config_class()
-        return super().__new__(cls)
-
-    def __reduce__(self):
-        # the class is built at run time, so pickles and deep copies name EvalConfig itself
-        return EvalConfig, (), dict(self.__dict__)
+    @classmethod
+    def sectioned_class(cls) -> type:
+        return eval_config_class()
 
 
 def eval_config_class() -> type:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from mmtune.core.images import ImageLimits
-from mmtune.core.sections import with_sections
+from mmtune.core.sections import Sectioned, with_sections
 
 __all__ = ["FamilySettings", "ModelConfig", "model_config_class", "positive_or_null", "DEPRECATED_FLAT_KEYS"]
 
@@ -66,7 +66,7 @@ def positive_or_null(value: Optional[int], key: str, null_means: str) -> list[st
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Sectioned):
     family: str = "llava"
     """Adapter name in the registry: ``llava``, ``auto``, ``internlm_xcomposer2`` or ``qwen2_vl``.
     Its own keys are in the section of the same name (``model.llava.image_size``)."""
@@ -101,14 +101,9 @@ class ModelConfig:
     max_pixels: Optional[int] = None
     """Deprecated: write ``model.qwen2_vl.max_pixels``."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "ModelConfig":
-        if cls is ModelConfig:
-            cls = model_config_class()
-        return super().__new__(cls)
-
-    def __reduce__(self):
-        # the class is built at run time, so pickles and deep copies name ModelConfig itself
-        return ModelConfig, (), dict(self.__dict__)
+    @classmethod
+    def sectioned_class(cls) -> type:
+        return model_config_class()
 
     def __post_init__(self) -> None:
         sections = _sections(type(self))

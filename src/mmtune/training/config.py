@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mmtune.core.sections import with_sections
+from mmtune.core.sections import Sectioned, with_sections
 from mmtune.data.collator import CollatorConfig
 from mmtune.data.config import DataConfig
 from mmtune.evaluation.config import EvalConfig
@@ -82,7 +82,7 @@ class GroupConfig:
 
 
 @dataclass
-class BackendConfig:
+class BackendConfig(Sectioned):
     """``training.backend``: the distributed engine and its settings, one section per
     registered engine (``training.backend.<name>``, typed by the engine's ``settings_class``
     in its own module under :mod:`mmtune.training.engines`).
@@ -99,14 +99,9 @@ class BackendConfig:
     engines, each with its launch in docs/training.md. A launcher that started another
     engine is refused at start-up."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "BackendConfig":
-        if cls is BackendConfig:
-            cls = backend_config_class()
-        return super().__new__(cls)
-
-    def __reduce__(self):
-        # the class is built at run time, so pickles and deep copies name BackendConfig itself
-        return BackendConfig, (), dict(self.__dict__)
+    @classmethod
+    def sectioned_class(cls) -> type:
+        return backend_config_class()
 
 
 def backend_config_class() -> type:
