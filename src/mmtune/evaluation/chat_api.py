@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from mmtune.io.deadline import deadline
 
@@ -529,19 +529,20 @@ def _broke_http(err: BaseException) -> bool:
     limit), as opposed to a refused, reset or silently dropped connection."""
     import h11
 
+    return any(isinstance(cause, h11.RemoteProtocolError) for cause in _causes(err))
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then what caused it (``__cause__``, else ``__context__``), down to the innermost."""
     seen: Optional[BaseException] = err
     while seen is not None:
-        if isinstance(seen, h11.RemoteProtocolError):
-            return True
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _root_cause(err: BaseException) -> str:
     """The innermost exception's text (``[Errno 111] Connection refused``) of a connection error."""
-    seen = err
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        seen = seen.__cause__ or seen.__context__
+    *_, seen = _causes(err)
     text = str(seen) or type(seen).__name__
     return text if seen is err else f"{type(seen).__name__}: {text}"
 

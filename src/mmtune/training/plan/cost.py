@@ -257,7 +257,7 @@ def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[
     if backend.engine != "deepspeed":
         return 0, False, False, (f"training.backend.engine={backend.engine}"
                                  + (f" ({accelerate_config})" if accelerate_config else ""))
-    ds_path = backend.deepspeed.config_file if backend.engine == "deepspeed" else None
+    ds_path = backend.deepspeed.config_file
     origin = "training.backend.deepspeed.config_file"
     if accelerate_config:
         from omegaconf import OmegaConf
@@ -271,11 +271,9 @@ def zero_settings(training_cfg: Any, accelerate_config: Optional[str]) -> tuple[
             return (int(ds.get("zero_stage", 0)), ds.get("offload_optimizer_device", "none") not in (None, "none"),
                     ds.get("offload_param_device", "none") not in (None, "none"), accelerate_config)
         # else a plain launch: the engine builds its plugin from training.backend.deepspeed
-    if not ds_path and backend.engine == "deepspeed":
+    if not ds_path:
         d = backend.deepspeed
         return d.stage, d.offload_optimizer, d.offload_params, "training.backend.deepspeed"
-    if not ds_path:
-        return 0, False, False, "no DeepSpeed config: DDP assumed (pass --accelerate-config to plan a ZeRO launch)"
     try:
         ds_path = resolve_launch_file(ds_path, "DeepSpeed config")
     except PlanError as err:
