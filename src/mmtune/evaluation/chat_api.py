@@ -276,7 +276,6 @@ class ChatEndpoint:
 
     def __init__(self, settings: Any, *, env: Any, role: Role = JUDGE, stats: Optional[CallStats] = None,
                  rng: Optional[random.Random] = None):
-        import httpx
         import openai
 
         from mmtune.io.deadline import install_deadline
@@ -297,7 +296,8 @@ class ChatEndpoint:
         # Connecting gets at most CONNECT_TIMEOUT_S: a host that drops packets would otherwise
         # hold every attempt for the whole timeout_s (7 x 120 s per call). timeout_s bounds the
         # whole attempt (connect to last byte), not each read: see mmtune/io/deadline.py.
-        timeout = httpx.Timeout(settings.timeout_s, connect=min(CONNECT_TIMEOUT_S, settings.timeout_s))
+        # openai.Timeout: the SDK's own HTTP package's type (httpx, or httpx2 from openai 3 on).
+        timeout = openai.Timeout(settings.timeout_s, connect=min(CONNECT_TIMEOUT_S, settings.timeout_s))
         # identity: a compressed reply's size says nothing of what it expands to (see _check_reply_head)
         http_client = openai.DefaultHttpxClient(timeout=timeout, headers={"Accept-Encoding": "identity"},
                                                 event_hooks={"response": [_check_reply_head]})
