@@ -189,7 +189,7 @@ def test_an_incomplete_checkpoint_is_refused_or_passed_over_naming_both(three, t
     err = capsys.readouterr().err
     assert f"mmtune train: cannot resume: {step2} is incomplete (model.safetensors: missing; optimizer.bin: 3 bytes" \
         in err
-    assert f"the newest complete checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
+    assert f"the newest intact checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
 
     assert cli.main(_train_args(chat, imgs, out)) == 2  # checkpoints there, no resume asked: one message too
     err = capsys.readouterr().err
@@ -198,7 +198,7 @@ def test_an_incomplete_checkpoint_is_refused_or_passed_over_naming_both(three, t
     assert cli.main(_train_args(chat, imgs, out, "training.resume=auto")) == 0
     printed = capsys.readouterr().out
     assert f"{step2} is incomplete (model.safetensors: missing" in printed
-    assert f"resuming from the newest complete checkpoint, {step1} (step 1), instead" in printed
+    assert f"resuming from the newest intact checkpoint, {step1} (step 1), instead" in printed
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
