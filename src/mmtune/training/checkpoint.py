@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.engines import Engine
 
 __all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
-           "ResumeConfigError", "check_resume_config", "complete_checkpoints", "config_differences", "flatten_config", "intact_note",
+           "OutputDirInUseError", "ResumeConfigError", "check_output_dir", "check_resume_config", "earlier_run", "complete_checkpoints", "config_differences", "flatten_config", "intact_note",
            "json_bytes", "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
            "write_json_atomic"]
 
@@ -72,6 +72,8 @@ RESUME_FREE_KEYS: dict[str, str] = {
     "training.resume_config_changes": "the permission itself",
     "training.save_every_steps": "when checkpoints are written",
     "training.keep_last": "how many checkpoints are kept",
+    "training.max_nonfinite_steps": "when a run whose loss went non-finite stops, not what a finite step computes",
+    "training.overwrite_output_dir": "whether a fresh run may replace an earlier one, never read when resuming",
     "training.save_final": "whether final/ is written",
     "training.num_workers": "how many processes load the same batches",
     "training.log_sample_ids": "a log",
@@ -347,6 +349,51 @@ class CheckpointManager:
             raise IncompleteCheckpointError(
                 f"cannot resume: {checkpoint} failed to load ({type(err).__name__}: {str(err)[:300]}); its files "
                 f"are damaged in a way its manifest could not show: {way_out}") from err
+
+
+class OutputDirInUseError(FileExistsError):
+    """A fresh run (no ``training.resume``) was pointed at a folder an earlier run wrote into."""
+
+
+def earlier_run(output_dir: str | os.PathLike) -> list[str]:
+    """What an earlier run left in ``output_dir`` that a fresh run would overwrite (empty: nothing).
+
+    Checkpoints (complete or not), ``final/`` and the per-step logs count; data files,
+    caches and reports a run only reads or rewrites whole do not.
+    """
+    output_dir = Path(output_dir)
+    found = []
+    checkpoints = output_dir / "checkpoints"
+    if checkpoints.is_dir() and any(_STEP_DIR.match(c.name) for c in checkpoints.iterdir()):
+        found.append(f"checkpoints (latest: {latest_checkpoint(output_dir) or 'none complete'})")
+    if (output_dir / "final").exists():
+        found.append("final/")
+    found += [name for name in ("metrics.jsonl", "sample_ids.jsonl") if (output_dir / name).is_file()]
+    return found
+
+
+def check_output_dir(output_dir: str | os.PathLike, *, resume: Optional[str], overwrite: bool) -> Optional[str]:
+    """Refuse a fresh run into a used folder; with ``overwrite``, clear what would mix in (main process).
+
+    Returns:
+        A line saying what was deleted, with ``overwrite`` on a used folder (else ``None``).
+
+    Raises:
+        OutputDirInUseError: naming what the folder holds and the three ways on.
+    """
+    found = earlier_run(output_dir) if resume is None else []
+    if not found:
+        return None
+    if not overwrite:
+        raise OutputDirInUseError(
+            f"{output_dir} holds an earlier run ({', '.join(found)}), which a fresh run would overwrite. "
+            "Choose one: training.resume=auto to continue it; another training.output_dir to keep it; or "
+            "training.overwrite_output_dir=true to replace it")
+    shutil.rmtree(Path(output_dir) / "checkpoints", ignore_errors=True)
+    for log in ("metrics.jsonl", "sample_ids.jsonl"):
+        (Path(output_dir) / log).unlink(missing_ok=True)
+    return (f"training.overwrite_output_dir=true: deleted the earlier run's checkpoints and per-step logs in "
+            f"{output_dir}; final/ is replaced when this run saves")
 
 
 def intact_note(output_dir: str | os.PathLike) -> str:

@@ -53,14 +53,15 @@ import torch
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
-from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, complete_checkpoints,
-                                       intact_note, latest_checkpoint, read_trainer_state, recover_interrupted_saves,
-                                       save_final)
+from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, check_output_dir,
+                                       complete_checkpoints, earlier_run, intact_note, read_trainer_state,
+                                       recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
 from mmtune.training.manifest import choose_resume_checkpoint
+from mmtune.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout",
@@ -374,6 +375,8 @@ class SFTRecipe:
         """
         acc = self.accelerator
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
+        self.nonfinite = NonFiniteGuard(self.cfg.training.max_nonfinite_steps,
+                                        loss_scaled=self.cfg.training.mixed_precision == "fp16")
         resume_from = self.resume_from
         if resume_from is None and acc.is_main_process:
             # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
@@ -590,12 +593,14 @@ class SFTRecipe:
         return identities
 
     def _check_output_dir(self) -> None:
-        t = self.cfg.training
-        if t.resume is None and latest_checkpoint(self.output_dir) is not None:
-            raise FileExistsError(
-                f"{self.output_dir} already has checkpoints: set training.resume=auto to continue that run, "
-                "or choose another training.output_dir"
-            )
+        """A fresh run into a used folder is refused, or clears it with training.overwrite_output_dir."""
+        t, acc = self.cfg.training, self.accelerator
+        earlier = earlier_run(self.output_dir) if t.resume is None else []  # every rank: each raises alike
+        if earlier and acc.is_main_process:
+            acc.print(check_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite_output_dir))
+        elif earlier and not t.overwrite_output_dir:
+            check_output_dir(self.output_dir, resume=t.resume, overwrite=False)
+        acc.wait_for_everyone()
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -651,7 +656,8 @@ class SFTRecipe:
                     if engine.sync_gradients:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
                         self.grad_norm = engine.clip_grad_norm(self.model, t.max_grad_norm)
-                        self.optimizer.step()
+                        if self.nonfinite.allows_update(self.grad_norm):  # a NaN update is never applied
+                            self.optimizer.step()
                         self.scheduler.step()  # ours, once per optimizer step, whatever the engine
                         self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += summed.detach()
@@ -665,6 +671,7 @@ class SFTRecipe:
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
                 self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
+            self._check_finite(float(stats[0]), [meta["ids"] for _, meta in micro])
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 tokens_per_s = float(stats[1]) / elapsed
                 metrics = {
@@ -687,6 +694,19 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+
+    def _check_finite(self, loss_sum: float, ids: list[list[str]]) -> None:
+        """Count a step whose loss or gradient norm is not finite; stop past ``training.max_nonfinite_steps``
+        (:mod:`mmtune.training.nonfinite`), every rank at once with the step's ids from every rank."""
+        from accelerate.utils import gather_object
+
+        loss = self.objective.step_loss(loss_sum)
+        bad = not (math.isfinite(loss) and self.nonfinite.allows_update(self.grad_norm))  # the same on every rank
+        if bad and self.accelerator.num_processes > 1:
+            ids = [batch for rank in gather_object([ids]) for batch in rank]
+        note = self.nonfinite.observe(self.step, loss, self.grad_norm, ids)
+        if note:
+            self.accelerator.print(note)
 
     def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         """The summed next-token loss of one micro-batch (fp32 scalar), under autocast (the
@@ -734,8 +754,12 @@ class SFTRecipe:
                                         "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
-    def save_checkpoint(self) -> Path:
-        """A resumable checkpoint of the current step (atomic; keeps the last N)."""
+    def save_checkpoint(self) -> Optional[Path]:
+        """A resumable checkpoint of the current step (atomic; keeps the last N); none after a
+        non-finite step (its state would replace a good checkpoint)."""
+        if self.nonfinite.save_problem():
+            self.accelerator.print(f"checkpoint step {self.step} {self.nonfinite.save_problem()}")
+            return None
         return self.checkpoints.save(self.accelerator, self.step, engine=self.engine, trainer_state={
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
@@ -750,6 +774,9 @@ class SFTRecipe:
 
         if not self.cfg.training.save_final:
             return None
+        if self.nonfinite.save_problem():
+            raise NonFiniteTrainingError(f"final/ {self.nonfinite.save_problem()}; rerun from the last checkpoint "
+                                         "with training.resume=auto")
         metadata = {
             "family": self.cfg.model.family,
             "run": redact(self.run_name, names=self.secret_names),
