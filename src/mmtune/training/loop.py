@@ -144,6 +144,16 @@ def check_resume_layout(checkpoint: Any, state: dict[str, Any], engine: Any, *, 
             "trains the samples of the uninterrupted run")
 
 
+def _refuse_sequence_parallel_heads(model_cfg: Any, adapter: Any, size: int) -> None:
+    """Refuse a sequence-parallel size the model's heads do not divide by, before its weights load."""
+    from mmtune.training.sequence_parallel.groups import planned_head_problems
+
+    problems = planned_head_problems(model_cfg, adapter, size)
+    if problems:
+        raise ValueError("training.sequence_parallel cannot run: " + "; ".join(problems) + "; choose a size that "
+                         "divides them")
+
+
 class SFTRecipe:
     """One supervised fine-tuning run built from an :class:`SFTConfig`.
 
@@ -267,6 +277,8 @@ class SFTRecipe:
         cfg, t = self.cfg, self.cfg.training
         # Random-weight models are seeded identically on every rank.
         self.adapter = build_adapter(cfg.model)
+        if t.sequence_parallel.size > 1:  # the heads split over the group, from the config alone
+            _refuse_sequence_parallel_heads(cfg.model, self.adapter, t.sequence_parallel.size)
         load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
         if cfg.peft.method == "qlora":
             load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
