@@ -158,3 +158,15 @@ def test_pixel_budget_processors_have_their_size_edges_held_as_pixel_counts():
     qwen_like["size"]["longest_edge"] = 10**11
     assert image_size_problems(qwen_like, ImageLimits()) == [
         "size.longest_edge=100000000000 pixels is above model.image_limits.max_pixels=89478485"]
+
+
+def test_an_oversized_tokenizer_or_json_file_is_refused_by_its_size_before_it_is_read(folder, monkeypatch):
+    import mmtune.models.checkpoint_guard as guard
+
+    monkeypatch.setattr(guard, "MAX_TOKENIZER_BYTES", 1000)  # a 256 MiB file is slow to write in a test
+    with pytest.raises(ModelFileError, match=rf"^{folder / 'tokenizer.json'}: \d+ bytes, above the 1000-byte bound"):
+        _load(folder)
+    monkeypatch.setattr(guard, "MAX_TOKENIZER_BYTES", 1 << 30)
+    monkeypatch.setattr(guard, "MAX_JSON_BYTES", 100)
+    with pytest.raises(ModelFileError, match=r"config.json: \d+ bytes, above the 100-byte bound"):
+        _load(folder)

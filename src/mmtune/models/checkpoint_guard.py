@@ -5,7 +5,7 @@ message naming its file, never in a traceback or a process grown past its memory
 the ``auto`` family reads from a folder (its processor, tokenizer and template files) is
 checked here first, as plain files, so nothing oversized is ever parsed or compiled:
 
-- every JSON file transformers parses (``config.json``, ``processor_config.json``,
+- the tokenizer's files are at most :data:`MAX_TOKENIZER_BYTES`; every JSON file transformers parses (``config.json``, ``processor_config.json``,
   ``preprocessor_config.json``, ``tokenizer_config.json``, ...) is at most
   :data:`MAX_JSON_BYTES` and nests at most :data:`MAX_JSON_DEPTH` levels (Python's parser
   and transformers' ``to_dict`` recurse; a deeper file ends in ``RecursionError``);
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-__all__ = ["ModelFileError", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_TEMPLATE_CHARS", "MAX_RENDER_CHARS",
+__all__ = ["ModelFileError", "MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "TOKENIZER_FILES", "MAX_JSON_DEPTH", "MAX_TEMPLATE_CHARS", "MAX_RENDER_CHARS",
            "RENDER_SECONDS", "JSON_FILES", "check_model_folder", "check_chat_template", "image_size_problems",
            "template_file"]
 
@@ -43,6 +43,10 @@ JSON_FILES = ("config.json", "processor_config.json", "preprocessor_config.json"
               "video_preprocessor_config.json")
 MAX_JSON_BYTES = 64 << 20
 """64 MiB: a tokenizer_config.json with 150k added tokens is about 20 MB."""
+#: the tokenizer's own files, read whole by the tokenizers library
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "spiece.model")
+MAX_TOKENIZER_BYTES = 256 << 20
+"""256 MiB: the largest published tokenizer.json (Gemma 3's) is about 33 MB."""
 MAX_JSON_DEPTH = 64
 """Nesting levels of a JSON file; published configs nest fewer than 10."""
 MAX_TEMPLATE_CHARS = 1 << 20
@@ -176,6 +180,11 @@ def check_model_folder(path: Optional[str | os.PathLike], image_limits: Any) -> 
     if path is None or not Path(path).is_dir():
         return
     folder = Path(path)
+    for name in TOKENIZER_FILES:
+        file = folder / name
+        if file.is_file() and file.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise _refuse(file, f"{file.stat().st_size} bytes, above the {MAX_TOKENIZER_BYTES}-byte bound on a "
+                          "tokenizer file", "restore the file from the checkpoint's source")
     parsed = {name: _read_json(folder / name) for name in JSON_FILES if (folder / name).is_file()}
     _check_templates(folder, parsed)
     for name in ("preprocessor_config.json", "processor_config.json"):

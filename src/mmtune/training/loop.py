@@ -60,7 +60,7 @@ from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
-from mmtune.training.manifest import choose_resume_checkpoint
+from mmtune.training.manifest import choose_resume_checkpoint_once
 from mmtune.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
@@ -254,8 +254,9 @@ class SFTRecipe:
         checkpoint is the newest whose files are all there (:mod:`mmtune.training.manifest`).
         """
         t = self.cfg.training
-        self.resume_from, passed_over = choose_resume_checkpoint(
-            t.resume, lambda: complete_checkpoints(self.output_dir), lambda c: read_trainer_state(c).get("step"))
+        self.resume_from, passed_over = choose_resume_checkpoint_once(  # verified by the main process
+            self.accelerator, t.resume, lambda: complete_checkpoints(self.output_dir),
+            lambda c: read_trainer_state(c).get("step"))
         if passed_over:
             self.accelerator.print(passed_over)
         self.config_changes = self._check_resume_config() if self.resume_from is not None else []

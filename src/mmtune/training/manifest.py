@@ -35,12 +35,12 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from mmtune.io.nofollow import open_output
 
 __all__ = ["MANIFEST", "HASHES", "IncompleteCheckpointError", "write_manifest", "manifest_problems",
-           "verify_checkpoint", "file_hash", "choose_resume_checkpoint"]
+           "verify_checkpoint", "file_hash", "choose_resume_checkpoint", "choose_resume_checkpoint_once"]
 
 MANIFEST = "manifest.json"
 _CHUNK = 4 << 20  # hashlib and xxhash release the GIL on large updates: files hash in parallel threads
@@ -251,3 +251,24 @@ def choose_resume_checkpoint(requested: Optional[str], checkpoints: Callable[[],
             "cannot resume (training.resume=auto): no checkpoint of this run is intact: " + "; ".join(passed_over)
             + ". Restore the damaged or missing files, or start afresh in another training.output_dir")
     return None, None
+
+
+def choose_resume_checkpoint_once(accelerator: Any, requested: Optional[str], checkpoints: Callable[[], list[Path]],
+                                  step_of: Callable[[Path], object]) -> tuple[Optional[Path], Optional[str]]:
+    """:func:`choose_resume_checkpoint` on the main process alone, its answer (or refusal) given to every rank.
+
+    Verifying re-reads every file of a checkpoint: once per job, not once per process.
+    """
+    answer: Any = None
+    if accelerator.is_main_process:
+        try:
+            answer = ("chosen", *choose_resume_checkpoint(requested, checkpoints, step_of))
+        except IncompleteCheckpointError as err:
+            answer = ("refused", str(err), None)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        answer = broadcast_object_list([answer])[0]
+    if answer[0] == "refused":
+        raise IncompleteCheckpointError(answer[1])
+    return answer[1], answer[2]
