@@ -170,3 +170,16 @@ def test_an_oversized_tokenizer_or_json_file_is_refused_by_its_size_before_it_is
     monkeypatch.setattr(guard, "MAX_JSON_BYTES", 100)
     with pytest.raises(ModelFileError, match=r"config.json: \d+ bytes, above the 100-byte bound"):
         _load(folder)
+
+
+def test_a_pending_alarm_of_the_caller_is_left_running():
+    import signal
+
+    previous = signal.signal(signal.SIGALRM, lambda *args: None)
+    signal.setitimer(signal.ITIMER_REAL, 100)
+    try:
+        check_chat_template("{% for m in messages %}{{ m.role }}{% endfor %}", "some-org/some-model", {})
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 90
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
