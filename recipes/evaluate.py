@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from mmtune.compose import check_recipe_overrides
-from mmtune.evaluation.cli import run_config
+from mmtune.evaluation.cli import REFUSALS, run_config
 from mmtune.evaluation.config import register_configs, to_evaluate_config
 
 register_configs()
@@ -29,7 +29,11 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_config(to_evaluate_config(cfg))
+    try:  # an expected refusal is one message, as `mmtune evaluate` prints it, not Hydra's traceback
+        run_config(to_evaluate_config(cfg))
+    except REFUSALS as err:
+        print(f"recipes/evaluate.py: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

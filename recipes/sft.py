@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from mmtune.compose import check_recipe_overrides
+from mmtune.training.cli import refusals
 from mmtune.training.config import register_configs, to_sft_config
 from mmtune.training.loop import SFTRecipe
 
@@ -22,11 +23,15 @@ register_configs()
 
 @hydra.main(config_path="../configs", config_name="sft", version_base=None)
 def main(cfg: DictConfig) -> None:
-    config = to_sft_config(cfg)
-    recipe = SFTRecipe(config, resolved_config=OmegaConf.to_container(cfg, resolve=True))
-    recipe.setup()
-    recipe.train()
-    recipe.save()
+    try:  # an expected refusal is one message, as `mmtune train` prints it, not Hydra's traceback
+        config = to_sft_config(cfg)
+        recipe = SFTRecipe(config, resolved_config=OmegaConf.to_container(cfg, resolve=True))
+        recipe.setup()
+        recipe.train()
+        recipe.save()
+    except refusals() as err:
+        print(f"recipes/sft.py: {err}", file=sys.stderr)
+        sys.exit(2)
     recipe.cleanup()
 
 

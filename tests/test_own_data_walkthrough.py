@@ -125,6 +125,11 @@ def test_the_walkthrough_runs_and_every_printed_path_exists(shell, extra):
     # the page shows the commands training prints, so following the page is following the CLI
     assert printed("evaluate it:", trained) == the_command("mmtune evaluate")
     assert printed("then report:", trained) == the_command("mmtune report")
+    # the same command again is refused with the message the page shows, and the first run is kept
+    first = (run_folder / "metrics.jsonl").read_bytes()
+    again = shell(train_script.rstrip() + "".join(f" {o}" for o in extra) + " 2>&1 || echo exit $?")
+    shown = re.search(r"^mmtune train: outputs/mine holds an earlier run .*$", PAGE.read_text(), re.M).group(0)
+    assert again.splitlines()[-2:] == [shown, "exit 2"] and (run_folder / "metrics.jsonl").read_bytes() == first
 
     evaluated = shell(evaluate)
     result = json.loads((shell.cwd / printed("result heldout:", evaluated)).read_text())

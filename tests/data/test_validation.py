@@ -11,6 +11,7 @@ from mmtune.data.validation import (
     PROBLEMS,
     DataValidationError,
     ImageChecker,
+    TextLimits,
     ValidationReport,
     check_dialogue,
     turn_label,
@@ -235,7 +236,7 @@ def test_a_jsonl_line_over_the_record_size_limit_skips_only_that_record(tmp_path
 
 def test_every_problem_class_is_covered_by_a_test():
     covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8", "lone_surrogate", "too_deep",
-                                 "invalid_image_path", "record_too_large"}
+                                 "invalid_image_path", "record_too_large", "text_too_long", "field_too_long"}
     assert covered == set(PROBLEMS)
 
 
@@ -292,3 +293,62 @@ def test_a_problem_after_a_system_message_names_the_exchange_the_viewer_shows(tm
     src = load_source(SourceConfig(name="s", format="messages", path=str(path), image_root=str(pics)),
                       mode="skip", cache_dir=cache_dir, check_images="exists")
     assert src.report.examples["missing_image"][0].startswith("bad turn 2 (question): tried ")
+
+
+# -- oversized fields: left out before anything tokenises them ------------------------------------
+
+LIMITS = TextLimits(max_turn_chars=200, max_record_chars=500)
+OVERSIZED = {  # case -> (bad record, code, turn named, read settings)
+    "a question over the turn limit": (
+        {"id": "bad", "conversations": [_user("q" * 201), _asst("a")]}, "text_too_long", 0, LIMITS),
+    "an answer over the turn limit": (
+        {"id": "bad", "conversations": [_user("q"), _asst("a"), _user("q"), _asst("a" * 201)]}, "text_too_long", 3,
+        LIMITS),
+    "a record over the record limit": (
+        {"id": "bad", "conversations": [_user("q" * 150), _asst("a" * 150)] * 2}, "text_too_long", None, LIMITS),
+    "a turn over the default limit": (
+        {"id": "bad", "conversations": [_user("q" * (TextLimits().max_turn_chars + 1)), _asst("a")]}, "text_too_long",
+        0, None),
+    "a role of 2000 characters": (
+        {"id": "bad", "conversations": [_user("q"), {"from": "r" * 2000, "value": "a"}]}, "field_too_long", 1, None),
+    "an image path of 5000 characters": (
+        {"id": "bad", "image": ["p" * 5000 + ".png"], "conversations": [_user("<ImageHere> ?"), _asst("a")]},
+        "field_too_long", 0, None),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERSIZED))
+def test_an_oversized_field_skips_only_its_record_in_skip_and_strict_mode(case, tmp_path, pics, cache_dir,
+                                                                            write_json):
+    bad, code, turn, limits = OVERSIZED[case]
+    path = write_json(tmp_path / "d.json", [GOOD, bad])
+    _check_both_modes(path, "mmdu", pics, cache_dir, code, turn, **({"text_limits": limits} if limits else {}))
+
+
+def test_an_oversized_id_is_named_clipped(tmp_path, pics, cache_dir, write_json):
+    bad = {"id": "x" * 50_000, "conversations": [_user("q"), _asst("a")]}
+    path = write_json(tmp_path / "d.json", [GOOD, bad])
+    report = load_source(SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics)),
+                         cache_dir=cache_dir).report
+    assert report.skipped == {"field_too_long": 1}
+    assert report.examples["field_too_long"] == ["x" * 80 + "... (50000 characters): id of 50000 characters"]
+    assert len(report.first_problem) < 1000
+
+
+@pytest.mark.parametrize("fmt, bad", [
+    ("llava", {"id": "bad", "conversations": [{"from": "human", "value": "q" * 201}, {"from": "gpt", "value": "a"}]}),
+    ("messages", {"id": "bad", "messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                                                               "content": "a" * 201}]}),
+])
+def test_the_text_limits_hold_for_every_format(fmt, bad, tmp_path, cache_dir, write_json):
+    path = write_json(tmp_path / "d.json", [bad])
+    report = load_source(SourceConfig(name="s", format=fmt, path=str(path)), cache_dir=cache_dir,
+                         check_images="none", text_limits=LIMITS).report
+    assert report.skipped == {"text_too_long": 1} and report.records_kept == 0
+
+
+def test_the_text_limits_are_part_of_the_cache_entry(tmp_path, pics, cache_dir, write_json):
+    path = write_json(tmp_path / "d.json", [GOOD, {"id": "long", "conversations": [_user("q" * 300), _asst("a")]}])
+    cfg = SourceConfig(name="s", format="mmdu", path=str(path), image_root=str(pics))
+    assert load_source(cfg, cache_dir=cache_dir, text_limits=LIMITS).report.records_kept == 1
+    assert load_source(cfg, cache_dir=cache_dir).report.records_kept == 2  # the defaults: another entry

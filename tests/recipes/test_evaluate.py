@@ -52,3 +52,15 @@ def test_recipe_runs_synthetic_on_tiny_model(tmp_path):
     result = json.loads((out / "synthetic.json").read_text())
     assert result["run"] == "smoke" and result["model"] == "random:llava" and result["counts"]["missing"] == 0
     assert "synthetic:" in proc.stdout and (out / "report.md").exists()
+
+
+def test_an_expected_refusal_is_one_message_not_a_hydra_traceback(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "evaluate.py"), f"output_dir={tmp_path / 'eval'}",
+         f"eval.synthetic.data_path={tmp_path / 'absent.json'}", "eval.progress=false"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("recipes/evaluate.py: ") and str(tmp_path / "absent.json") in proc.stderr
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr

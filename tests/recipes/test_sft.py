@@ -49,3 +49,30 @@ def test_sft_recipe_runs_and_writes_a_loadable_checkpoint(tmp_path):
     fresh = build_adapter(ModelConfig(family="llava")).load_model()
     torch.testing.assert_close(model.model.language_model.rotary_emb.inv_freq,
                                fresh.model.language_model.rotary_emb.inv_freq / 2.0)
+
+
+def _recipe(tmp_path, *overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, str(REPO / "recipes" / "sft.py"), "experiment=demo_single_image",
+                           f"synthetic.out_dir={tmp_path / 'data'}", "synthetic.n_train=8", "synthetic.n_test=2",
+                           "training.eval_before=false", "training.eval_after=false", *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_expected_refusals_are_one_message_not_a_hydra_traceback(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
+    cases = {
+        ("training.max_nonfinite_steps=-1",): "recipes/sft.py: invalid SFT config:\n  - training.max_nonfinite_steps=-1 must be >= 0",
+        (f"training.output_dir={out}", "training.resume=null"): f"recipes/sft.py: {out} holds an earlier run (metrics.jsonl)",
+        (f"training.output_dir={tmp_path / 'other'}", "training.backend.engine=fsdp2"):
+            "recipes/sft.py: training.backend.engine=fsdp2 shards the model over a process group",
+    }
+    for overrides, message in cases.items():
+        proc = _recipe(tmp_path, *overrides)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert message in proc.stderr and "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+        assert proc.stderr.count("recipes/sft.py: ") == 1

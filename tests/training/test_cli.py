@@ -189,17 +189,67 @@ def test_an_incomplete_checkpoint_is_refused_or_passed_over_naming_both(three, t
     err = capsys.readouterr().err
     assert f"mmtune train: cannot resume: {step2} is incomplete (model.safetensors: missing; optimizer.bin: 3 bytes" \
         in err
-    assert f"the newest complete checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
+    assert f"the newest intact checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
 
     assert cli.main(_train_args(chat, imgs, out)) == 2  # checkpoints there, no resume asked: one message too
     err = capsys.readouterr().err
-    assert "already has checkpoints: set training.resume=auto" in err and "Traceback" not in err
+    assert f"{out} holds an earlier run (checkpoints" in err and "Traceback" not in err
 
     assert cli.main(_train_args(chat, imgs, out, "training.resume=auto")) == 0
     printed = capsys.readouterr().out
     assert f"{step2} is incomplete (model.safetensors: missing" in printed
-    assert f"resuming from the newest complete checkpoint, {step1} (step 1), instead" in printed
+    assert f"resuming from the newest intact checkpoint, {step1} (step 1), instead" in printed
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_checkpoint_overwritten_in_place_is_passed_over_and_the_run_resumes_from_the_intact_one(
+        three, tmp_path, capsys):
+    chat, imgs = three
+    out = tmp_path / "run"
+    assert cli.main(_train_args(chat, imgs, out)) == 0  # checkpoints at steps 1 and 2, final/ at 3
+    step1, step2 = out / "checkpoints" / "step-1", out / "checkpoints" / "step-2"
+    weights = step2 / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:  # random bytes in place: names and sizes still agree
+        handle.seek(size // 3)
+        handle.write(os.urandom(min(65536, size // 3)))
+    assert weights.stat().st_size == size
+    capsys.readouterr()
+
+    assert cli.main(_train_args(chat, imgs, out, f"training.resume={step2}")) == 2
+    err = capsys.readouterr().err
+    assert f"mmtune train: cannot resume: {step2} is damaged (model.safetensors: content changed since it was saved" \
+        in err and f"the newest intact checkpoint of this run is {step1} (step 1)" in err and "Traceback" not in err
+
+    assert cli.main(_train_args(chat, imgs, out, "training.resume=auto")) == 0
+    printed = capsys.readouterr().out
+    assert f"{step2} is damaged (model.safetensors: content changed" in printed
+    assert f"resumed from {step1}: step 1" in printed
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_second_fresh_run_into_a_used_folder_is_refused_with_the_choices_until_overwrite_is_set(
+        three, tmp_path, capsys):
+    chat, imgs = three
+    out = tmp_path / "run"
+    args = _train_args(chat, imgs, out, "training.save_every_steps=null")  # final/ and metrics.jsonl, no checkpoint
+    assert cli.main(args) == 0
+    first = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "final/model.safetensors")}
+    capsys.readouterr()
+
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"mmtune train: {out} holds an earlier run (final/, metrics.jsonl)" in err and "Traceback" not in err
+    assert ("training.resume=auto to continue it; another training.output_dir to keep it; or "
+            "training.overwrite_output_dir=true to replace it") in err
+    assert {name: (out / name).read_bytes() for name in first} == first  # nothing touched
+
+    assert cli.main([*args, "training.max_steps=2", "training.save_every_steps=1",
+                     "training.overwrite_output_dir=true"]) == 0
+    assert "training.overwrite_output_dir=true: deleted the earlier run's" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert cli.main([*args, "training.overwrite_output_dir=true", "training.resume=auto"]) == 2
+    assert "training.overwrite_output_dir=true with training.resume=auto" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["data_report.json", ".mmtune.lock"])

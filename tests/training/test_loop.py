@@ -301,3 +301,42 @@ def test_a_secret_interpolated_into_the_config_reaches_no_file_and_no_wandb_reco
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.suffix != ".safetensors"]
     assert any(p.name == "trainer_state.json" for p in files), sorted(str(p.relative_to(tmp_path)) for p in files)
     assert not [p for p in files if key.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize("tolerated", [0, 1])
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_samples_and_saves_nothing_after_it(make_recipe, tolerated):
+    from mmtune.training.checkpoint import complete_checkpoints
+    from mmtune.training.nonfinite import NonFiniteTrainingError
+
+    recipe = make_recipe("training.max_steps=6", "training.save_every_steps=1", "training.keep_last=10",
+                         "training.log_sample_ids=true", f"training.max_nonfinite_steps={tolerated}")
+    model = recipe.accelerator.unwrap_model(recipe.model)
+    embeddings = model.get_input_embeddings()
+    # From step 3 on, every forward turns NaN (as weights overwritten with garbage would).
+    embeddings.register_forward_hook(lambda module, args, out: out * float("nan") if recipe.step >= 2 else out)
+    with pytest.raises(NonFiniteTrainingError) as info:
+        recipe.train()
+    stopped = 3 + tolerated
+    message = str(info.value)
+    assert f"training stopped at a non-finite step, step {stopped}: loss nan" in message
+    logged = [json.loads(line) for line in (recipe.output_dir / "sample_ids.jsonl").read_text().splitlines()]
+    ids = [i for rank in logged[-1]["ranks"] for batch in rank["ids"] for i in batch]
+    assert logged[-1]["step"] == stopped and ids and all(i in message for i in ids[:3])
+    # Checkpoints of the good steps only; no NaN update reached the weights (the bad ones were skipped).
+    assert [p.name for p in complete_checkpoints(recipe.output_dir)] == ["step-1", "step-2"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(NonFiniteTrainingError, match=r"final/ not saved: step \d+ had a non-finite loss"):
+        recipe.save()
+    assert not (recipe.output_dir / "final").exists()
+    recipe.cleanup()
+
+
+def test_the_guard_does_not_count_the_fp16_scalers_overflow_steps():
+    from mmtune.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
+
+    scaled, plain = NonFiniteGuard(0, loss_scaled=True), NonFiniteGuard(0)
+    assert scaled.allows_update(float("inf")) and scaled.observe(1, 2.5, float("inf"), [["a"]]) is None
+    assert not scaled.save_problem()
+    assert not plain.allows_update(float("inf"))
+    with pytest.raises(NonFiniteTrainingError, match=r"step 1: loss 2.5, gradient norm inf \(samples: a\)"):
+        plain.observe(1, 2.5, float("inf"), [["a"]])

@@ -127,6 +127,15 @@ class ValidationConfig:
     a JSON list element above it fails the file, whose structure cannot then be followed.
     Reading a record takes a few times its size in memory while it is parsed."""
 
+    max_turn_chars: int = 262_144
+    """Most characters of text in one turn (256 Ki, about 60k tokens, far past any training
+    window): a longer turn is ``text_too_long`` and its record is left out (``skip``) or
+    refused (``strict``) before anything tokenises it, so one huge turn cannot grow memory."""
+
+    max_record_chars: int = 1_048_576
+    """Most characters of text in one record, all turns together (1 Mi): the same for a
+    record of many long turns."""
+
 
 @dataclass
 class StackingConfig:
@@ -246,6 +255,9 @@ class DataConfig:
             )
         if self.validation.max_examples < 0:
             problems.append(f"data.validation.max_examples={self.validation.max_examples} must be >= 0")
+        for key in ("max_turn_chars", "max_record_chars"):
+            if getattr(self.validation, key) < 1:
+                problems.append(f"data.validation.{key}={getattr(self.validation, key)} must be >= 1")
         if self.validation.max_record_bytes < 1:
             problems.append(f"data.validation.max_record_bytes={self.validation.max_record_bytes} must be >= 1")
         st = self.stacking

@@ -34,7 +34,8 @@ from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDE
 from mmtune.data.formats.base import ROLE_MAP
 from mmtune.data.paths import ImagePathRules
 from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
-from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
+from mmtune.data.validation import (DataValidationError, ImageChecker, Problem, TextLimits, ValidationReport,
+                                    check_dialogue)
 
 
 def _context(fmt: str, source: str, rules: ImagePathRules, move_image_to_start: bool | None) -> ConvertContext:
@@ -117,6 +118,7 @@ def load_source(
     allow_absolute_image_paths: bool = False,
     image_limits: "ImageLimits | None" = None,
     max_record_bytes: int = MAX_RECORD_BYTES,
+    text_limits: TextLimits | None = None,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -172,6 +174,9 @@ def load_source(
         options["image_limits"] = asdict(limits)
     if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
         options["max_record_bytes"] = max_record_bytes
+    text_limits = text_limits or TextLimits()
+    if text_limits != TextLimits():  # likewise
+        options["text_limits"] = asdict(text_limits)
     arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
@@ -181,7 +186,7 @@ def load_source(
             raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
-                        report_path, max_record_bytes)
+                        report_path, max_record_bytes, text_limits)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -195,7 +200,8 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
 
 
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
-                     max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
+                     max_record_bytes: int = MAX_RECORD_BYTES, text_limits: TextLimits | None = None,
+                     ) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
     """``(dialogue, problems)`` of every record of the source, in file order: each record
     converted and checked (:func:`check_dialogue`, duplicate ids); ``dialogue`` is None when
     the record could not be converted. ``limit``: only the first records."""
@@ -213,7 +219,7 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
             except RecursionError:  # parsed, but too deep for the conversion (e.g. a nested id)
                 dialogue, problems = None, [Problem("too_deep", f"#{index}", index, None, "while converting")]
             if dialogue is not None:
-                problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker)]
+                problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker, text_limits)]
                 if dialogue.id in seen:
                     problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
                 seen.add(dialogue.id)
@@ -223,12 +229,13 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
 
 
 def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
-           max_record_bytes: int) -> ValidationReport:
+           max_record_bytes: int, text_limits: TextLimits | None = None) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
     try:
-        for dialogue, problems in _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes):
+        for dialogue, problems in _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes,
+                                                     text_limits=text_limits):
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
@@ -251,6 +258,7 @@ def read_source(
     image_limits: "ImageLimits | None" = None,
     limit: int | None = None,
     max_record_bytes: int = MAX_RECORD_BYTES,
+    text_limits: TextLimits | None = None,
 ) -> list[tuple[Dialogue | None, list[Problem]]]:
     """Every record of one source converted and checked as :func:`load_source` does, without
     the Arrow cache: ``(dialogue, problems)`` per record in file order (``dialogue`` None when
@@ -266,7 +274,8 @@ def read_source(
         raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
     ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
                    source_cfg.move_image_to_start)
-    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes))
+    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes,
+                                 text_limits))
 
 
 def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
@@ -284,6 +293,7 @@ def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
             allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
             image_limits=image_limits,
             max_record_bytes=v.max_record_bytes,
+            text_limits=TextLimits.of(v),
         )
         for s in data_cfg.mixture.sources
     ]

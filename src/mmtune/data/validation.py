@@ -91,11 +91,46 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "turns do not alternate user, assistant (optional system first, ends with assistant)",
         "fix the order: start with user, alternate, end with an assistant answer",
     ),
+    "text_too_long": (
+        "text is longer than data.validation.max_turn_chars (one turn) or max_record_chars (the whole record); "
+        "it was left out before tokenising",
+        "split the dialogue or shorten the text (the training window keeps a few thousand tokens of it at most), or "
+        "raise data.validation.max_turn_chars / max_record_chars if such texts are meant",
+    ),
+    "field_too_long": (
+        "record id, role or image path is longer than any real one (id and role 1024, path 4096 characters)",
+        "correct the field in the data file",
+    ),
     "duplicate_id": (
         "record id already used by an earlier record in this source",
         "give every record a unique id (the first occurrence is kept)",
     ),
 }
+
+
+#: the longest record id and role (characters) a record may have: they are repeated in every report and log
+MAX_ID_CHARS = 1024
+#: the longest image path (characters): PATH_MAX on Linux
+MAX_PATH_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """How much text one turn and one record may hold (``data.validation.max_turn_chars`` /
+    ``max_record_chars``), checked on the converted dialogue before anything tokenises it, so
+    that what tokenising costs does not depend on one record."""
+
+    max_turn_chars: int = 262_144
+    max_record_chars: int = 1_048_576
+
+    @classmethod
+    def of(cls, validation: Any) -> "TextLimits":
+        """The limits a ``data.validation`` section sets."""
+        return cls(validation.max_turn_chars, validation.max_record_chars)
+
+
+def _clipped(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class DataValidationError(ValueError):
@@ -263,15 +298,46 @@ class ImageChecker:
         return result
 
 
+def _size_problems(dialogue: Dialogue, limits: TextLimits, add: Any) -> bool:
+    """Add ``text_too_long`` / ``field_too_long`` problems; whether any was found (the other checks are then skipped:
+    they would repeat the oversized field in their details)."""
+    found = len(dialogue.id) > MAX_ID_CHARS
+    if found:
+        add("field_too_long", None, f"id of {len(dialogue.id)} characters")
+    total = 0
+    for t, turn in enumerate(dialogue.turns):
+        if len(turn.role) > MAX_ID_CHARS:
+            add("field_too_long", t, f"role of {len(turn.role)} characters")
+            found = True
+        chars = 0
+        for seg in turn.segments:
+            if isinstance(seg, str):
+                chars += len(seg)
+            elif len(seg.path) > MAX_PATH_CHARS:
+                add("field_too_long", t, f"image path of {len(seg.path)} characters")
+                found = True
+        total += chars
+        if chars > limits.max_turn_chars:
+            add("text_too_long", t, f"{chars} characters, above data.validation.max_turn_chars={limits.max_turn_chars}")
+            found = True
+    if total > limits.max_record_chars and not found:
+        add("text_too_long", None, f"{total} characters in all, above data.validation.max_record_chars="
+                                   f"{limits.max_record_chars}")
+        found = True
+    return found
+
+
 def check_dialogue(
-    dialogue: Dialogue, record_index: int, images: ImageChecker | None = None
+    dialogue: Dialogue, record_index: int, images: ImageChecker | None = None,
+    text_limits: TextLimits | None = None,
 ) -> list[Problem]:
     """Format-independent checks of a converted dialogue; returns every problem found.
 
     Roles the reader could not map are kept verbatim in the turn so they can be reported
-    here as ``unknown_role``.
+    here as ``unknown_role``. Text above ``text_limits`` (default :class:`TextLimits`) and an
+    id, role or image path longer than any real one are problems of their own, found first.
     """
-    rid = dialogue.id
+    rid = _clipped(dialogue.id) if len(dialogue.id) > MAX_ID_CHARS else dialogue.id
     problems: list[Problem] = []
 
     turns = dialogue.turns
@@ -280,6 +346,8 @@ def check_dialogue(
     def add(code: str, turn: int | None, detail: str = "") -> None:
         problems.append(Problem(code, rid, record_index, turn, detail, system_first=bool(body_start)))
 
+    if _size_problems(dialogue, text_limits or TextLimits(), add):
+        return problems
     if len(turns) - body_start == 0:
         add("empty_conversation", None, f"{len(turns)} turns")
         return problems
@@ -340,6 +408,9 @@ __all__ = [
     "turn_label",
     "ValidationReport",
     "ImageChecker",
+    "MAX_ID_CHARS",
+    "MAX_PATH_CHARS",
+    "TextLimits",
     "check_dialogue",
     "format_reports",
 ]

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from mmtune.evaluation.config import EvalConfig
 
-__all__ = ["build_parser", "config_from_args", "setting_flags", "checkpoint_command", "flag_names", "with_flags",
+__all__ = ["REFUSALS", "build_parser", "config_from_args", "setting_flags", "checkpoint_command", "flag_names", "with_flags",
            "run_config", "main"]
 
 
@@ -288,6 +288,10 @@ def run_config(config: Any) -> dict[str, Any]:
     return results
 
 
+#: what an evaluation stops with as one message (exit status 2): the user's config, files or checkpoint
+REFUSALS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
+
+
 def _run_overrides(overrides: list[str]) -> int:
     """``mmtune evaluate experiment=... key=value``: the evaluate recipe's config, composed and run."""
     from mmtune.compose import OverrideError, compose_checked
@@ -300,7 +304,7 @@ def _run_overrides(overrides: list[str]) -> int:
         return 2
     try:
         run_config(config)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except REFUSALS as err:
         print(f"mmtune evaluate: {err}", file=sys.stderr)
         return 2
     return 0

@@ -77,6 +77,7 @@ from mmtune.models.base import (
     unwrap_model,
 )
 from mmtune.models.config import FamilySettings, ModelConfig
+from mmtune.models.checkpoint_guard import check_chat_template, check_model_folder
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -236,6 +237,7 @@ class AutoAdapter(ModelAdapter):
                 "chat template; for a random-weight tiny model use model.family=llava with model.path=null"
             )
         self.config = config
+        check_model_folder(config.path, config.image_limits)  # its files' sizes and depths, before any is parsed
         self._check_remote_code()
         self.processor = AutoProcessor.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
@@ -255,6 +257,7 @@ class AutoAdapter(ModelAdapter):
             raise UnsupportedProcessorError(
                 f"model.path={config.path!r} cannot be used with model.family=auto: " + "; ".join(problems)
             )
+        check_chat_template(template, config.path, self.tokenizer.special_tokens_map)  # renders, bounded
         self.chat_template = template
         self.image_token = image_token
         self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(image_token))

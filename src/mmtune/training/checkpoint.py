@@ -39,7 +39,7 @@ from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
 from mmtune.io.permissions import restore_default_modes
 from mmtune.schema_keys import flatten_config, key_covers
-from mmtune.training.manifest import write_manifest
+from mmtune.training.manifest import IncompleteCheckpointError, write_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.engines import Engine
 
 __all__ = ["TRAINER_STATE", "RUN_METADATA", "SAVE_POINTS", "RESUME_FREE_KEYS", "CheckpointManager",
-           "ResumeConfigError", "check_resume_config", "complete_checkpoints", "config_differences", "flatten_config", "intact_note",
-           "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
+           "OutputDirInUseError", "ResumeConfigError", "check_output_dir", "check_resume_config", "earlier_run", "complete_checkpoints", "config_differences", "flatten_config", "intact_note",
+           "json_bytes", "key_covers", "latest_checkpoint", "read_trainer_state", "recover_interrupted_saves", "save_final",
            "write_json_atomic"]
 
 TRAINER_STATE = "trainer_state.json"
@@ -72,6 +72,8 @@ RESUME_FREE_KEYS: dict[str, str] = {
     "training.resume_config_changes": "the permission itself",
     "training.save_every_steps": "when checkpoints are written",
     "training.keep_last": "how many checkpoints are kept",
+    "training.max_nonfinite_steps": "when a run whose loss went non-finite stops, not what a finite step computes",
+    "training.overwrite_output_dir": "whether a fresh run may replace an earlier one, never read when resuming",
     "training.save_final": "whether final/ is written",
     "training.num_workers": "how many processes load the same batches",
     "training.log_sample_ids": "a log",
@@ -149,12 +151,20 @@ def check_resume_config(checkpoint: str | os.PathLike, state: dict[str, Any], cu
             for key, (old, new) in changed.items()}
 
 
-def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and ``os.replace`` (never half-written)."""
+def json_bytes(payload: Any) -> bytes:
+    """``payload`` as the JSON bytes :func:`write_json_atomic` writes."""
+    return json.dumps(payload, indent=2, sort_keys=True, default=str).encode("utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any, *, content: Optional[bytes] = None) -> None:
+    """Write JSON to ``path`` via a temporary file and ``os.replace`` (never half-written).
+
+    ``content``: the bytes to write, already serialised with :func:`json_bytes` (what the
+    manifest hashed)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open_output(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+    with open_output(tmp, "wb") as f:
+        f.write(json_bytes(payload) if content is None else content)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -297,8 +307,11 @@ class CheckpointManager:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 restore_default_modes(tmp)  # safetensors writes 0600 whatever the umask (io/permissions.py)
-                write_manifest(tmp, written_after=[TRAINER_STATE])  # what a resume checks (training/manifest.py)
-                write_json_atomic(tmp / TRAINER_STATE, {**trainer_state, "step": step})
+                # What a resume verifies (training/manifest.py): every file's size and content hash,
+                # the marker's from the bytes written after it.
+                marker = json_bytes({**trainer_state, "step": step})
+                write_manifest(tmp, written_after=[TRAINER_STATE], later_contents={TRAINER_STATE: marker})
+                write_json_atomic(tmp / TRAINER_STATE, None, content=marker)
         if accelerator.is_main_process:
             _swap_into_place(tmp, final, self.on_save_point)
             self._prune()
@@ -315,12 +328,72 @@ class CheckpointManager:
     def load(self, accelerator: "Accelerator", checkpoint: str | os.PathLike, *,
              engine: Optional["Engine"] = None) -> dict[str, Any]:
         """Restore model/optimizer/scheduler/RNG from ``checkpoint`` (through ``engine`` when
-        given); return its trainer state."""
-        if engine is not None:
-            engine.load_state(Path(checkpoint))
-        else:
-            accelerator.load_state(str(checkpoint))
-        return read_trainer_state(checkpoint)
+        given); return its trainer state.
+
+        Raises:
+            IncompleteCheckpointError: a file failed to load (a checkpoint the manifest could
+                not verify: saved before content hashes, or damaged after the check); the
+                message names the checkpoint, the error, and the newest other one to resume from.
+        """
+        try:
+            if engine is not None:
+                engine.load_state(Path(checkpoint))
+            else:
+                accelerator.load_state(str(checkpoint))
+            return read_trainer_state(checkpoint)
+        except Exception as err:  # noqa: BLE001 - torch, safetensors, pickle and accelerate each raise their own
+            others = [c for c in complete_checkpoints(self.output_dir)
+                      if os.path.realpath(c) != os.path.realpath(checkpoint)]
+            way_out = (f"resume from an older one with training.resume={others[-1]}" if others else
+                       "start afresh in another training.output_dir")
+            raise IncompleteCheckpointError(
+                f"cannot resume: {checkpoint} failed to load ({type(err).__name__}: {str(err)[:300]}); its files "
+                f"are damaged in a way its manifest could not show: {way_out}") from err
+
+
+class OutputDirInUseError(FileExistsError):
+    """A fresh run (no ``training.resume``) was pointed at a folder an earlier run wrote into."""
+
+
+def earlier_run(output_dir: str | os.PathLike) -> list[str]:
+    """What an earlier run left in ``output_dir`` that a fresh run would overwrite (empty: nothing).
+
+    Checkpoints (complete or not), ``final/`` and the per-step logs count; data files,
+    caches and reports a run only reads or rewrites whole do not.
+    """
+    output_dir = Path(output_dir)
+    found = []
+    checkpoints = output_dir / "checkpoints"
+    if checkpoints.is_dir() and any(_STEP_DIR.match(c.name) for c in checkpoints.iterdir()):
+        found.append(f"checkpoints (latest: {latest_checkpoint(output_dir) or 'none complete'})")
+    if (output_dir / "final").exists():
+        found.append("final/")
+    found += [name for name in ("metrics.jsonl", "sample_ids.jsonl") if (output_dir / name).is_file()]
+    return found
+
+
+def check_output_dir(output_dir: str | os.PathLike, *, resume: Optional[str], overwrite: bool) -> Optional[str]:
+    """Refuse a fresh run into a used folder; with ``overwrite``, clear what would mix in (main process).
+
+    Returns:
+        A line saying what was deleted, with ``overwrite`` on a used folder (else ``None``).
+
+    Raises:
+        OutputDirInUseError: naming what the folder holds and the three ways on.
+    """
+    found = earlier_run(output_dir) if resume is None else []
+    if not found:
+        return None
+    if not overwrite:
+        raise OutputDirInUseError(
+            f"{output_dir} holds an earlier run ({', '.join(found)}), which a fresh run would overwrite. "
+            "Choose one: training.resume=auto to continue it; another training.output_dir to keep it; or "
+            "training.overwrite_output_dir=true to replace it")
+    shutil.rmtree(Path(output_dir) / "checkpoints", ignore_errors=True)
+    for log in ("metrics.jsonl", "sample_ids.jsonl"):
+        (Path(output_dir) / log).unlink(missing_ok=True)
+    return (f"training.overwrite_output_dir=true: deleted the earlier run's checkpoints and per-step logs in "
+            f"{output_dir}; final/ is replaced when this run saves")
 
 
 def intact_note(output_dir: str | os.PathLike) -> str:

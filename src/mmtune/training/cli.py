@@ -21,7 +21,33 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["evaluate_command", "report_command", "main"]
+__all__ = ["evaluate_command", "report_command", "refusals", "main"]
+
+
+def refusals() -> tuple[type[BaseException], ...]:
+    """The errors a training run stops with as one message (exit status 2), not a traceback.
+
+    Problems of the user's files, folders, launch or config (not of mmtune): found at set-up,
+    or by the evaluation before training (a held-out file with bad records). Resume refusals
+    too: a changed config or data file (ResumeConfigError), a used folder not resumed
+    (FileExistsError), an incomplete or damaged checkpoint (a FileNotFoundError), a symbolic
+    link where an output file goes (OutputLinkError); a launch the engine cannot run under;
+    a hostile model folder; and a run stopped by a non-finite loss. ``recipes/sft.py``
+    answers the same ones alike.
+    """
+    from mmtune.data.validation import DataValidationError
+    from mmtune.evaluation.benchmarks.common import BenchmarkDataError
+    from mmtune.io.locks import DirectoryLockedError
+    from mmtune.io.nofollow import OutputLinkError
+    from mmtune.models.checkpoint_guard import ModelFileError
+    from mmtune.training.checkpoint import ResumeConfigError
+    from mmtune.training.config import ConfigError
+    from mmtune.training.engines import EngineLaunchError
+    from mmtune.training.nonfinite import NonFiniteTrainingError
+
+    return (DataValidationError, BenchmarkDataError, DirectoryLockedError, FileNotFoundError, FileExistsError,
+            ResumeConfigError, OutputLinkError, ConfigError, EngineLaunchError, ModelFileError,
+            NonFiniteTrainingError)
 
 
 def _changed_settings(settings: Any) -> dict[str, Any]:
@@ -97,27 +123,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from mmtune.training.loop import SFTRecipe
 
-    from mmtune.data.validation import DataValidationError
-    from mmtune.evaluation.benchmarks.common import BenchmarkDataError
-    from mmtune.io.locks import DirectoryLockedError
-    from mmtune.io.nofollow import OutputLinkError
-    from mmtune.training.checkpoint import ResumeConfigError
-
     started = time.perf_counter()
     recipe = SFTRecipe(cfg, resolved_config=OmegaConf.to_container(raw, resolve=True))
-    # Problems of the user's files or folders (not of mmtune) are one message, not a traceback:
-    # found at set-up, or by the evaluation before training (a held-out file with bad records).
-    # Resume refusals too: a changed config or data file (ResumeConfigError), checkpoints in a
-    # folder not resumed (FileExistsError), an incomplete checkpoint (a FileNotFoundError), and
-    # a symbolic link where an output file goes (OutputLinkError).
-    try:
+    try:  # expected refusals are one message (see refusals())
         recipe.setup()
         recipe.train()
-    except (DataValidationError, BenchmarkDataError, DirectoryLockedError, FileNotFoundError, FileExistsError,
-            ResumeConfigError, OutputLinkError) as err:
+        final_dir = recipe.save()
+    except refusals() as err:
         print(f"mmtune train: {err}", file=sys.stderr)
         return 2
-    final_dir = recipe.save()
     recipe.cleanup()
     if not recipe.accelerator.is_main_process:
         return 0

@@ -149,6 +149,13 @@ class TrainingConfig:
     """Warm-up steps; overrides ``warmup_ratio`` when set."""
     max_grad_norm: Optional[float] = 1.0
     """Gradient clipping norm; ``None`` disables clipping."""
+    max_nonfinite_steps: int = 0
+    """Optimizer steps with a NaN / infinite loss or gradient norm tolerated before the run
+    stops (exit status non-zero, naming the step and its samples' ids). 0: stop at the first.
+    A tolerated step's update is skipped (DDP, FSDP2; DeepSpeed steps inside its backward),
+    and nothing is saved after a non-finite step, so a good checkpoint is never replaced by a
+    poisoned one. Under fp16 an infinite gradient norm with a finite loss is the loss
+    scaler's skipped step and is not counted (:mod:`mmtune.training.nonfinite`)."""
     mixed_precision: str = "no"
     """``no`` (fp32), ``bf16`` (A100/H100) or ``fp16`` (older GPUs, uses loss scaling)."""
     gradient_checkpointing: bool = False
@@ -168,6 +175,11 @@ class TrainingConfig:
     """``auto`` (latest complete checkpoint in ``output_dir``, or a fresh start), a
     checkpoint directory, or ``None`` (fresh start; fails if checkpoints exist, so a run
     is never silently overwritten)."""
+    overwrite_output_dir: bool = False
+    """Start afresh in a ``training.output_dir`` an earlier run used (its checkpoints,
+    ``final/`` or ``metrics.jsonl``): its resumable checkpoints and per-step logs are deleted
+    at start-up and ``final/`` is replaced when this run saves. Without it (and without
+    ``training.resume``) such a folder is refused, naming what it holds."""
     resume_config_changes: List[str] = field(default_factory=list)
     """Config keys allowed to differ from the resumed checkpoint's config, dotted
     (``[training.lr]``; a key covers the keys under it, ``training.projector`` covers
@@ -399,6 +411,9 @@ def validate(cfg: SFTConfig) -> None:
                        ("keep_last", t.keep_last)):
         if value < 1:
             problems.append(f"training.{key}={value} must be >= 1")
+    if t.max_nonfinite_steps < 0:
+        problems.append(f"training.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 0 (0: stop at the first "
+                        "non-finite step)")
     for key in ("max_steps", "save_every_steps", "warmup_steps"):
         value, least = getattr(t, key), 0 if key == "warmup_steps" else 1
         if value is not None and value < least:
@@ -457,6 +472,9 @@ def validate(cfg: SFTConfig) -> None:
         problems += engine_class(t.backend.engine).config_problems(cfg)
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
+    if t.overwrite_output_dir and t.resume is not None:
+        problems.append(f"training.overwrite_output_dir=true with training.resume={t.resume}: resuming continues "
+                        "the earlier run, overwriting starts afresh; set one of them")
     if t.resume_config_changes:
         from mmtune.data.identity import content_keys
         from mmtune.schema_keys import flatten_config, key_covers

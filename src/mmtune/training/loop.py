@@ -53,14 +53,15 @@ import torch
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
-from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, complete_checkpoints,
-                                       intact_note, latest_checkpoint, read_trainer_state, recover_interrupted_saves,
-                                       save_final)
+from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, check_output_dir,
+                                       complete_checkpoints, earlier_run, intact_note, read_trainer_state,
+                                       recover_interrupted_saves, save_final)
 from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
-from mmtune.training.manifest import choose_resume_checkpoint
+from mmtune.training.manifest import choose_resume_checkpoint_once
+from mmtune.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
 __all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout",
@@ -141,6 +142,16 @@ def check_resume_layout(checkpoint: Any, state: dict[str, Any], engine: Any, *, 
     return (f"resuming on {ranks} rank(s) x {accumulation} micro-batch(es) per step, saved on {saved_ranks} x "
             f"{saved_accumulation}: the same {ranks * accumulation} micro-batches per optimizer step, so every step "
             "trains the samples of the uninterrupted run")
+
+
+def _refuse_sequence_parallel_heads(model_cfg: Any, adapter: Any, size: int) -> None:
+    """Refuse a sequence-parallel size the model's heads do not divide by, before its weights load."""
+    from mmtune.training.sequence_parallel.groups import planned_head_problems
+
+    problems = planned_head_problems(model_cfg, adapter, size)
+    if problems:
+        raise ValueError("training.sequence_parallel cannot run: " + "; ".join(problems) + "; choose a size that "
+                         "divides them")
 
 
 class SFTRecipe:
@@ -243,8 +254,9 @@ class SFTRecipe:
         checkpoint is the newest whose files are all there (:mod:`mmtune.training.manifest`).
         """
         t = self.cfg.training
-        self.resume_from, passed_over = choose_resume_checkpoint(
-            t.resume, lambda: complete_checkpoints(self.output_dir), lambda c: read_trainer_state(c).get("step"))
+        self.resume_from, passed_over = choose_resume_checkpoint_once(  # verified by the main process
+            self.accelerator, t.resume, lambda: complete_checkpoints(self.output_dir),
+            lambda c: read_trainer_state(c).get("step"))
         if passed_over:
             self.accelerator.print(passed_over)
         self.config_changes = self._check_resume_config() if self.resume_from is not None else []
@@ -266,6 +278,8 @@ class SFTRecipe:
         cfg, t = self.cfg, self.cfg.training
         # Random-weight models are seeded identically on every rank.
         self.adapter = build_adapter(cfg.model)
+        if t.sequence_parallel.size > 1:  # the heads split over the group, from the config alone
+            _refuse_sequence_parallel_heads(cfg.model, self.adapter, t.sequence_parallel.size)
         load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
         if cfg.peft.method == "qlora":
             load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
@@ -374,6 +388,8 @@ class SFTRecipe:
         """
         acc = self.accelerator
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
+        self.nonfinite = NonFiniteGuard(self.cfg.training.max_nonfinite_steps,
+                                        loss_scaled=self.cfg.training.mixed_precision == "fp16")
         resume_from = self.resume_from
         if resume_from is None and acc.is_main_process:
             # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
@@ -590,12 +606,14 @@ class SFTRecipe:
         return identities
 
     def _check_output_dir(self) -> None:
-        t = self.cfg.training
-        if t.resume is None and latest_checkpoint(self.output_dir) is not None:
-            raise FileExistsError(
-                f"{self.output_dir} already has checkpoints: set training.resume=auto to continue that run, "
-                "or choose another training.output_dir"
-            )
+        """A fresh run into a used folder is refused, or clears it with training.overwrite_output_dir."""
+        t, acc = self.cfg.training, self.accelerator
+        earlier = earlier_run(self.output_dir) if t.resume is None else []  # every rank: each raises alike
+        if earlier and acc.is_main_process:
+            acc.print(check_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite_output_dir))
+        elif earlier and not t.overwrite_output_dir:
+            check_output_dir(self.output_dir, resume=t.resume, overwrite=False)
+        acc.wait_for_everyone()
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -651,7 +669,8 @@ class SFTRecipe:
                     if engine.sync_gradients:
                         # Without clipping (max_grad_norm unset) this only measures the norm.
                         self.grad_norm = engine.clip_grad_norm(self.model, t.max_grad_norm)
-                        self.optimizer.step()
+                        if self.nonfinite.allows_update(self.grad_norm):  # a NaN update is never applied
+                            self.optimizer.step()
                         self.scheduler.step()  # ours, once per optimizer step, whatever the engine
                         self.optimizer.zero_grad(set_to_none=True)
                 loss_sum += summed.detach()
@@ -665,6 +684,7 @@ class SFTRecipe:
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
                 self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
+            self._check_finite(float(stats[0]), [meta["ids"] for _, meta in micro])
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 tokens_per_s = float(stats[1]) / elapsed
                 metrics = {
@@ -687,6 +707,19 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
+
+    def _check_finite(self, loss_sum: float, ids: list[list[str]]) -> None:
+        """Count a step whose loss or gradient norm is not finite; stop past ``training.max_nonfinite_steps``
+        (:mod:`mmtune.training.nonfinite`), every rank at once with the step's ids from every rank."""
+        from accelerate.utils import gather_object
+
+        loss = self.objective.step_loss(loss_sum)
+        bad = not (math.isfinite(loss) and self.nonfinite.allows_update(self.grad_norm))  # the same on every rank
+        if bad and self.accelerator.num_processes > 1:
+            ids = [batch for rank in gather_object([ids]) for batch in rank]
+        note = self.nonfinite.observe(self.step, loss, self.grad_norm, ids)
+        if note:
+            self.accelerator.print(note)
 
     def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         """The summed next-token loss of one micro-batch (fp32 scalar), under autocast (the
@@ -734,8 +767,12 @@ class SFTRecipe:
                                         "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
-    def save_checkpoint(self) -> Path:
-        """A resumable checkpoint of the current step (atomic; keeps the last N)."""
+    def save_checkpoint(self) -> Optional[Path]:
+        """A resumable checkpoint of the current step (atomic; keeps the last N); none after a
+        non-finite step (its state would replace a good checkpoint)."""
+        if self.nonfinite.save_problem():
+            self.accelerator.print(f"checkpoint step {self.step} {self.nonfinite.save_problem()}")
+            return None
         return self.checkpoints.save(self.accelerator, self.step, engine=self.engine, trainer_state={
             "epoch": self.epoch, "micro_batches_done": self.micro_batches_done, "total_steps": self.total_steps,
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
@@ -750,6 +787,9 @@ class SFTRecipe:
 
         if not self.cfg.training.save_final:
             return None
+        if self.nonfinite.save_problem():
+            raise NonFiniteTrainingError(f"final/ {self.nonfinite.save_problem()}; rerun from the last checkpoint "
+                                         "with training.resume=auto")
         metadata = {
             "family": self.cfg.model.family,
             "run": redact(self.run_name, names=self.secret_names),

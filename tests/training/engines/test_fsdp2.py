@@ -306,3 +306,50 @@ def test_an_engine_whose_package_is_missing_is_refused_at_start_up(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ConfigError, match=r"training.backend.engine=deepspeed needs the 'deepspeed' package"):
         _config("training.backend.engine=deepspeed")
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (("training.backend.engine=fsdp2",), "training.backend.engine=fsdp2 shards the model over a process group"),
+    (("training.sequence_parallel.size=2",), "training.sequence_parallel.size=2 does not divide the 1 launched"),
+    (("training.backend.engine=fsdp2", "training.sequence_parallel.size=2"),
+     "training.backend.engine=fsdp2 shards the model over a process group, which a plain `python` start does not "
+     "create; training.sequence_parallel.size=2 does not divide"),
+])
+def test_a_launch_the_engine_cannot_run_is_refused_before_the_model_loads_with_the_command(
+        overrides, refused, tmp_path, synthetic_dir, tiny_overrides, monkeypatch):
+    from mmtune.models.llava import LlavaAdapter
+    from mmtune.training.config import to_sft_config
+    from mmtune.training.demo import compose_sft_config
+    from mmtune.training.engines import EngineLaunchError
+    from mmtune.training.loop import SFTRecipe
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(LlavaAdapter, "load_model", never)
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(tiny_overrides(tmp_path / "run", synthetic_dir, *overrides))))
+    with pytest.raises(EngineLaunchError) as info:
+        recipe.setup()
+    assert refused in str(info.value)
+    assert "Launch it with 2 processes (or a multiple of 2): torchrun --nproc_per_node 2 -m mmtune train" in str(info.value)
+
+
+def test_sequence_parallel_heads_are_checked_from_the_config_on_the_meta_device():
+    from mmtune.models.config import ModelConfig
+    from mmtune.models.registry import build_adapter
+    from mmtune.training.plan.model import meta_model
+    from mmtune.training.sequence_parallel.groups import planned_head_problems
+
+    model_cfg = ModelConfig(family="llava")
+    adapter = build_adapter(model_cfg)
+    text = adapter.text_config(meta_model(model_cfg)[0].config)
+    heads, kv_heads = int(text.num_attention_heads), int(text.num_key_value_heads)
+
+    assert planned_head_problems(model_cfg, adapter, kv_heads) == []  # divides both (kv_heads divides heads)
+    size = heads + 1
+    assert planned_head_problems(model_cfg, adapter, size) == [
+        f"the language model's {count} {name} do not divide by training.sequence_parallel.size={size}"
+        for name, count in (("attention heads", heads), ("key/value heads", kv_heads)) if count % size]

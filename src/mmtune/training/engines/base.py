@@ -86,6 +86,16 @@ class StateMemory:
         return self.weights + self.gradients + self.optimizer + self.gathered
 
 
+def _distributed() -> bool:
+    """Whether a distributed launcher (torchrun, accelerate launch) started this process: its
+    process group exists, or the launcher's rendezvous variables are there to create it."""
+    import os
+
+    import torch.distributed as dist
+
+    return dist.is_available() and (dist.is_initialized() or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ))
+
+
 class Engine(ABC):
     """One distributed engine behind the training core.
 
@@ -154,6 +164,38 @@ class Engine(ABC):
                 f"(accelerate launch --config_file with distributed_type "
                 f"{'DEEPSPEED' if launched == 'deepspeed' else 'FSDP'}): launch with "
                 f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
+        problem = self.launch_problem(self.cfg, num_processes=accelerator.num_processes, distributed=_distributed())
+        if problem:
+            raise EngineLaunchError(problem)
+
+    needs_distributed_launch: ClassVar[bool] = False
+    """Whether the engine needs a process group even on one process (FSDP2's device mesh), which a
+    plain ``python`` start does not create."""
+
+    @classmethod
+    def launch_problem(cls, cfg: "SFTConfig", *, num_processes: int, distributed: bool) -> str:
+        """Why this launch (``num_processes`` processes; ``distributed``: started by a distributed
+        launcher) cannot run ``cfg`` under this engine, with the command that can; empty when it can.
+
+        Asked by :meth:`start`, before any model is loaded: the engine's own need of a process
+        group, and ``training.sequence_parallel.size`` against the launched ranks.
+        """
+        from mmtune.training.sequence_parallel.groups import size_problems
+
+        sp = cfg.training.sequence_parallel.size
+        problems = []
+        if cls.needs_distributed_launch and not distributed:
+            problems.append(f"training.backend.engine={cls.name} shards the model over a process group, which a "
+                            "plain `python` start does not create")
+        if sp > 1:
+            problems += size_problems(sp, num_processes)
+        if not problems:
+            return ""
+        n = max(sp, 2)
+        return ("; ".join(problems) + f". Launch it with {n} processes (or a multiple of {n}): "
+                f"torchrun --nproc_per_node {n} -m mmtune train <the same overrides> (or torchrun --nproc_per_node "
+                f"{n} recipes/sft.py <the same overrides>); or train on one process with "
+                "training.backend.engine=ddp training.sequence_parallel.size=1")
 
     @classmethod
     def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:

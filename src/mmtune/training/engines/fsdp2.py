@@ -124,6 +124,7 @@ class FSDP2Engine(Engine):
     name = "fsdp2"
     settings_class = FSDP2EngineConfig
     sequence_parallel_problem = ""
+    needs_distributed_launch = True  # fully_shard's device mesh is a process group, even of one rank
     # The root unit's backward (and its backward prefetch) starts from hooks on the model's
     # outputs; the linear cross-entropy joins them so that happens at the same point on every
     # rank, a text-only micro-batch's as an image one's (see loss.joined_with_outputs).

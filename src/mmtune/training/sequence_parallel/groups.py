@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["SPGroups", "head_problems", "new_groups", "size_problems"]
+__all__ = ["SPGroups", "head_problems", "new_groups", "planned_head_problems", "size_problems"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,15 @@ def head_problems(text_config: Any, size: int) -> list[str]:
             problems.append(f"the language model's {count} {name} do not divide by "
                             f"training.sequence_parallel.size={size}")
     return problems
+
+
+def planned_head_problems(model_cfg: Any, adapter: Any, size: int) -> list[str]:
+    """:func:`head_problems` of ``model_cfg``'s model read from its config alone (a meta-device
+    build, no weights), so a layout that cannot split its heads stops before the model loads."""
+    from mmtune.training.plan.model import meta_model
+
+    model, _ = meta_model(model_cfg)
+    return head_problems(adapter.text_config(model.config), size)
 
 
 def new_groups(size: int) -> SPGroups:
