@@ -69,7 +69,7 @@ def test_writer_roundtrip(tmp_path):
     assert os.path.basename(arrow) == "my_source_x-k.arrow"
     assert open_entry(arrow, report) is None
     w = CacheWriter(arrow, report, batch_size=2)
-    rows = [{"id": str(i), "source": "s", "roles": ["user"], "segments": [[{"text": "t", "image": None}]],
+    rows = [{"id": str(i), "key": f"{i}@{i}", "source": "s", "roles": ["user"], "segments": [[{"text": "t", "image": None}]],
              "num_images": 0, "num_chars": 1} for i in range(5)]
     for r in rows:
         w.add(r)

@@ -32,12 +32,14 @@ from mmtune.core.dialogue import Dialogue, Image, Turn
 from mmtune.io.nofollow import open_output
 
 # Bump when the reader's output or validation rules change, so old caches are not reused.
-READER_VERSION = 3  # 3: reports number turns by question/answer exchange
+READER_VERSION = 4  # 4: every record kept under a unique key (repeated ids trained, see mmtune.data.keys)
 
-# Dialogue.to_record() plus cheap per-record statistics used by mixing and stacking.
+# Dialogue.to_record(), the record's unique key (mmtune.data.keys) and cheap per-record
+# statistics used by mixing and stacking.
 FEATURES = Features(
     {
         "id": Value("string"),
+        "key": Value("string"),
         "source": Value("string"),
         "roles": List(Value("string")),
         "segments": List(List({"text": Value("string"), "image": Value("string")})),
@@ -138,7 +140,10 @@ class DialogueSequence(Sequence):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"dialogue index {i} out of range for {n} dialogues")
-        return Dialogue.from_record(self.dataset[int(i)])
+        row = self.dataset[int(i)]
+        dialogue = Dialogue.from_record(row)
+        dialogue.meta["key"] = row["key"]
+        return dialogue
 
     def __iter__(self) -> Iterator[Dialogue]:
         # Batched reads of 1000 rows as Arrow tables, converted column by column: the
@@ -158,6 +163,7 @@ def _offsets(array) -> list[int]:
 def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
     """The dialogues of an Arrow table of cache rows (``Dialogue.to_record`` layout)."""
     ids = table.column("id").to_pylist()
+    keys = table.column("key").to_pylist()
     sources = table.column("source").to_pylist()
     roles = table.column("roles").to_pylist()
     turns_of = table.column("segments").combine_chunks()  # list<list<struct<text, image>>>
@@ -174,12 +180,14 @@ def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
             Turn(role, tuple(segments[segment_starts[first + k]:segment_starts[first + k + 1]]))
             for k, role in enumerate(roles[row])
         )
-        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns)
+        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns, meta={"key": keys[row]})
 
 
-def cache_row(d: Dialogue) -> dict[str, Any]:
-    """A dialogue as a cache row: :meth:`Dialogue.to_record` plus its image and character counts."""
+def cache_row(d: Dialogue, key: str | None = None) -> dict[str, Any]:
+    """A dialogue as a cache row: :meth:`Dialogue.to_record`, its unique key (default: its id)
+    and its image and character counts."""
     row = d.to_record()
+    row["key"] = d.id if key is None else key
     n_img = n_chars = 0
     for t in d.turns:
         for s in t.segments:

@@ -56,6 +56,7 @@ import torch
 
 from mmtune.data.encoding import TRAIN_ON, Example, encode_example
 from mmtune.data.images import CorruptImageError, ImagePipeline
+from mmtune.data.keys import record_key
 from mmtune.data.truncation import STRATEGIES, TruncationStats
 from mmtune.core.encoded import IGNORE_INDEX
 
@@ -383,7 +384,9 @@ class MultiImageDataset(torch.utils.data.Dataset):
                       if example.images else None)
         except CorruptImageError as err:
             return self._skip(dialogue, err)
-        return replace(example, raw_images=images, row=row)
+        # The record's unique key (its id unless an earlier record of the source has that id):
+        # what sample_ids.jsonl logs, so every record of a file with repeated ids shows once.
+        return replace(example, dialogue_id=record_key(dialogue), raw_images=images, row=row)
 
     def _skip(self, dialogue: "Dialogue", err: CorruptImageError) -> "SkippedSample":
         """The sample left out for an image that cannot be used (skip mode); re-raises otherwise."""

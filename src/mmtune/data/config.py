@@ -121,6 +121,12 @@ class ValidationConfig:
     max_examples: int = 5
     """Example record ids kept per problem class in the report."""
 
+    drop_exact_duplicates: bool = False
+    """Leave out a training record equal to an earlier one of its source (same id, same
+    images, same conversation), counted in the report. Off: such records are kept, as the
+    published mixes hold them (llava-665k is trained with them). A repeated id with another
+    conversation is never dropped: every such record is trained (see :mod:`mmtune.data.keys`)."""
+
     max_record_bytes: int = 256 * 1024 * 1024
     """Largest record read, in bytes (256 MiB): a JSONL line above it is skipped as
     ``record_too_large`` without ever being held in memory whole (format detection too);

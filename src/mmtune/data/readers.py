@@ -32,6 +32,7 @@ from mmtune.data.config import IMAGE_CHECKS, MODES, DataConfig, SourceConfig, de
 from mmtune.data.formats import ConvertContext, get_format
 from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDER
 from mmtune.data.formats.base import ROLE_MAP
+from mmtune.data.keys import RecordKeys
 from mmtune.data.paths import ImagePathRules
 from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
@@ -117,6 +118,8 @@ def load_source(
     allow_absolute_image_paths: bool = False,
     image_limits: "ImageLimits | None" = None,
     max_record_bytes: int = MAX_RECORD_BYTES,
+    unique_ids: bool = True,
+    drop_exact_duplicates: bool = False,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -134,6 +137,12 @@ def load_source(
             model's ``model.image_limits``; default: the defaults); others are ``image_too_large``.
         max_record_bytes: largest record read (``data.validation.max_record_bytes``); a longer
             JSONL line is a ``record_too_large`` problem, skipped without being held whole.
+        unique_ids: a repeated id is a ``duplicate_id`` problem (an evaluation file, whose
+            ids name result rows). ``False`` (training data, :func:`load_training_source`):
+            every record is kept under a unique key and the report counts the repeats
+            (:mod:`mmtune.data.keys`).
+        drop_exact_duplicates: with ``unique_ids=False``, leave out records equal to an
+            earlier one (same id, images and conversation), counted in the report.
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -172,6 +181,8 @@ def load_source(
         options["image_limits"] = asdict(limits)
     if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
         options["max_record_bytes"] = max_record_bytes
+    if not unique_ids:
+        options["repeated_ids"] = "drop_exact_duplicates" if drop_exact_duplicates else "keep"
     arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
@@ -181,7 +192,8 @@ def load_source(
             raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
-                        report_path, max_record_bytes)
+                        report_path, max_record_bytes, unique_ids=unique_ids,
+                        drop_exact_duplicates=drop_exact_duplicates)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -195,10 +207,12 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
 
 
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
-                     max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
+                     max_record_bytes: int = MAX_RECORD_BYTES, unique_ids: bool = True,
+                     ) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
     """``(dialogue, problems)`` of every record of the source, in file order: each record
-    converted and checked (:func:`check_dialogue`, duplicate ids); ``dialogue`` is None when
-    the record could not be converted. ``limit``: only the first records."""
+    converted and checked (:func:`check_dialogue`, and with ``unique_ids`` a repeated id as
+    ``duplicate_id``); ``dialogue`` is None when the record could not be converted.
+    ``limit``: only the first records."""
     seen: set[str] = set()
     fmt = get_format(source_cfg.format)
     for index, obj, problem in iter_records(source_cfg.path, max_record_bytes):
@@ -214,28 +228,36 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
                 dialogue, problems = None, [Problem("too_deep", f"#{index}", index, None, "while converting")]
             if dialogue is not None:
                 problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker)]
-                if dialogue.id in seen:
+                if unique_ids and dialogue.id in seen:
                     problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
-                seen.add(dialogue.id)
+                if unique_ids:
+                    seen.add(dialogue.id)
             if problems and fmt.system_first(obj):
                 problems = [replace(p, system_first=True) for p in problems]
         yield dialogue, problems
 
 
 def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
-           max_record_bytes: int) -> ValidationReport:
+           max_record_bytes: int, *, unique_ids: bool = True, drop_exact_duplicates: bool = False) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
+    keys = RecordKeys(max_examples)
     try:
-        for dialogue, problems in _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes):
+        records = _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes, unique_ids=unique_ids)
+        for position, (dialogue, problems) in enumerate(records):
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
                 report.add_skipped(problems)
-            else:
-                report.add_kept(dialogue)
-                writer.add(cache_row(dialogue))
+                continue
+            key, exact = keys.add(dialogue, position)
+            if exact and drop_exact_duplicates:
+                report.add_dropped()
+                continue
+            report.add_kept(dialogue)
+            writer.add(cache_row(dialogue, key))
+        report.add_repeats(keys.repeated, keys.exact, keys.examples)
         writer.commit(report.to_dict())
     except BaseException:
         writer.abort()
@@ -269,24 +291,33 @@ def read_source(
     return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes))
 
 
+def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refresh: bool = False,
+                         image_limits: "ImageLimits | None" = None) -> SourceData:
+    """One training source with its data config's validation and cache settings (and the
+    model's image limits): every record kept under a unique key, repeated ids counted in
+    the report (:mod:`mmtune.data.keys`). Training, ``mmtune plan`` and ``mmtune data check``
+    read sources through it, so all three count the same records."""
+    v = data_cfg.validation
+    return load_source(
+        source_cfg,
+        mode=v.mode,
+        cache_dir=data_cfg.cache_dir,
+        check_images=v.check_images,
+        max_examples=v.max_examples,
+        refresh=refresh,
+        allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
+        image_limits=image_limits,
+        max_record_bytes=v.max_record_bytes,
+        unique_ids=False,
+        drop_exact_duplicates=v.drop_exact_duplicates,
+    )
+
+
 def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
                  image_limits: "ImageLimits | None" = None) -> list[SourceData]:
-    """Every source of a data config, with its validation and cache settings (and the model's image limits)."""
-    v = data_cfg.validation
-    return [
-        load_source(
-            s,
-            mode=v.mode,
-            cache_dir=data_cfg.cache_dir,
-            check_images=v.check_images,
-            max_examples=v.max_examples,
-            refresh=refresh,
-            allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
-            image_limits=image_limits,
-            max_record_bytes=v.max_record_bytes,
-        )
-        for s in data_cfg.mixture.sources
-    ]
+    """Every source of a data config as training reads it (:func:`load_training_source`)."""
+    return [load_training_source(s, data_cfg, refresh=refresh, image_limits=image_limits)
+            for s in data_cfg.mixture.sources]
 
 
 def read_datatxt(path: str) -> list[tuple[str, float]]:
@@ -351,6 +382,7 @@ __all__ = [
     "SourceData",
     "image_rules",
     "load_source",
+    "load_training_source",
     "load_sources",
     "read_source",
     "read_datatxt",
