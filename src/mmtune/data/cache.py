@@ -50,15 +50,16 @@ FEATURES = Features(
 
 
 def cache_key(path: str, options: dict[str, Any]) -> str:
-    """Hex key of (file identity, reader version, options)."""
-    st = os.stat(path)
-    ident = {
-        "path": os.path.abspath(path),
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "reader_version": READER_VERSION,
-        "options": options,
-    }
+    """Hex key of (file identity, reader version, options); a tabular input's identity is its
+    shards' (:func:`mmtune.data.tables.input_identity`)."""
+    from mmtune.data.tables import input_identity, is_table_input
+
+    ident: dict[str, Any] = {"path": os.path.abspath(path), "reader_version": READER_VERSION, "options": options}
+    if is_table_input(path):
+        ident["shards"] = input_identity(path)
+    else:
+        st = os.stat(path)
+        ident.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -55,7 +55,10 @@ EVERY_PROBLEM = 1_000_000
 
 
 def _is_data_file(name: str) -> bool:
-    return os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)
+    from mmtune.data.tables import input_files, is_table_input
+
+    return (os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)) or (
+        is_table_input(name) and bool(input_files(name)))
 
 
 def _parser() -> argparse.ArgumentParser:

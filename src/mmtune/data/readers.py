@@ -35,6 +35,7 @@ from mmtune.data.formats.base import ROLE_MAP
 from mmtune.data.keys import RecordKeys
 from mmtune.data.paths import ImagePathRules
 from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
+from mmtune.data.tables import EmbeddedImages, default_image_root, input_files, is_table_input, iter_table_records
 from mmtune.data.validation import DataValidationError, ImageChecker, Problem, ValidationReport, check_dialogue
 
 
@@ -95,10 +96,18 @@ class SourceData:
         return self.num_chars // 4 + self.num_images.astype(np.int64) * tokens_per_image
 
 
-def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False) -> ImagePathRules:
-    """The image path rule of one source: its ``image_root`` (default: the data file's folder)."""
+def embedded_images_dir(cache_dir: str | None) -> str:
+    """Where the embedded images of tabular inputs are stored, by content (:mod:`mmtune.data.tables`)."""
+    return os.path.join(cache_dir or default_cache_dir(), "images")
+
+
+def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False, cache_dir: str | None = None) -> ImagePathRules:
+    """The image path rule of one source: its ``image_root`` (default: the data file's folder,
+    or the folder of shards), and the stored embedded images of a tabular input."""
+    tabular = is_table_input(source_cfg.path)
     return ImagePathRules(
-        root=os.path.abspath(source_cfg.image_root or os.path.dirname(os.path.abspath(source_cfg.path))),
+        root=os.path.abspath(source_cfg.image_root or default_image_root(source_cfg.path)),
+        extra_roots=(embedded_images_dir(cache_dir),) if tabular else (),
         allow_absolute=allow_absolute,
         strip_prefix=source_cfg.strip_image_prefix,
         # User-made chat files carry real absolute paths; the datasets' absolute paths
@@ -158,14 +167,16 @@ def load_source(
     except ValueError as err:
         raise ValueError(f"source {source_cfg.name!r}: {err}") from None
     path = source_cfg.path
-    if not os.path.isfile(path):
+    if not (os.path.isfile(path) or (is_table_input(path) and input_files(path))):
         raise FileNotFoundError(
             f"source {source_cfg.name!r}: data file {path!r} does not exist "
-            "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
+            + ("or holds no Parquet / Arrow / JSONL shard " if is_table_input(path) else "")
+            + "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
         )
     image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
     limits = image_limits or ImageLimits()
-    ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
+    cache_dir = cache_dir or default_cache_dir()
+    ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths, cache_dir),
                    source_cfg.move_image_to_start)
     options = {
         "name": source_cfg.name,
@@ -183,7 +194,7 @@ def load_source(
         options["max_record_bytes"] = max_record_bytes
     if not unique_ids:
         options["repeated_ids"] = "drop_exact_duplicates" if drop_exact_duplicates else "keep"
-    arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
+    arrow_path, report_path = entry_paths(cache_dir, source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
         dataset, report_dict = hit
@@ -193,7 +204,7 @@ def load_source(
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
                         report_path, max_record_bytes, unique_ids=unique_ids,
-                        drop_exact_duplicates=drop_exact_duplicates)
+                        drop_exact_duplicates=drop_exact_duplicates, images=EmbeddedImages(embedded_images_dir(cache_dir)))
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -206,16 +217,24 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
     return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
 
 
+def _records(path: str, images: EmbeddedImages, max_record_bytes: int):
+    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`)."""
+    if is_table_input(path):
+        return iter_table_records(path, images, max_record_bytes)
+    return iter_records(path, max_record_bytes)
+
+
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
                      max_record_bytes: int = MAX_RECORD_BYTES, unique_ids: bool = True,
-                     ) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
+                     images: EmbeddedImages | None = None) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
     """``(dialogue, problems)`` of every record of the source, in file order: each record
     converted and checked (:func:`check_dialogue`, and with ``unique_ids`` a repeated id as
     ``duplicate_id``); ``dialogue`` is None when the record could not be converted.
     ``limit``: only the first records."""
     seen: set[str] = set()
     fmt = get_format(source_cfg.format)
-    for index, obj, problem in iter_records(source_cfg.path, max_record_bytes):
+    images = images or EmbeddedImages(embedded_images_dir(None))
+    for index, obj, problem in _records(source_cfg.path, images, max_record_bytes):
         if limit is not None and index >= limit:
             return
         dialogue = None
@@ -238,13 +257,15 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
 
 
 def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
-           max_record_bytes: int, *, unique_ids: bool = True, drop_exact_duplicates: bool = False) -> ValidationReport:
+           max_record_bytes: int, *, unique_ids: bool = True, drop_exact_duplicates: bool = False,
+           images: EmbeddedImages | None = None) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
     keys = RecordKeys(max_examples)
     try:
-        records = _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes, unique_ids=unique_ids)
+        records = _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes, unique_ids=unique_ids,
+                                   images=images)
         for position, (dialogue, problems) in enumerate(records):
             if problems:
                 if mode == "strict":

@@ -39,6 +39,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "record (a JSONL line) is longer than data.validation.max_record_bytes; it was skipped unread",
         "split or shorten the record, or raise data.validation.max_record_bytes if such records are expected",
     ),
+    "unreadable_shard": (
+        "a shard of the input (Parquet / Arrow file) cannot be opened or read; counted as one skipped record",
+        "download the shard again (its name is given), or remove it from the folder or glob",
+    ),
     "too_deep": (
         "record nests lists/objects deeper than the JSON parser can follow",
         "flatten or delete the record: no supported format nests more than a few levels",
