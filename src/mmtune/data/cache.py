@@ -133,6 +133,16 @@ class DialogueSequence(Sequence):
     def __len__(self) -> int:
         return self.dataset.num_rows
 
+    @property
+    def fingerprint(self) -> str:
+        """The records' identity for caches built on them (the length cache): the Arrow
+        entry's own fingerprint (its file name holds the entry's key) and its files' sizes
+        and times, so a rebuilt entry under the same name is another fingerprint."""
+        files = [f["filename"] for f in getattr(self.dataset, "cache_files", None) or []]
+        stats = [(os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files if os.path.exists(f)]
+        ident = json.dumps([self.dataset._fingerprint, stats, self.dataset.num_rows])
+        return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

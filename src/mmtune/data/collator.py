@@ -145,7 +145,9 @@ class CollatorConfig:
     of training and in ``data_report.json``. ``null`` (default): follow
     ``data.validation.mode``, so one setting decides for every bad record."""
     length_cache_dir: Optional[str] = None
-    """Directory of the per-sample length cache; null keeps lengths in memory only."""
+    """Directory of the per-sample length cache. ``null`` (default): ``lengths/`` under the
+    data cache (``data.cache_dir``), so a second launch reads the lengths back without any
+    setting; a record whose image changed under the same path is measured again."""
 
     def validate(self) -> None:
         """Raise one ValueError listing every invalid field."""
