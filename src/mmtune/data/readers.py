@@ -116,6 +116,29 @@ def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False, cache_di
     )
 
 
+def _entry_options(source_cfg: SourceConfig, image_root: str | None, allow_absolute_image_paths: bool,
+                   check_images: str, max_examples: int, limits: ImageLimits, max_record_bytes: int,
+                   unique_ids: bool, drop_exact_duplicates: bool) -> dict[str, Any]:
+    """Every reader option that decides a cache entry's content (part of its key)."""
+    options = {
+        "name": source_cfg.name,
+        "format": source_cfg.format,
+        "image_root": image_root,
+        "strip_image_prefix": source_cfg.strip_image_prefix,
+        "move_image_to_start": source_cfg.move_image_to_start,
+        "allow_absolute_image_paths": allow_absolute_image_paths,
+        "check_images": check_images,
+        "max_examples": max_examples,
+    }
+    if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
+        options["image_limits"] = asdict(limits)
+    if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
+        options["max_record_bytes"] = max_record_bytes
+    if not unique_ids:
+        options["repeated_ids"] = "drop_exact_duplicates" if drop_exact_duplicates else "keep"
+    return options
+
+
 def load_source(
     source_cfg: SourceConfig,
     *,
@@ -178,22 +201,8 @@ def load_source(
     cache_dir = cache_dir or default_cache_dir()
     ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths, cache_dir),
                    source_cfg.move_image_to_start)
-    options = {
-        "name": source_cfg.name,
-        "format": source_cfg.format,
-        "image_root": image_root,
-        "strip_image_prefix": source_cfg.strip_image_prefix,
-        "move_image_to_start": source_cfg.move_image_to_start,
-        "allow_absolute_image_paths": allow_absolute_image_paths,
-        "check_images": check_images,
-        "max_examples": max_examples,
-    }
-    if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
-        options["image_limits"] = asdict(limits)
-    if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
-        options["max_record_bytes"] = max_record_bytes
-    if not unique_ids:
-        options["repeated_ids"] = "drop_exact_duplicates" if drop_exact_duplicates else "keep"
+    options = _entry_options(source_cfg, image_root, allow_absolute_image_paths, check_images, max_examples, limits,
+                             max_record_bytes, unique_ids, drop_exact_duplicates)
     arrow_path, report_path = entry_paths(cache_dir, source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
