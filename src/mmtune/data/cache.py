@@ -136,10 +136,10 @@ class DialogueSequence(Sequence):
     @property
     def fingerprint(self) -> str:
         """The records' identity for caches built on them (the length cache): the Arrow
-        entry's own fingerprint (its file name holds the entry's key) and its files' sizes
-        and times, so a rebuilt entry under the same name is another fingerprint."""
+        entry's own fingerprint (its file name holds the entry's key), its rows and its
+        files' sizes. Not their times: ranks that each built the same entry must agree."""
         files = [f["filename"] for f in getattr(self.dataset, "cache_files", None) or []]
-        stats = [(os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files if os.path.exists(f)]
+        stats = [os.path.getsize(f) for f in files if os.path.exists(f)]
         ident = json.dumps([self.dataset._fingerprint, stats, self.dataset.num_rows])
         return hashlib.sha256(ident.encode()).hexdigest()[:20]
 

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -263,7 +264,11 @@ def _measure(job, n: int, chunk_size: int, num_proc: int, stamps: np.ndarray, *,
     barrier()  # every rank has read every part
     if rank == 0:
         for r in range(world_size):
-            os.remove(part_path(path, r, world_size))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part_path(path, r, world_size))
+    for r, share in enumerate(shares):  # a rank that measured other records (another key): measured here
+        if share is None or len(share.lengths) != sum(b - a for a, b in ranges[r::world_size]):
+            shares[r] = _stored(_run_ranges(job, ranges[r::world_size], num_proc), np.zeros(0, dtype=np.uint64))
     order = [(r, k) for r in range(world_size) for k in range(len(ranges[r::world_size]))]
     parts: list[_Part] = [None] * len(ranges)  # type: ignore[list-item]
     offsets = {r: np.cumsum([0] + [b - a for a, b in ranges[r::world_size]]) for r in range(world_size)}
