@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
@@ -121,7 +122,9 @@ class SFTDataModule:
             self.collator_config = replace(self.collator_config, image_errors=self.data_config.validation.mode)
         cfg = self.collator_config
         cfg.validate()
-        self.mixture = build_mixture(self.data_config, image_limits=getattr(self.adapter.config, "image_limits", None))
+        with self._rank_zero_first():  # one rank reads and caches the files; the others open its cache
+            self.mixture = build_mixture(self.data_config,
+                                         image_limits=getattr(self.adapter.config, "image_limits", None))
         # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)
@@ -138,6 +141,18 @@ class SFTDataModule:
         self._plans = {}
         self._plan_hashes = {}
         self._steps: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def _rank_zero_first(self):
+        """Rank 0 runs the block first, the other ranks of a process group after it."""
+        import torch.distributed as dist
+
+        shared = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if shared and self.rank != 0:
+            dist.barrier()
+        yield
+        if shared and self.rank == 0:
+            dist.barrier()
 
     def _length_pass_layout(self) -> dict[str, Any]:
         """Processes and rank sharing of the length pass: ``data.num_proc`` (default: the cores
