@@ -107,6 +107,8 @@ def test_batched_iteration_equals_reading_row_by_row(tmp_path, cache_dir, write_
     dataset = source.dialogues.dataset
     one_by_one = [Dialogue.from_record(dataset[i]) for i in range(dataset.num_rows)]
     assert list(source.dialogues) == one_by_one and len(one_by_one) == 2345
+    assert source.dialogues.read_range(990, 1013) == one_by_one[990:1013]  # what the length pass reads
+    assert [d.meta["key"] for d in source.dialogues.read_range(0, 3)] == ["d0", "d1", "d2"]
     assert sum(d.num_images for d in one_by_one) == sum(len(r["image"]) for r in records)
     order = rng.sample(range(dataset.num_rows), 1500)
     assert list(DialogueSequence(dataset.select(order))) == [one_by_one[i] for i in order]

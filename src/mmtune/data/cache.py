@@ -159,6 +159,11 @@ class DialogueSequence(Sequence):
         dialogue.meta["key"] = row["key"]
         return dialogue
 
+    def read_range(self, start: int, stop: int) -> list[Dialogue]:
+        """``self[start:stop]`` read as one Arrow slice, column by column (what the length
+        pass reads: several times faster than row by row)."""
+        return list(_dialogues_from_arrow(self.dataset.with_format("arrow")[start:stop])) if stop > start else []
+
     def __iter__(self) -> Iterator[Dialogue]:
         # Batched reads of 1000 rows as Arrow tables, converted column by column: the
         # nested segment structs come out as two flat lists (texts, image paths) plus

@@ -173,7 +173,8 @@ def _lengths_of_range(
 ) -> _Part:
     """The lengths of ``dialogues[start:stop]``, in one batched tokenizer call."""
     start, stop = bounds
-    batch = [dialogues[i] for i in range(start, stop)]
+    read_range = getattr(dialogues, "read_range", None)  # the Arrow cache reads a slice column by column
+    batch = read_range(start, stop) if read_range else [dialogues[i] for i in range(start, stop)]
     part = _Part.empty(len(batch))
     if getattr(adapter, "measure_many", None) is not None:  # the adapter can count without building chunks
         _measured(adapter, batch, max_length, truncation, system_prompt, part, start, image_errors)
