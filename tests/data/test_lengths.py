@@ -157,3 +157,23 @@ def test_two_ranks_share_one_length_pass(tmp_path, adapter_576):
     assert ranks[0]["stats"] == ranks[1]["stats"] == single.stats
     # Stored once for the next launch, the part files gone.
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("lengths-*.npz")).name]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_stops_every_rank(tmp_path):
+    """Strict mode on one rank's share (here: any error) stops the others too, naming it, instead
+    of leaving them at the barrier."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(repo / "tests" / "data" / "length_ranks_worker.py")]
+    procs = [subprocess.Popen([*cmd, str(r), "2", str(tmp_path / "init"), str(tmp_path / "cache"),
+                               str(tmp_path / f"rank{r}.json"), "1"], env=env) for r in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[1]["error"] == "ValueError: rank 1 cannot measure (7, 14)"
+    assert ranks[0]["error"] == "RuntimeError: the length pass stopped on rank 1: ValueError: rank 1 cannot measure (7, 14)"

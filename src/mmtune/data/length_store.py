@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["StoredLengths", "image_stamps", "load_table", "save_table", "part_path"]
+__all__ = ["StoredLengths", "image_stamps", "load_table", "save_table", "part_path", "write_failure",
+           "read_failure"]
 
 
 def _stamp(path: str) -> int:
@@ -103,6 +104,27 @@ class StoredLengths:
 
 def part_path(table_path: str, rank: int, world_size: int) -> str:
     return f"{table_path[:-len('.npz')]}.part{rank}of{world_size}.npz"
+
+
+def write_failure(part: str, message: str | None) -> None:
+    """Record why a rank's share stopped beside its part file (``None``: remove an old record)."""
+    failure = part + ".failed"
+    if message is None:
+        if os.path.exists(failure):
+            os.remove(failure)
+        return
+    os.makedirs(os.path.dirname(failure) or ".", exist_ok=True)
+    with open(failure, "w", encoding="utf-8") as f:
+        f.write(message)
+
+
+def read_failure(part: str) -> str | None:
+    """Why the rank of ``part`` stopped, or ``None``."""
+    failure = part + ".failed"
+    if not os.path.exists(failure):
+        return None
+    with open(failure, encoding="utf-8") as f:
+        return f.read()
 
 
 def save_table(path: str, stored: StoredLengths) -> None:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from mmtune.data.encoding import encode_dialogues
-from mmtune.data.length_store import StoredLengths, image_stamps, load_table, part_path, save_table
+from mmtune.data.length_store import (StoredLengths, image_stamps, load_table, part_path, read_failure, save_table,
+                                      write_failure)
 from mmtune.data.images import CorruptImageError
 from mmtune.data.truncation import TruncationStats, fit_turns, truncate
 from mmtune.core.encoded import ImageChunk
@@ -251,6 +252,18 @@ def _stored(parts: list[_Part], stamps: np.ndarray) -> StoredLengths:
                          [item for p in parts for item in p.image_skipped])
 
 
+def _own_share(job, ranges: list[tuple[int, int]], num_proc: int, part: str) -> BaseException | None:
+    """Measure and store this rank's chunks; the error that stopped it (also written for the
+    other ranks, so none is left waiting at the barrier), or ``None``."""
+    write_failure(part, None)  # a stale one of an earlier launch
+    try:
+        save_table(part, _stored(_run_ranges(job, ranges, num_proc), np.zeros(0, dtype=np.uint64)))
+    except Exception as err:  # re-raised by the caller after the barrier
+        write_failure(part, f"{type(err).__name__}: {err}")
+        return err
+    return None
+
+
 def _measure(job, n: int, chunk_size: int, num_proc: int, stamps: np.ndarray, *, path: str | None,
              rank: int, world_size: int, barrier: Any) -> StoredLengths:
     """Every record measured: this rank's chunks, and with ``barrier`` the other ranks' read
@@ -258,9 +271,14 @@ def _measure(job, n: int, chunk_size: int, num_proc: int, stamps: np.ndarray, *,
     ranges = [(start, min(n, start + chunk_size)) for start in range(0, n, chunk_size)]
     if world_size <= 1 or barrier is None or path is None:
         return _stored(_run_ranges(job, ranges, num_proc), stamps)
-    mine = _stored(_run_ranges(job, ranges[rank::world_size], num_proc), np.zeros(0, dtype=np.uint64))
-    save_table(part_path(path, rank, world_size), mine)
+    failure = _own_share(job, ranges[rank::world_size], num_proc, part_path(path, rank, world_size))
     barrier()
+    failed = [(r, read_failure(part_path(path, r, world_size))) for r in range(world_size)]
+    if failure is not None:
+        raise failure
+    for r, message in failed:  # a rank that stopped (strict mode, an image it cannot count): every rank stops
+        if message:
+            raise RuntimeError(f"the length pass stopped on rank {r}: {message}")
     shares = [load_table(part_path(path, r, world_size)) for r in range(world_size)]
     barrier()  # every rank has read every part
     if rank == 0:
