@@ -156,3 +156,38 @@ def test_data_check_reads_a_parquet_glob(tmp_path, pics, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "format mmdu (detected:" in out and "records  read 2, kept 2, skipped 0" in out
+
+
+def test_embedded_images_train_as_the_same_files_do(tmp_path, adapter):
+    """A Parquet copy with the images embedded gives the JSON's lengths, plan and batches (pixels included)."""
+    import torch
+
+    from mmtune.data.collator import CollatorConfig
+    from mmtune.data.datamodule import SFTDataModule
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    records = []
+    for i, colour in enumerate(["red", "green", "blue", "red"]):
+        (folder / f"{i}.png").write_bytes(_png(colour))
+        records.append({"id": f"r{i}", "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": colour}]})
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    embedded = [{**r, "image": {"bytes": (folder / r["image"]).read_bytes(), "path": r["image"]}} for r in records]
+    parquet = _write("parquet", embedded, tmp_path / "pq")
+
+    def served(path: str, cache: str):
+        source = SourceConfig(name="s", format="llava", path=path, image_root=str(folder))
+        dm = SFTDataModule(DataConfig(mixture=MixtureConfig(sources=[source]), cache_dir=str(tmp_path / cache)),
+                           CollatorConfig(batching="padding", batch_size=2))
+        dm.connect(adapter)
+        dm.setup()
+        return dm.lengths.lengths.tolist(), list(dm.dataloader(0))
+
+    (json_lengths, json_batches), (pq_lengths, pq_batches) = served(str(tmp_path / "d.json"), "c1"), served(parquet, "c2")
+    assert json_lengths == pq_lengths and len(json_batches) == len(pq_batches) == 2
+    for (a, meta_a), (b, meta_b) in zip(json_batches, pq_batches):
+        assert meta_a["ids"] == meta_b["ids"] and a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], torch.Tensor):
+                assert torch.equal(a[name], b[name]), name
