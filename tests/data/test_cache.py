@@ -69,7 +69,7 @@ def test_writer_roundtrip(tmp_path):
     assert os.path.basename(arrow) == "my_source_x-k.arrow"
     assert open_entry(arrow, report) is None
     w = CacheWriter(arrow, report, batch_size=2)
-    rows = [{"id": str(i), "source": "s", "roles": ["user"], "segments": [[{"text": "t", "image": None}]],
+    rows = [{"id": str(i), "key": f"{i}@{i}", "source": "s", "roles": ["user"], "segments": [[{"text": "t", "image": None}]],
              "num_images": 0, "num_chars": 1} for i in range(5)]
     for r in rows:
         w.add(r)
@@ -107,6 +107,21 @@ def test_batched_iteration_equals_reading_row_by_row(tmp_path, cache_dir, write_
     dataset = source.dialogues.dataset
     one_by_one = [Dialogue.from_record(dataset[i]) for i in range(dataset.num_rows)]
     assert list(source.dialogues) == one_by_one and len(one_by_one) == 2345
+    assert source.dialogues.read_range(990, 1013) == one_by_one[990:1013]  # what the length pass reads
+    assert [d.meta["key"] for d in source.dialogues.read_range(0, 3)] == ["d0", "d1", "d2"]
     assert sum(d.num_images for d in one_by_one) == sum(len(r["image"]) for r in records)
     order = rng.sample(range(dataset.num_rows), 1500)
     assert list(DialogueSequence(dataset.select(order))) == [one_by_one[i] for i in order]
+
+
+def test_the_records_fingerprint_is_the_same_for_every_rank_that_built_the_entry(tmp_path, cache_dir, write_json):
+    """Ranks that each built the same entry (same content, other times) must key the length cache alike."""
+    path = write_json(tmp_path / "d.json", _records(4))
+    cfg = SourceConfig(name="s", format="llava", path=str(path))
+    first = load_source(cfg, cache_dir=cache_dir)
+    os.utime(first.cache_file, ns=(1, 1))  # another rank's rename of the same bytes
+    again = load_source(cfg, cache_dir=cache_dir)
+    assert again.dialogues.fingerprint == first.dialogues.fingerprint
+    other = load_source(SourceConfig(name="s", format="llava", path=str(write_json(tmp_path / "e.json", _records(5)))),
+                        cache_dir=cache_dir)
+    assert other.dialogues.fingerprint != first.dialogues.fingerprint

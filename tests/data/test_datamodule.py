@@ -131,3 +131,11 @@ def test_a_data_position_from_another_global_batch_is_refused_naming_both_layout
                                          r"training.gradient_accumulation_steps=2 to keep 2 micro-batches per step "
                                          r"on 1 rank; or start afresh in another training.output_dir"):
         one.check_state(saved)
+
+
+def test_a_second_launch_reads_the_lengths_back_without_any_setting(synthetic, adapter, tmp_path):
+    first = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=2)
+    assert not first.lengths.from_cache and (tmp_path / "cache" / "lengths").is_dir()
+    second = _module(synthetic, adapter, tmp_path, batching="padding", batch_size=2)
+    assert second.lengths.from_cache and second.lengths.lengths.tolist() == first.lengths.lengths.tolist()
+    assert second.rank_plan(0).batches == first.rank_plan(0).batches

@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 
 from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.data.encoding import encode_example
@@ -82,3 +83,97 @@ def test_generic_path_equals_the_fast_path(adapter_576):
     generic = compute_lengths(_RenderOnly(adapter_576), dialogues, max_length=3000)
     assert np.array_equal(fast.lengths, generic.lengths) and np.array_equal(fast.full_lengths, generic.full_lengths)
     assert np.array_equal(fast.num_images, generic.num_images) and fast.stats == generic.stats
+
+
+def _qwen_dialogues(paths):
+    return [Dialogue(f"q{k}", "t", (Turn("user", ("Look: ", Image(str(p)), " what colour?")),
+                                    Turn("assistant", ("red",)), Turn("user", ("Sure?",)), Turn("assistant", ("yes",))))
+            for k, p in enumerate(paths)]
+
+
+def test_a_changed_image_under_the_same_path_is_measured_again(tmp_path, monkeypatch):
+    """The 553-token case: images grew from 56 to 448 px under the same paths after the lengths
+    were cached; the stored entries of exactly those records are measured again, so no sample
+    is planned longer than the window."""
+    from PIL import Image as PILImage
+
+    from mmtune.data import lengths as lengths_module
+
+    def launch():  # a new adapter each time, as a new launch builds one (it remembers image headers by path)
+        return build_adapter(ModelConfig(family="qwen2_vl", architecture={"model_type": "qwen2_vl"}))
+
+    paths = [tmp_path / f"{k}.png" for k in range(3)]
+    for p in paths:
+        PILImage.new("RGB", (56, 56), "red").save(p)
+    dialogues = _qwen_dialogues(paths)
+    cache = str(tmp_path / "lengths")
+    settings = dict(max_length=100, cache_dir=cache, fingerprint="three-dialogues")
+    before = compute_lengths(launch(), dialogues, **settings)
+    assert not before.from_cache and before.full_lengths.max() <= 100 and before.stats["truncated"] == 0
+    os.utime(paths[1], ns=(1, 1))  # a different time alone: measured again, same length
+    big = PILImage.new("RGB", (448, 448), "red")
+    big.save(paths[2])
+
+    measured = []
+    real = lengths_module._lengths_of_range
+
+    def counting(adapter, subset, bounds, **kw):
+        measured.append([subset[i].id for i in range(*bounds)])
+        return real(adapter, subset, bounds, **kw)
+
+    monkeypatch.setattr(lengths_module, "_lengths_of_range", counting)
+    after = compute_lengths(launch(), dialogues, **settings)
+    assert after.from_cache and measured == [["q1", "q2"]]
+    fresh = compute_lengths(launch(), dialogues, max_length=100)
+    assert after.lengths.tolist() == fresh.lengths.tolist() and after.stats == fresh.stats
+    assert after.full_lengths[2] > 100 >= after.lengths.max()  # the grown image's sample is cut to the window
+    assert after.lengths[:2].tolist() == before.lengths[:2].tolist()
+    assert after.stats["truncated"] + after.stats["skipped"] == 1
+    # Stored again: a third launch measures nothing.
+    measured.clear()
+    assert compute_lengths(launch(), dialogues, **settings).lengths.tolist() == fresh.lengths.tolist()
+    assert measured == []
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_length_pass(tmp_path, adapter_576):
+    """Each rank measures every other chunk; both get the whole table, equal to one process's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(repo / "tests" / "data" / "length_ranks_worker.py")]
+    procs = [subprocess.Popen([*cmd, str(r), "2", str(tmp_path / "init"), str(tmp_path / "cache"),
+                               str(tmp_path / f"rank{r}.json")], env=env) for r in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    chunks = [(start, min(40, start + 7)) for start in range(0, 40, 7)]
+    assert [list(map(tuple, r["measured"])) for r in ranks] == [chunks[0::2], chunks[1::2]]
+    single = compute_lengths(adapter_576, _dialogues(), max_length=4096, chunk_size=7)
+    assert ranks[0]["lengths"] == ranks[1]["lengths"] == single.lengths.tolist()
+    assert ranks[0]["stats"] == ranks[1]["stats"] == single.stats
+    # Stored once for the next launch, the part files gone.
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("lengths-*.npz")).name]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_stops_every_rank(tmp_path):
+    """Strict mode on one rank's share (here: any error) stops the others too, naming it, instead
+    of leaving them at the barrier."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(repo / "tests" / "data" / "length_ranks_worker.py")]
+    procs = [subprocess.Popen([*cmd, str(r), "2", str(tmp_path / "init"), str(tmp_path / "cache"),
+                               str(tmp_path / f"rank{r}.json"), "1"], env=env) for r in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[1]["error"] == "ValueError: rank 1 cannot measure (7, 14)"
+    assert ranks[0]["error"] == "RuntimeError: the length pass stopped on rank 1: ValueError: rank 1 cannot measure (7, 14)"

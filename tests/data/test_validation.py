@@ -236,7 +236,8 @@ def test_a_jsonl_line_over_the_record_size_limit_skips_only_that_record(tmp_path
 
 def test_every_problem_class_is_covered_by_a_test():
     covered = set(MMDU_CASES) | {"role_order", "invalid_json", "non_utf8", "lone_surrogate", "too_deep",
-                                 "invalid_image_path", "record_too_large", "text_too_long", "field_too_long"}
+                                 "invalid_image_path", "record_too_large", "text_too_long", "field_too_long",
+                                 "unreadable_shard"}  # tests/data/test_tables.py
     assert covered == set(PROBLEMS)
 
 

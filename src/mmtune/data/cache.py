@@ -32,12 +32,14 @@ from mmtune.core.dialogue import Dialogue, Image, Turn
 from mmtune.io.nofollow import open_output
 
 # Bump when the reader's output or validation rules change, so old caches are not reused.
-READER_VERSION = 3  # 3: reports number turns by question/answer exchange
+READER_VERSION = 4  # 4: every record kept under a unique key (repeated ids trained, see mmtune.data.keys)
 
-# Dialogue.to_record() plus cheap per-record statistics used by mixing and stacking.
+# Dialogue.to_record(), the record's unique key (mmtune.data.keys) and cheap per-record
+# statistics used by mixing and stacking.
 FEATURES = Features(
     {
         "id": Value("string"),
+        "key": Value("string"),
         "source": Value("string"),
         "roles": List(Value("string")),
         "segments": List(List({"text": Value("string"), "image": Value("string")})),
@@ -48,15 +50,16 @@ FEATURES = Features(
 
 
 def cache_key(path: str, options: dict[str, Any]) -> str:
-    """Hex key of (file identity, reader version, options)."""
-    st = os.stat(path)
-    ident = {
-        "path": os.path.abspath(path),
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "reader_version": READER_VERSION,
-        "options": options,
-    }
+    """Hex key of (file identity, reader version, options); a tabular input's identity is its
+    shards' (:func:`mmtune.data.tables.input_identity`)."""
+    from mmtune.data.tables import input_identity, is_table_input
+
+    ident: dict[str, Any] = {"path": os.path.abspath(path), "reader_version": READER_VERSION, "options": options}
+    if is_table_input(path):
+        ident["shards"] = input_identity(path)
+    else:
+        st = os.stat(path)
+        ident.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -130,6 +133,19 @@ class DialogueSequence(Sequence):
     def __len__(self) -> int:
         return self.dataset.num_rows
 
+    @property
+    def fingerprint(self) -> str:
+        """The records' identity for caches built on them (the length cache): the Arrow
+        entry's file name (it holds the entry's key: data file, reader version and options),
+        its rows and its size. Not its time (``datasets``' own fingerprint hashes it): ranks
+        that each built the same entry must agree."""
+        files = [f["filename"] for f in getattr(self.dataset, "cache_files", None) or []]
+        if not files:  # an in-memory dataset (tests): its own fingerprint
+            return str(self.dataset._fingerprint)
+        stats = [(os.path.basename(f), os.path.getsize(f)) for f in files if os.path.exists(f)]
+        ident = json.dumps([stats, self.dataset.num_rows])
+        return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -138,7 +154,15 @@ class DialogueSequence(Sequence):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"dialogue index {i} out of range for {n} dialogues")
-        return Dialogue.from_record(self.dataset[int(i)])
+        row = self.dataset[int(i)]
+        dialogue = Dialogue.from_record(row)
+        dialogue.meta["key"] = row["key"]
+        return dialogue
+
+    def read_range(self, start: int, stop: int) -> list[Dialogue]:
+        """``self[start:stop]`` read as one Arrow slice, column by column (what the length
+        pass reads: several times faster than row by row)."""
+        return list(_dialogues_from_arrow(self.dataset.with_format("arrow")[start:stop])) if stop > start else []
 
     def __iter__(self) -> Iterator[Dialogue]:
         # Batched reads of 1000 rows as Arrow tables, converted column by column: the
@@ -158,6 +182,7 @@ def _offsets(array) -> list[int]:
 def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
     """The dialogues of an Arrow table of cache rows (``Dialogue.to_record`` layout)."""
     ids = table.column("id").to_pylist()
+    keys = table.column("key").to_pylist()
     sources = table.column("source").to_pylist()
     roles = table.column("roles").to_pylist()
     turns_of = table.column("segments").combine_chunks()  # list<list<struct<text, image>>>
@@ -174,12 +199,14 @@ def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
             Turn(role, tuple(segments[segment_starts[first + k]:segment_starts[first + k + 1]]))
             for k, role in enumerate(roles[row])
         )
-        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns)
+        yield Dialogue(id=dialogue_id, source=sources[row], turns=turns, meta={"key": keys[row]})
 
 
-def cache_row(d: Dialogue) -> dict[str, Any]:
-    """A dialogue as a cache row: :meth:`Dialogue.to_record` plus its image and character counts."""
+def cache_row(d: Dialogue, key: str | None = None) -> dict[str, Any]:
+    """A dialogue as a cache row: :meth:`Dialogue.to_record`, its unique key (default: its id)
+    and its image and character counts."""
     row = d.to_record()
+    row["key"] = d.id if key is None else key
     n_img = n_chars = 0
     for t in d.turns:
         for s in t.segments:

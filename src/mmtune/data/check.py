@@ -55,7 +55,10 @@ EVERY_PROBLEM = 1_000_000
 
 
 def _is_data_file(name: str) -> bool:
-    return os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)
+    from mmtune.data.tables import input_files, is_table_input
+
+    return (os.path.isfile(name) and name.lower().endswith(DATA_SUFFIXES)) or (
+        is_table_input(name) and bool(input_files(name)))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,6 +136,37 @@ def _verdict(reports: list[Any], *, strict: bool, allow_skips: bool, window: Any
     return 1, f"data check: FAILED: {skipped} of {read} record(s) skipped ({why}); {fix}\n" + "\n".join(firsts)
 
 
+def _split_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    """``(data files or config, data config overrides, training overrides)`` of the command line,
+    the options turned into data config overrides."""
+    files = [a for a in [args.config, *args.overrides] if "=" not in a]
+    overrides = [a for a in args.overrides if "=" in a]
+    training = [a for a in overrides if a.lstrip("+").split("=", 1)[0].split(".", 1)[0] in _TRAINING_KEYS]
+    overrides = [a for a in overrides if a not in training]
+    if args.images:
+        overrides.append(f"validation.check_images={args.images}")
+    if args.cache_dir:
+        overrides.append(f"cache_dir={args.cache_dir}")
+    if args.allow_absolute_paths:
+        overrides.append("allow_absolute_image_paths=true")
+    return files, overrides, training
+
+
+def _print_report(cfg: DataConfig, mixture: Any, *, with_mixture: bool) -> None:
+    """The sources' reports, their image path rules and (``--mixture``) samples per epoch."""
+    from mmtune.data.readers import image_rules
+    from mmtune.data.validation import format_reports
+
+    print(format_reports(mixture.reports))
+    print(f"\nimage paths (absolute paths outside the root {'allowed' if cfg.allow_absolute_image_paths else 'rejected'}):")
+    for source in cfg.mixture.sources:
+        print(f"  {source.name:<24} {image_rules(source, cfg.allow_absolute_image_paths).describe()}")
+    if with_mixture:
+        print(f"\nmixture (strategy {cfg.mixture.strategy}, by {cfg.mixture.by}, seed {cfg.mixture.seed}):")
+        for s, c in zip(mixture.sources, mixture.counts):
+            print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
+
+
 def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]] = None) -> int:
     """``mmtune data check`` with ``argv``.
 
@@ -145,16 +179,7 @@ def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]
             layer does not compose training configs or build models itself.
     """
     args = _parser().parse_args(argv)
-    files = [a for a in [args.config, *args.overrides] if "=" not in a]
-    overrides = [a for a in args.overrides if "=" in a]
-    training = [a for a in overrides if a.lstrip("+").split("=", 1)[0].split(".", 1)[0] in _TRAINING_KEYS]
-    overrides = [a for a in overrides if a not in training]
-    if args.images:
-        overrides.append(f"validation.check_images={args.images}")
-    if args.cache_dir:
-        overrides.append(f"cache_dir={args.cache_dir}")
-    if args.allow_absolute_paths:
-        overrides.append("allow_absolute_image_paths=true")
+    files, overrides, training = _split_arguments(args)
     stated: list[str] = []
     from mmtune.data.validation import DataValidationError
 
@@ -197,8 +222,6 @@ def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]
         cfg.validation.max_examples = EVERY_PROBLEM
 
     from mmtune.data.mixture import build_mixture
-    from mmtune.data.readers import image_rules
-    from mmtune.data.validation import format_reports
 
     try:
         mixture = build_mixture(cfg, refresh=args.refresh,
@@ -206,14 +229,7 @@ def run(argv: list[str], *, training_window: Optional[Callable[[list[str]], Any]
     except (DataValidationError, FileNotFoundError, ValueError) as e:
         print(f"mmtune data check: FAILED\n{e}", file=sys.stderr)
         return 1
-    print(format_reports(mixture.reports))
-    print(f"\nimage paths (absolute paths outside the root {'allowed' if cfg.allow_absolute_image_paths else 'rejected'}):")
-    for source in cfg.mixture.sources:
-        print(f"  {source.name:<24} {image_rules(source, cfg.allow_absolute_image_paths).describe()}")
-    if args.mixture:
-        print(f"\nmixture (strategy {cfg.mixture.strategy}, by {cfg.mixture.by}, seed {cfg.mixture.seed}):")
-        for s, c in zip(mixture.sources, mixture.counts):
-            print(f"  {s.name:<24} {len(s.dialogues):>9} records  {c:>9} samples per epoch")
+    _print_report(cfg, mixture, with_mixture=args.mixture)
     window = None
     if window_of is not None:
         try:

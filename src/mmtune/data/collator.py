@@ -56,6 +56,7 @@ import torch
 
 from mmtune.data.encoding import TRAIN_ON, Example, encode_example
 from mmtune.data.images import CorruptImageError, ImagePipeline
+from mmtune.data.keys import record_key
 from mmtune.data.truncation import STRATEGIES, TruncationStats
 from mmtune.core.encoded import IGNORE_INDEX
 
@@ -144,7 +145,9 @@ class CollatorConfig:
     of training and in ``data_report.json``. ``null`` (default): follow
     ``data.validation.mode``, so one setting decides for every bad record."""
     length_cache_dir: Optional[str] = None
-    """Directory of the per-sample length cache; null keeps lengths in memory only."""
+    """Directory of the per-sample length cache. ``null`` (default): ``lengths/`` under the
+    data cache (``data.cache_dir``), so a second launch reads the lengths back without any
+    setting; a record whose image changed under the same path is measured again."""
 
     def validate(self) -> None:
         """Raise one ValueError listing every invalid field."""
@@ -383,7 +386,9 @@ class MultiImageDataset(torch.utils.data.Dataset):
                       if example.images else None)
         except CorruptImageError as err:
             return self._skip(dialogue, err)
-        return replace(example, raw_images=images, row=row)
+        # The record's unique key (its id unless an earlier record of the source has that id):
+        # what sample_ids.jsonl logs, so every record of a file with repeated ids shows once.
+        return replace(example, dialogue_id=record_key(dialogue), raw_images=images, row=row)
 
     def _skip(self, dialogue: "Dialogue", err: CorruptImageError) -> "SkippedSample":
         """The sample left out for an image that cannot be used (skip mode); re-raises otherwise."""

@@ -121,6 +121,12 @@ class ValidationConfig:
     max_examples: int = 5
     """Example record ids kept per problem class in the report."""
 
+    drop_exact_duplicates: bool = False
+    """Leave out a training record equal to an earlier one of its source (same id, same
+    images, same conversation), counted in the report. Off: such records are kept, as the
+    published mixes hold them (llava-665k is trained with them). A repeated id with another
+    conversation is never dropped: every such record is trained (see :mod:`mmtune.data.keys`)."""
+
     max_record_bytes: int = 256 * 1024 * 1024
     """Largest record read, in bytes (256 MiB): a JSONL line above it is skipped as
     ``record_too_large`` without ever being held in memory whole (format detection too);
@@ -193,6 +199,11 @@ class DataConfig:
     holds ``mixture.epoch_size`` samples (default: all records). A small file given a
     large share is repeated (``mmtune plan`` says how often). Empty: each file once."""
 
+    num_proc: Optional[int] = None
+    """Processes of the length pass on each rank (batched tokenisation, forked workers).
+    ``None``: the cores this rank may use (its CPU affinity divided by the ranks on the
+    node). The lengths do not depend on it."""
+
     image_root: Optional[str] = None
     """The image root of the sources made from ``files`` (``None``: each file's own
     folder). Image paths in the files are relative to it and must stay inside it."""
@@ -253,6 +264,8 @@ class DataConfig:
                 f"data.validation.check_images={self.validation.check_images!r} is unknown: "
                 f"use one of {', '.join(IMAGE_CHECKS)}"
             )
+        if self.num_proc is not None and self.num_proc < 1:
+            problems.append(f"data.num_proc={self.num_proc} must be >= 1 (or null: the cores this rank may use)")
         if self.validation.max_examples < 0:
             problems.append(f"data.validation.max_examples={self.validation.max_examples} must be >= 0")
         for key in ("max_turn_chars", "max_record_chars"):

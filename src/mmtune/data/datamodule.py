@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.config import DataConfig
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["SFTDataModule", "CollateWithMeta", "layout_problem", "saved_global_batch"]
+__all__ = ["SFTDataModule", "CollateWithMeta", "layout_problem", "saved_global_batch", "length_cache_dir", "rank_cores"]
 
 
 class CollateWithMeta:
@@ -121,14 +122,16 @@ class SFTDataModule:
             self.collator_config = replace(self.collator_config, image_errors=self.data_config.validation.mode)
         cfg = self.collator_config
         cfg.validate()
-        self.mixture = build_mixture(self.data_config, image_limits=getattr(self.adapter.config, "image_limits", None))
+        with self._rank_zero_first():  # one rank reads and caches the files; the others open its cache
+            self.mixture = build_mixture(self.data_config,
+                                         image_limits=getattr(self.adapter.config, "image_limits", None))
         # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)
         self.lengths, per_source = lengths_per_source(
             self.adapter, self.mixture, max_length=cfg.max_length, truncation=cfg.truncation,
-            train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=cfg.length_cache_dir,
-            image_errors=cfg.image_errors,
+            train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=length_cache_dir(self.data_config, cfg),
+            image_errors=cfg.image_errors, **self._length_pass_layout(),
         )
         self.loss_report = DataLossReport.build(self.mixture, per_source, cfg.max_length)
         if self.loss_report.trainable_samples == 0:
@@ -138,6 +141,27 @@ class SFTDataModule:
         self._plans = {}
         self._plan_hashes = {}
         self._steps: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def _rank_zero_first(self):
+        """Rank 0 runs the block first, the other ranks of a process group after it."""
+        import torch.distributed as dist
+
+        shared = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if shared and self.rank != 0:
+            dist.barrier()
+        yield
+        if shared and self.rank == 0:
+            dist.barrier()
+
+    def _length_pass_layout(self) -> dict[str, Any]:
+        """Processes and rank sharing of the length pass: ``data.num_proc`` (default: the cores
+        this rank may use), and with several ranks in a process group each measures its share."""
+        import torch.distributed as dist
+
+        shared = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        return {"num_proc": self.data_config.num_proc or rank_cores(self.world_size), "rank": self.rank,
+                "world_size": self.world_size, "barrier": dist.barrier if shared else None}
 
     def note_skipped(self, meta: dict[str, Any]) -> int:
         """Keep the samples a batch dropped while loading (``meta["skipped"]``); returns how many.
@@ -299,6 +323,27 @@ class SFTDataModule:
             generator=generator, persistent_workers=False, pin_memory=torch.cuda.is_available(),
         )
         return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
+
+
+def length_cache_dir(data: "DataConfig", collator: "CollatorConfig") -> str:
+    """Where a run's lengths are cached: ``collator.length_cache_dir``, or ``lengths/`` under the data cache."""
+    import os
+
+    from mmtune.data.config import default_cache_dir
+
+    return collator.length_cache_dir or os.path.join(data.cache_dir or default_cache_dir(), "lengths")
+
+
+def rank_cores(world_size: int) -> int:
+    """The cores one rank may use: this process's CPU affinity shared by the ranks on the node."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    return max(1, cores // max(1, local))
 
 
 def layout_problem(state: dict[str, Any], world_size: int, accumulation: int, *, processes_per_rank: int = 1) -> str:

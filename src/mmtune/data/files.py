@@ -1,5 +1,8 @@
 """Data files named on a command line or in ``data.files``: one source each, its format detected.
 
+A data file is a JSON list or JSONL file, or a tabular input (:mod:`mmtune.data.tables`): a
+Parquet file, a folder of shards, a ``datasets.save_to_disk`` folder or a glob of shards.
+
 ``mmtune data check FILE...``, ``data.files=[...]`` of a training run and the held-out
 benchmarks read files the same way through :func:`sources_from_files`.
 """
@@ -11,10 +14,21 @@ from typing import Optional, Sequence
 
 from mmtune.data.config import ConfigError, SourceConfig
 from mmtune.data.formats import detect_format
+from mmtune.data.tables import input_files, is_table_input
 
 __all__ = ["DATA_SUFFIXES", "sources_from_files"]
 
 DATA_SUFFIXES = (".json", ".jsonl")
+
+
+def _stem(path: str) -> str:
+    """A source's name from its input: the file's stem, a folder's name, or the glob's folder
+    (``hub/llava/data/train-*.parquet`` -> ``data``)."""
+    if is_table_input(path) and not os.path.isfile(path):
+        path = path.split("*", 1)[0].rstrip("/") if not os.path.isdir(path) else path.rstrip("/")
+        path = path if os.path.isdir(path) else os.path.dirname(path)
+        return os.path.basename(os.path.abspath(path)) or "data"
+    return os.path.splitext(os.path.basename(path))[0] or "data"
 
 
 def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *, key: str = "data.files",
@@ -39,11 +53,13 @@ def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *
     sources, reasons, problems, names = [], [], [], set()
     for i, path in enumerate(files):
         where = f"{key}[{i}]={path!r}"
-        if not os.path.isfile(path):
-            problems.append(f"{where} does not exist (relative paths start at the folder you run in, {os.getcwd()})")
+        tabular = is_table_input(path)
+        if not (os.path.isfile(path) or (tabular and input_files(path))):
+            what = "matches no Parquet / Arrow / JSONL shard" if tabular else "does not exist"
+            problems.append(f"{where} {what} (relative paths start at the folder you run in, {os.getcwd()})")
             continue
-        if not path.lower().endswith(DATA_SUFFIXES):
-            problems.append(f"{where} is not a .json or .jsonl file")
+        if not (tabular or path.lower().endswith(DATA_SUFFIXES)):
+            problems.append(f"{where} is not a .json, .jsonl or .parquet file, a folder of shards or a glob")
             continue
         if fmt:
             found, why = fmt, "given with --format"
@@ -58,7 +74,7 @@ def sources_from_files(files: Sequence[str], image_root: Optional[str] = None, *
                 problems.append(f"{where}: {err}")
                 continue
             why = f"detected: {why}"
-        stem = os.path.splitext(os.path.basename(path))[0] or "data"
+        stem = _stem(path)
         name, n = stem, 1
         while name in names:
             n += 1

@@ -36,14 +36,24 @@ MISSING = "missing"
 
 
 def file_identity(path: str | os.PathLike) -> str:
-    """``"sha256:<hex>, <n> bytes"`` of a file's content, or :data:`MISSING`."""
+    """``"sha256:<hex>, <n> bytes"`` of a file's content, or :data:`MISSING`. A tabular input
+    (a folder or glob of shards, :mod:`mmtune.data.tables`) hashes its shards' names and
+    bytes in order."""
+    from mmtune.data.tables import input_files, is_table_input
+
     digest = hashlib.sha256()
     size = 0
+    shards = input_files(str(path)) if is_table_input(str(path)) and not os.path.isfile(path) else [path]
+    if not shards:
+        return MISSING
     try:
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-                size += len(block)
+        for shard in shards:
+            if len(shards) > 1:
+                digest.update(os.path.basename(shard).encode() + b"\0")
+            with open(shard, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+                    size += len(block)
     except FileNotFoundError:
         return MISSING
     return f"sha256:{digest.hexdigest()}, {size} bytes"

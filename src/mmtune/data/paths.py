@@ -86,6 +86,9 @@ class ImagePathRules:
     allow_absolute: bool = False
     strip_prefix: Optional[str] = None
     join_rooted: bool = True
+    extra_roots: tuple[str, ...] = ()
+    """More folders whose files absolute paths may name: mmtune's own (the embedded images
+    of a Parquet input, stored under the data cache by :mod:`mmtune.data.tables`)."""
 
     @property
     def real_root(self) -> str:
@@ -137,6 +140,9 @@ class ImagePathRules:
             return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
         if _inside(os.path.realpath(path), (self.real_root,)):
             return ResolvedImage(os.path.normpath(path), "absolute path inside the image root", root=self.real_root)
+        for extra in map(os.path.realpath, self.extra_roots):
+            if _inside(os.path.realpath(path), (extra,)):
+                return ResolvedImage(os.path.normpath(path), "embedded image, stored by content", root=extra)
         if self.join_rooted:
             joined = os.path.join(root, path.lstrip("/"))
             if os.path.exists(joined) or not os.path.exists(path):

@@ -32,8 +32,10 @@ from mmtune.data.config import IMAGE_CHECKS, MODES, DataConfig, SourceConfig, de
 from mmtune.data.formats import ConvertContext, get_format
 from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDER
 from mmtune.data.formats.base import ROLE_MAP
+from mmtune.data.keys import RecordKeys
 from mmtune.data.paths import ImagePathRules
 from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
+from mmtune.data.tables import EmbeddedImages, default_image_root, input_files, is_table_input, iter_table_records
 from mmtune.data.validation import (DataValidationError, ImageChecker, Problem, TextLimits, ValidationReport,
                                     check_dialogue)
 
@@ -95,16 +97,49 @@ class SourceData:
         return self.num_chars // 4 + self.num_images.astype(np.int64) * tokens_per_image
 
 
-def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False) -> ImagePathRules:
-    """The image path rule of one source: its ``image_root`` (default: the data file's folder)."""
+def embedded_images_dir(cache_dir: str | None) -> str:
+    """Where the embedded images of tabular inputs are stored, by content (:mod:`mmtune.data.tables`)."""
+    return os.path.join(cache_dir or default_cache_dir(), "images")
+
+
+def image_rules(source_cfg: SourceConfig, allow_absolute: bool = False, cache_dir: str | None = None) -> ImagePathRules:
+    """The image path rule of one source: its ``image_root`` (default: the data file's folder,
+    or the folder of shards), and the stored embedded images of a tabular input."""
+    tabular = is_table_input(source_cfg.path)
     return ImagePathRules(
-        root=os.path.abspath(source_cfg.image_root or os.path.dirname(os.path.abspath(source_cfg.path))),
+        root=os.path.abspath(source_cfg.image_root or default_image_root(source_cfg.path)),
+        extra_roots=(embedded_images_dir(cache_dir),) if tabular else (),
         allow_absolute=allow_absolute,
         strip_prefix=source_cfg.strip_image_prefix,
         # User-made chat files carry real absolute paths; the datasets' absolute paths
         # (the benchmark's /mmdu_pics/...) are relative to where the pictures were unpacked.
         join_rooted=get_format(source_cfg.format).joins_rooted_paths,
     )
+
+
+def _entry_options(source_cfg: SourceConfig, image_root: str | None, allow_absolute_image_paths: bool,
+                   check_images: str, max_examples: int, limits: ImageLimits, max_record_bytes: int,
+                   unique_ids: bool, drop_exact_duplicates: bool, text_limits: TextLimits) -> dict[str, Any]:
+    """Every reader option that decides a cache entry's content (part of its key)."""
+    options = {
+        "name": source_cfg.name,
+        "format": source_cfg.format,
+        "image_root": image_root,
+        "strip_image_prefix": source_cfg.strip_image_prefix,
+        "move_image_to_start": source_cfg.move_image_to_start,
+        "allow_absolute_image_paths": allow_absolute_image_paths,
+        "check_images": check_images,
+        "max_examples": max_examples,
+    }
+    if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
+        options["image_limits"] = asdict(limits)
+    if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
+        options["max_record_bytes"] = max_record_bytes
+    if text_limits != TextLimits():  # likewise
+        options["text_limits"] = asdict(text_limits)
+    if not unique_ids:
+        options["repeated_ids"] = "drop_exact_duplicates" if drop_exact_duplicates else "keep"
+    return options
 
 
 def load_source(
@@ -119,6 +154,8 @@ def load_source(
     image_limits: "ImageLimits | None" = None,
     max_record_bytes: int = MAX_RECORD_BYTES,
     text_limits: TextLimits | None = None,
+    unique_ids: bool = True,
+    drop_exact_duplicates: bool = False,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -136,6 +173,12 @@ def load_source(
             model's ``model.image_limits``; default: the defaults); others are ``image_too_large``.
         max_record_bytes: largest record read (``data.validation.max_record_bytes``); a longer
             JSONL line is a ``record_too_large`` problem, skipped without being held whole.
+        unique_ids: a repeated id is a ``duplicate_id`` problem (an evaluation file, whose
+            ids name result rows). ``False`` (training data, :func:`load_training_source`):
+            every record is kept under a unique key and the report counts the repeats
+            (:mod:`mmtune.data.keys`).
+        drop_exact_duplicates: with ``unique_ids=False``, leave out records equal to an
+            earlier one (same id, images and conversation), counted in the report.
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -151,33 +194,21 @@ def load_source(
     except ValueError as err:
         raise ValueError(f"source {source_cfg.name!r}: {err}") from None
     path = source_cfg.path
-    if not os.path.isfile(path):
+    if not (os.path.isfile(path) or (is_table_input(path) and input_files(path))):
         raise FileNotFoundError(
             f"source {source_cfg.name!r}: data file {path!r} does not exist "
-            "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
+            + ("or holds no Parquet / Arrow / JSONL shard " if is_table_input(path) else "")
+            + "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
         )
     image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
     limits = image_limits or ImageLimits()
-    ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
+    cache_dir = cache_dir or default_cache_dir()
+    ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths, cache_dir),
                    source_cfg.move_image_to_start)
-    options = {
-        "name": source_cfg.name,
-        "format": source_cfg.format,
-        "image_root": image_root,
-        "strip_image_prefix": source_cfg.strip_image_prefix,
-        "move_image_to_start": source_cfg.move_image_to_start,
-        "allow_absolute_image_paths": allow_absolute_image_paths,
-        "check_images": check_images,
-        "max_examples": max_examples,
-    }
-    if check_images in ("verify", "decode"):  # what a header check accepts is part of the entry
-        options["image_limits"] = asdict(limits)
-    if max_record_bytes != MAX_RECORD_BYTES:  # the default keeps the entries written before the setting existed
-        options["max_record_bytes"] = max_record_bytes
     text_limits = text_limits or TextLimits()
-    if text_limits != TextLimits():  # likewise
-        options["text_limits"] = asdict(text_limits)
-    arrow_path, report_path = entry_paths(cache_dir or default_cache_dir(), source_cfg.name, cache_key(path, options))
+    options = _entry_options(source_cfg, image_root, allow_absolute_image_paths, check_images, max_examples, limits,
+                             max_record_bytes, unique_ids, drop_exact_duplicates, text_limits)
+    arrow_path, report_path = entry_paths(cache_dir, source_cfg.name, cache_key(path, options))
     hit = None if refresh else open_entry(arrow_path, report_path)
     if hit is not None:
         dataset, report_dict = hit
@@ -186,7 +217,8 @@ def load_source(
             raise DataValidationError(f"{report.first_problem} (found when the cache was built: {report_path})")
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
-                        report_path, max_record_bytes, text_limits)
+                        report_path, max_record_bytes, text_limits, unique_ids=unique_ids,
+                        drop_exact_duplicates=drop_exact_duplicates, images=EmbeddedImages(embedded_images_dir(cache_dir)))
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -199,15 +231,25 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
     return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
 
 
+def _records(path: str, images: EmbeddedImages, max_record_bytes: int):
+    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`)."""
+    if is_table_input(path):
+        return iter_table_records(path, images, max_record_bytes)
+    return iter_records(path, max_record_bytes)
+
+
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
                      max_record_bytes: int = MAX_RECORD_BYTES, text_limits: TextLimits | None = None,
+                     unique_ids: bool = True, images: EmbeddedImages | None = None,
                      ) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
     """``(dialogue, problems)`` of every record of the source, in file order: each record
-    converted and checked (:func:`check_dialogue`, duplicate ids); ``dialogue`` is None when
-    the record could not be converted. ``limit``: only the first records."""
+    converted and checked (:func:`check_dialogue`, and with ``unique_ids`` a repeated id as
+    ``duplicate_id``); ``dialogue`` is None when the record could not be converted.
+    ``limit``: only the first records."""
     seen: set[str] = set()
     fmt = get_format(source_cfg.format)
-    for index, obj, problem in iter_records(source_cfg.path, max_record_bytes):
+    images = images or EmbeddedImages(embedded_images_dir(None))
+    for index, obj, problem in _records(source_cfg.path, images, max_record_bytes):
         if limit is not None and index >= limit:
             return
         dialogue = None
@@ -220,29 +262,38 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
                 dialogue, problems = None, [Problem("too_deep", f"#{index}", index, None, "while converting")]
             if dialogue is not None:
                 problems = [_explain(p, ctx) for p in check_dialogue(dialogue, index, checker, text_limits)]
-                if dialogue.id in seen:
+                if unique_ids and dialogue.id in seen:
                     problems.append(Problem("duplicate_id", dialogue.id, index, None, "id seen earlier"))
-                seen.add(dialogue.id)
+                if unique_ids:
+                    seen.add(dialogue.id)
             if problems and fmt.system_first(obj):
                 problems = [replace(p, system_first=True) for p in problems]
         yield dialogue, problems
 
 
 def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
-           max_record_bytes: int, text_limits: TextLimits | None = None) -> ValidationReport:
+           max_record_bytes: int, text_limits: TextLimits | None = None, *, unique_ids: bool = True,
+           drop_exact_duplicates: bool = False, images: EmbeddedImages | None = None) -> ValidationReport:
     path = source_cfg.path
     report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
     writer = CacheWriter(arrow_path, report_path)
+    keys = RecordKeys(max_examples)
     try:
-        for dialogue, problems in _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes,
-                                                     text_limits=text_limits):
+        records = _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes,
+                                   text_limits=text_limits, unique_ids=unique_ids, images=images)
+        for position, (dialogue, problems) in enumerate(records):
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
                 report.add_skipped(problems)
-            else:
-                report.add_kept(dialogue)
-                writer.add(cache_row(dialogue))
+                continue
+            key, exact = keys.add(dialogue, position)
+            if exact and drop_exact_duplicates:
+                report.add_dropped()
+                continue
+            report.add_kept(dialogue)
+            writer.add(cache_row(dialogue, key))
+        report.add_repeats(keys.repeated, keys.exact, keys.examples)
         writer.commit(report.to_dict())
     except BaseException:
         writer.abort()
@@ -278,25 +329,34 @@ def read_source(
                                  text_limits))
 
 
+def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refresh: bool = False,
+                         image_limits: "ImageLimits | None" = None) -> SourceData:
+    """One training source with its data config's validation and cache settings (and the
+    model's image limits): every record kept under a unique key, repeated ids counted in
+    the report (:mod:`mmtune.data.keys`). Training, ``mmtune plan`` and ``mmtune data check``
+    read sources through it, so all three count the same records."""
+    v = data_cfg.validation
+    return load_source(
+        source_cfg,
+        mode=v.mode,
+        cache_dir=data_cfg.cache_dir,
+        check_images=v.check_images,
+        max_examples=v.max_examples,
+        refresh=refresh,
+        allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
+        image_limits=image_limits,
+        max_record_bytes=v.max_record_bytes,
+        text_limits=TextLimits.of(v),
+        unique_ids=False,
+        drop_exact_duplicates=v.drop_exact_duplicates,
+    )
+
+
 def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
                  image_limits: "ImageLimits | None" = None) -> list[SourceData]:
-    """Every source of a data config, with its validation and cache settings (and the model's image limits)."""
-    v = data_cfg.validation
-    return [
-        load_source(
-            s,
-            mode=v.mode,
-            cache_dir=data_cfg.cache_dir,
-            check_images=v.check_images,
-            max_examples=v.max_examples,
-            refresh=refresh,
-            allow_absolute_image_paths=data_cfg.allow_absolute_image_paths,
-            image_limits=image_limits,
-            max_record_bytes=v.max_record_bytes,
-            text_limits=TextLimits.of(v),
-        )
-        for s in data_cfg.mixture.sources
-    ]
+    """Every source of a data config as training reads it (:func:`load_training_source`)."""
+    return [load_training_source(s, data_cfg, refresh=refresh, image_limits=image_limits)
+            for s in data_cfg.mixture.sources]
 
 
 def read_datatxt(path: str) -> list[tuple[str, float]]:
@@ -361,6 +421,7 @@ __all__ = [
     "SourceData",
     "image_rules",
     "load_source",
+    "load_training_source",
     "load_sources",
     "read_source",
     "read_datatxt",

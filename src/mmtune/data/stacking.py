@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from mmtune.data.dialogue import Dialogue, Turn
+from mmtune.data.keys import record_key
 
 _REF = re.compile(r"(?<![A-Za-z])([Ii]mage)( ?)(\d+)(?!\d)|<(image)([- ])(\d+)>")
 
@@ -80,7 +81,7 @@ def stack_dialogues(dialogues: Sequence[Dialogue], *, source: str | None = None)
         id="+".join(d.id for d in dialogues),
         source=source or dialogues[0].source,
         turns=tuple(turns),
-        meta={"stacked_from": [d.id for d in dialogues]},
+        meta={"stacked_from": [d.id for d in dialogues], "key": "+".join(record_key(d) for d in dialogues)},
     )
 
 

@@ -39,6 +39,10 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "record (a JSONL line) is longer than data.validation.max_record_bytes; it was skipped unread",
         "split or shorten the record, or raise data.validation.max_record_bytes if such records are expected",
     ),
+    "unreadable_shard": (
+        "a shard of the input (Parquet / Arrow file) cannot be opened or read; counted as one skipped record",
+        "download the shard again (its name is given), or remove it from the folder or glob",
+    ),
     "too_deep": (
         "record nests lists/objects deeper than the JSON parser can follow",
         "flatten or delete the record: no supported format nests more than a few levels",
@@ -102,8 +106,8 @@ PROBLEMS: dict[str, tuple[str, str]] = {
         "correct the field in the data file",
     ),
     "duplicate_id": (
-        "record id already used by an earlier record in this source",
-        "give every record a unique id (the first occurrence is kept)",
+        "record id already used by an earlier record in this file (an evaluation file: results are joined by id)",
+        "give every record of an evaluation file a unique id (the first occurrence is kept)",
     ),
 }
 
@@ -188,10 +192,29 @@ class ValidationReport:
     """Up to ``max_examples`` example locations per problem class."""
     first_problem: str | None = None
     """Full message of the first problem met; what strict mode raises with."""
+    repeated_ids: int = 0
+    """Kept records whose id an earlier kept record of the source has (information: each is
+    trained, under its own key, see :mod:`mmtune.data.keys`)."""
+    exact_duplicates: int = 0
+    """Records equal to an earlier one (same id, images and conversation): kept among
+    :attr:`repeated_ids`, or dropped (:attr:`duplicates_dropped`)."""
+    duplicates_dropped: int = 0
+    """Exact duplicates left out (``data.validation.drop_exact_duplicates``); not skipped records."""
+    repeat_examples: list[str] = field(default_factory=list)
+    """Up to ``max_examples`` repeated ids with the positions of two of their records."""
 
     @property
     def records_skipped(self) -> int:
-        return self.records_read - self.records_kept
+        """Records left out for a problem (exact duplicates dropped on request are not problems)."""
+        return self.records_read - self.records_kept - self.duplicates_dropped
+
+    def add_repeats(self, repeated: int, exact: int, examples: list[str]) -> None:
+        """Record what :class:`~mmtune.data.keys.RecordKeys` found over the source: ``repeated``
+        records repeating an earlier id, ``exact`` of them exact duplicates (the dropped ones
+        included: :attr:`repeated_ids` counts the kept records)."""
+        self.repeated_ids = repeated - self.duplicates_dropped
+        self.exact_duplicates = exact
+        self.repeat_examples = list(examples)
 
     @property
     def ok(self) -> bool:
@@ -204,6 +227,11 @@ class ValidationReport:
         n = dialogue.num_images
         self.images += n
         self.text_only += n == 0
+
+    def add_dropped(self) -> None:
+        """Count one exact duplicate left out on request (``data.validation.drop_exact_duplicates``)."""
+        self.records_read += 1
+        self.duplicates_dropped += 1
 
     def add_skipped(self, problems: list[Problem]) -> None:
         """Count one record left out because of ``problems`` (non-empty)."""
@@ -220,6 +248,22 @@ class ValidationReport:
         if self.first_problem is None:
             self.first_problem = problems[0].message(self.path)
 
+    def _render_repeats(self) -> list[str]:
+        """The information lines on repeated ids (no problem: every such record is trained)."""
+        if not (self.repeated_ids or self.duplicates_dropped):
+            return []
+        lines = [f"  ids      {self.repeated_ids} kept record(s) repeat an earlier record's id; each is trained "
+                 "(as LLaVA trains them), under its own key id@position"]
+        if self.exact_duplicates or self.duplicates_dropped:
+            if self.duplicates_dropped:
+                lines.append(f"           {self.duplicates_dropped} exact duplicate(s) (same id, images and "
+                             "conversation) dropped by data.validation.drop_exact_duplicates")
+            else:
+                lines.append(f"           {self.exact_duplicates} of them exact duplicate(s) (same id, images and "
+                             "conversation), kept; data.validation.drop_exact_duplicates=true drops them")
+        lines += [f"           e.g. {ex}" for ex in self.repeat_examples]
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -231,9 +275,11 @@ class ValidationReport:
         lines = [
             f"source {self.source} (format {self.format}, images checked: {self.check_images})",
             f"  file     {self.path}",
-            f"  records  read {self.records_read}, kept {self.records_kept}, skipped {self.records_skipped}",
+            f"  records  read {self.records_read}, kept {self.records_kept}, skipped {self.records_skipped}"
+            + (f", exact duplicates dropped {self.duplicates_dropped}" if self.duplicates_dropped else ""),
             f"  kept     turns {self.turns}, images {self.images}, text-only records {self.text_only}",
         ]
+        lines += self._render_repeats()
         if self.skipped:
             reasons = ", ".join(f"{code} {n}" for code, n in sorted(self.skipped.items(), key=lambda kv: -kv[1]))
             lines.append(f"  skipped  by first problem: {reasons}")
@@ -397,7 +443,10 @@ def format_reports(reports: Iterable[ValidationReport]) -> str:
     parts = [r.render() for r in reports]
     read = sum(r.records_read for r in reports)
     kept = sum(r.records_kept for r in reports)
-    parts.append(f"total: {len(reports)} source(s), records read {read}, kept {kept}, skipped {read - kept}")
+    skipped = sum(r.records_skipped for r in reports)
+    dropped = sum(r.duplicates_dropped for r in reports)
+    parts.append(f"total: {len(reports)} source(s), records read {read}, kept {kept}, skipped {skipped}"
+                 + (f", exact duplicates dropped {dropped}" if dropped else ""))
     return "\n\n".join(parts)
 
 

@@ -39,6 +39,7 @@ class TrainingWindow:
             data: the data config ``mixture`` was read with (its validation mode decides
                 what an image the model cannot count does, as in training).
         """
+        from mmtune.data.datamodule import length_cache_dir
         from mmtune.data.window import window_report
         from mmtune.models.registry import build_adapter
 
@@ -46,7 +47,7 @@ class TrainingWindow:
         c = cfg.collator
         return window_report(build_adapter(cfg.model), mixture, max_length=cfg.context.max_length or c.max_length,
                              truncation=c.truncation, train_on=c.train_on, system_prompt=c.system_prompt,
-                             sequence_parallel=cfg.training.sequence_parallel.size, cache_dir=c.length_cache_dir,
+                             sequence_parallel=cfg.training.sequence_parallel.size, cache_dir=length_cache_dir(data, c),
                              image_errors=c.image_errors or data.validation.mode)
 
 

@@ -79,10 +79,14 @@ def detect_format(path: str, *, sample: int = 50, max_record_bytes: int | None =
         DataValidationError: a JSON list broken in its own structure.
     """
     from mmtune.data.records import MAX_RECORD_BYTES, iter_records
+    from mmtune.data.tables import EmbeddedImages, is_table_input, iter_table_records
 
     records: list[dict] = []
     first: Any = None
-    for _, obj, problem in iter_records(path, max_record_bytes or MAX_RECORD_BYTES):
+    limit = max_record_bytes or MAX_RECORD_BYTES
+    rows = (iter_table_records(path, EmbeddedImages("embedded", write=False), limit) if is_table_input(path)
+            else iter_records(path, limit))
+    for _, obj, problem in rows:
         if first is None and problem is None:
             first = obj
         if problem is None and isinstance(obj, dict):

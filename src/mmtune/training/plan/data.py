@@ -55,16 +55,14 @@ def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Opt
     """
     import numpy as np
 
-    from mmtune.data.readers import load_source
+    from mmtune.data.readers import load_training_source
     from mmtune.data.validation import DataValidationError
 
     problems: list[str] = []
     loaded = []
-    v = data_cfg.validation
     for s in data_cfg.mixture.sources:
         try:
-            loaded.append(load_source(s, mode=v.mode, cache_dir=data_cfg.cache_dir, check_images=v.check_images,
-                                      max_examples=v.max_examples, image_limits=image_limits))
+            loaded.append(load_training_source(s, data_cfg, image_limits=image_limits))
         except (FileNotFoundError, DataValidationError) as err:
             problems.append(f"data source {s.name!r}: {err}")
     if problems:

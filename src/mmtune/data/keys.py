@@ -1,0 +1,81 @@
+"""The unique key of every training record, and what repeats in a source.
+
+Public instruction sets name records by their image: llava-665k's COCO records carry the
+image's number as ``id`` (``"000000033471"``), and several conversations ask about one
+image (LLaVA-Instruct's conversation, detail and reasoning sets, several VQA sets), so one
+id names several records. LLaVA's own training never looks at ``id``; neither does
+mmtune's training: every record is kept and trained. Where mmtune needs to tell records
+apart (the Arrow cache, the batch plan, ``sample_ids.jsonl``, a resume, the length cache)
+it uses the record's *key*: its id where no earlier record of the source has that id, else
+``<id>@<position>`` (the record's 0-based position in its file, as reports number it
+``#<position>``). So a file without repeated ids keeps its ids as keys.
+
+An *exact duplicate* (same id, same images, same conversation) is kept too, as it is part
+of the published data; ``data.validation.drop_exact_duplicates`` drops it, counted in the
+report. Benchmarks, where an id names a result row, still refuse repeated ids
+(:func:`mmtune.data.readers.read_source`, ``load_source(unique_ids=True)``).
+
+Example::
+
+    keys = RecordKeys()
+    keys.add(dialogue_a, 0)   # ("000000033471", False)
+    keys.add(dialogue_b, 5)   # ("000000033471@5", False): same id, other conversation
+    keys.add(dialogue_b, 9)   # ("000000033471@9", True): same id, images and conversation
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmtune.core.dialogue import Dialogue
+
+__all__ = ["RecordKeys", "record_key"]
+
+
+def record_key(dialogue: "Dialogue") -> str:
+    """The unique key of a dialogue read from a source's cache (its id when it has none:
+    dialogues built in memory, whose ids are their keys)."""
+    return dialogue.meta.get("key", dialogue.id)
+
+
+class RecordKeys:
+    """Gives a source's records unique keys, in file order, and counts what repeats.
+
+    Holds one entry per key and one 64-bit content hash per record (tens of MB for
+    llava-665k's 665,298 records); exact duplicates are compared by the hash of (id, turns),
+    among records of one id only, so a hash collision would need two different records
+    sharing an id and a 64-bit hash.
+    """
+
+    def __init__(self, max_examples: int = 5):
+        self._first: dict[str, int] = {}
+        """key -> position of the record that holds it (for ids: the first record of that id)."""
+        self._contents: set[int] = set()
+        self.max_examples = max_examples
+        self.repeated = 0
+        """Records whose id an earlier record has."""
+        self.exact = 0
+        """Records equal to an earlier one: same id, images and conversation."""
+        self.examples: list[str] = []
+
+    def add(self, dialogue: "Dialogue", position: int) -> tuple[str, bool]:
+        """``(key, exact_duplicate)`` of the record at ``position`` of the file."""
+        rid = dialogue.id
+        content = hash((rid, dialogue.turns))
+        exact = content in self._contents
+        self._contents.add(content)
+        first = self._first.get(rid)
+        if first is None:
+            self._first[rid] = position
+            return rid, False
+        self.repeated += 1
+        self.exact += exact
+        if len(self.examples) < self.max_examples:
+            same = "the same conversation" if exact else "another conversation"
+            self.examples.append(f"{rid!r} at #{first} and #{position} ({same})")
+        key = f"{rid}@{position}"
+        while key in self._first:  # a literal id of that form came earlier
+            key = f"{key}@{position}"
+        self._first[key] = position
+        return key, exact
