@@ -31,7 +31,7 @@ byte-level BPE.
   ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
   grid's token count, the tokenizer on the expanded text.
 - ``--family internvl | llava_onevision | gemma3 | idefics3 | mistral3 | glm4v | smolvlm |
-  llava_next | aya_vision``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.models.tiny_checkpoints``) whose
+  llava_next | aya_vision``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.testing.checkpoints``) whose
   processor has the released checkpoint's image settings (InternVL3: 448 px tiles, up to 12, 256
   tokens each; LLaVA-OneVision: 384 px anyres, 729 tokens per tile; Gemma 3: 896 px, 256
   tokens; Idefics3: 364 px tiles of a 1456 px image, 169 tokens each; Mistral 3: 1540 px, 14 px
@@ -65,7 +65,7 @@ from mmtune.data.images import ImagePipeline  # noqa: E402
 from mmtune.data.lengths import compute_lengths  # noqa: E402
 from mmtune.models.config import ModelConfig  # noqa: E402
 from mmtune.models.registry import build_adapter  # noqa: E402
-from mmtune.models.tiny_checkpoints import KINDS, RELEASED_IMAGE_SETTINGS, save_tiny_checkpoint  # noqa: E402
+from mmtune.testing.checkpoints import KINDS, RELEASED_IMAGE_SETTINGS, save_tiny_checkpoint  # noqa: E402
 
 WORDS = (
     "the shape in image is a red green blue yellow square circle triangle which shows compare two images "

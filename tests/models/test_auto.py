@@ -233,7 +233,7 @@ def test_a_checkpoint_without_chat_template_is_refused(llava, tmp_path):
 def glm4v(tmp_path_factory):
     """A tiny GLM-4.1V checkpoint whose image limits let through what its processor refuses."""
     from mmtune.core.images import ImageLimits
-    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+    from mmtune.testing.checkpoints import save_tiny_checkpoint
 
     directory = save_tiny_checkpoint(str(tmp_path_factory.mktemp("glm4v")), "glm4v", weights=False)
     return build_adapter(ModelConfig(family="auto", path=directory, image_limits=ImageLimits(max_aspect_ratio=1e5)))

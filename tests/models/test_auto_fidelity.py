@@ -2,7 +2,7 @@
 
 For each tested class (InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3, Mistral 3, GLM-4.1V,
 SmolVLM, Aya Vision) a
-tiny checkpoint is built from transformers' classes (``mmtune.models.tiny_checkpoints``) and
+tiny checkpoint is built from transformers' classes (``mmtune.testing.checkpoints``) and
 generated multi-image, multi-turn dialogues (images of many sizes and aspect ratios, several in
 one turn, introduced in later turns, text-only turns and dialogues, system turns, text pieces
 with odd whitespace) go through mmtune's adapter, encoder and pixel cache. The reference is the
@@ -40,7 +40,7 @@ from mmtune.data.images import ImagePipeline
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
-from mmtune.models.tiny_checkpoints import KINDS, save_tiny_checkpoint
+from mmtune.testing.checkpoints import KINDS, save_tiny_checkpoint
 from tests.support.auto_checkpoints import labelled_runs
 
 N_DIALOGUES = 30

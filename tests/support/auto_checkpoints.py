@@ -1,5 +1,5 @@
 """Tiny checkpoints of the ``auto`` family's tested classes, each written once per test process
-(``mmtune.models.tiny_checkpoints``) and shared by the tests of every room that runs them."""
+(``mmtune.testing.checkpoints``) and shared by the tests of every room that runs them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import functools
 import shutil
 import tempfile
 
-from mmtune.models.tiny_checkpoints import KINDS
+from mmtune.testing.checkpoints import KINDS
 
-#: the tested classes, by the names of :data:`mmtune.models.tiny_checkpoints.KINDS`
+#: the tested classes, by the names of :data:`mmtune.testing.checkpoints.KINDS`
 CLASSES = tuple(KINDS)
 
 _ROOT = tempfile.mkdtemp(prefix="mmtune-auto-checkpoints-")
@@ -20,7 +20,7 @@ atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 @functools.lru_cache(maxsize=None)
 def checkpoint(kind: str) -> str:
     """The directory of a tiny random-weight checkpoint of ``kind`` (weights seeded with 0)."""
-    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+    from mmtune.testing.checkpoints import save_tiny_checkpoint
 
     return save_tiny_checkpoint(f"{_ROOT}/{kind}", kind)
 

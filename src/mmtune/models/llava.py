@@ -51,7 +51,6 @@ from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
-from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -244,6 +243,8 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
             if settings.image_size is not None:
                 arch["vision_config"]["image_size"] = int(settings.image_size)
+            from mmtune.testing.tokenizers import cached_tiny_tokenizer
+
             self.tokenizer = cached_tiny_tokenizer(
                 TINY_SPECIAL_TOKENS,
                 vocab_size=vocab_size,

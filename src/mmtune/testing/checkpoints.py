@@ -2,7 +2,7 @@
 
 There is no model hub here, so tests, benchmarks and CPU demos of the ``auto`` family build
 their checkpoints from transformers' classes: a small byte-level BPE tokenizer (the one of
-:mod:`mmtune.models.qwen2_vl.tiny`) holding the special tokens the class's processor and
+:mod:`mmtune.testing.tokenizers`) holding the special tokens the class's processor and
 template use, the class's processor built from its image processor (tiny image and tile
 sizes), a chat template, and a 2-layer config (widths 32-64). ``save_tiny_checkpoint(directory,
 "internvl")`` writes a directory that ``ModelConfig(family="auto", path=directory)`` and
@@ -19,6 +19,8 @@ import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from mmtune.testing.tokenizers import class_tokenizer
 
 __all__ = ["KINDS", "RELEASED_IMAGE_SETTINGS", "TinyKind", "save_tiny_checkpoint", "tiny_processor", "tiny_model_config"]
 
@@ -179,27 +181,9 @@ def _check_kind(kind: str) -> TinyKind:
 def tiny_tokenizer(kind: str):
     """A fast byte-level BPE tokenizer with the class's special tokens; BOS added by the
     tokenizer (as the released Llama / Gemma / Mistral tokenizers do) where the class has one."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    from mmtune.models.qwen2_vl.tiny import _trained_bpe
-
     spec = _check_kind(kind)
-    vocab, merges = _trained_bpe(512)
-    backend = Tokenizer(models.BPE(vocab=dict(vocab), merges=list(merges)))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
-    if spec.bos is not None:
-        bos_id = backend.token_to_id(spec.bos)
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{spec.bos} $A", pair=f"{spec.bos} $A {spec.bos} $B", special_tokens=[(spec.bos, bos_id)]
-        )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad,
-        extra_special_tokens=dict(spec.named_tokens) or None, clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    return tokenizer
+    return class_tokenizer(spec.special_tokens, bos=spec.bos, eos=spec.eos, pad=spec.pad,
+                           named_tokens=spec.named_tokens)
 
 
 #: image settings of the released checkpoints' processors (token counts and pixel work of real
