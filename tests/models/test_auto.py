@@ -113,10 +113,38 @@ def test_chatml_labels_are_content_plus_end_of_turn(llava, tmp_path, image):
     assert [auto.tokenizer.decode(s) for s in _spans(last)] == ["A square.\nYes<|im_end|>\n"]
 
 
-def test_unstable_template_raises_a_clear_error(llava, tmp_path, image):
+def test_unstable_template_is_rendered_whole(llava, tmp_path, image):
+    """A template whose earlier text changes as turns are added (a turn count in front) is rendered
+    once per dialogue: the ids are the whole dialogue's render, each answer labelled as it appears."""
     auto = _with_template(llava, tmp_path, UNSTABLE)
-    with pytest.raises(TemplateNotPrefixStableError, match=r"dialogue 'd', turn 1: .*not prefix-stable"):
-        auto.encode_dialogue(_dialogue(image))
+    assert not auto._prefix_stable
+    dialogue = _dialogue(image)
+    example = encode_example(auto, dialogue, max_length=None)
+    assert [auto.tokenizer.decode(s) for s in _spans(example)] == ["red<|im_end|>\n", "A square.\nYes<|im_end|>\n"]
+    rendered = auto.processor.apply_chat_template([auto._message(t.role, t.segments) for t in dialogue.turns],
+                                                  tokenize=False)
+    assert rendered.startswith("4 turns: ")
+    collapsed = [t for k, t in enumerate(example.input_ids) if not (t == auto.image_token_id and example.input_ids[k - 1] == t)]
+    assert collapsed == auto.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    prompt = Dialogue("g", "t", dialogue.turns[:3])
+    ids = flatten(auto.encode_dialogue(prompt, add_generation_prompt=True), auto.image_token_id)[0]
+    want = auto.processor.apply_chat_template([auto._message(t.role, t.segments) for t in prompt.turns],
+                                              tokenize=False, add_generation_prompt=True)
+    collapsed = [t for k, t in enumerate(ids) if not (t == auto.image_token_id and ids[k - 1] == t)]
+    assert want.startswith("3 turns: ") and collapsed == auto.tokenizer(want, add_special_tokens=False)["input_ids"]
+
+
+# renders a message's content twice: the whole render cannot place the turns
+TWICE = CHATML.replace("{{- '<|im_end|>\\n' -}}", "{{- '<|im_end|>\\n' -}}{%- if loop.last -%}"
+                       "{%- for c in m['content'] -%}{%- if c['type'] == 'text' -%}{{- c['text'] -}}{%- endif -%}"
+                       "{%- endfor -%}{%- endif -%}")
+
+
+def test_template_the_whole_render_cannot_place_is_refused_at_start_up(llava, tmp_path):
+    assert TWICE != CHATML
+    with pytest.raises(TemplateNotPrefixStableError, match=r"dialogue 'processor-probe'.*not prefix-stable.*"
+                                                           r"rendering the whole.*changes the render"):
+        _with_template(llava, tmp_path, TWICE)
 
 
 # numbers every message: what a turn adds depends on all the turns before it

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mmtune.models._utils import state_fingerprint
+from mmtune.models.auto.authority import AuthorityStage
 from mmtune.models.auto.batch import BatchStage
 from mmtune.models.auto.image_text import ImageTextStage
 from mmtune.models.auto.profile import ProfileStage, check_remote_code, load_processor_and_template
@@ -52,8 +53,8 @@ class AutoSettings(FamilySettings):
 
 
 @register_adapter
-class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, TransformersModelHooks,
-                  ModelAdapter):
+class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, AuthorityStage,
+                  TransformersModelHooks, ModelAdapter):
     """Processor-driven adapter for transformers image-text-to-text checkpoints."""
 
     family = "auto"
@@ -97,6 +98,22 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
                 "answer, so a model trained on it as rendered does not learn to end its answers; set "
                 "model.auto.answer_stop=eos to append %r to every answer, labelled", config.path,
                 self.tokenizer.convert_ids_to_tokens(self.stop_token_ids), self.tokenizer.eos_token)
+        self._state_policy()
+        self._check_against_processor()
+
+    def _state_policy(self) -> None:
+        """Say at start-up how answers are labelled where that is not the obvious rule."""
+        prefix, _ = self._text_change
+        if prefix:
+            log.info("model.path=%s: its processor adds %r before every text it is given; mmtune adds it too",
+                     self.config.path, prefix)
+        if not self._prefix_stable:
+            log.warning(
+                "model.path=%s: its chat template renders earlier turns differently as turns are added (not "
+                "prefix-stable: e.g. a thinking block only in answers after the last user turn). Each dialogue is "
+                "rendered whole once; every answer is trained as the template shows it in that dialogue (earlier "
+                "answers as it shows them in context, e.g. without their thinking), and generation prompts are the "
+                "template's own", self.config.path)
 
     def _encode(self, dialogue: "Dialogue", system_prompt: str | None, train_on: str,
                 add_generation_prompt: bool) -> EncodedDialogue:

@@ -14,7 +14,34 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["BatchStage"]
+__all__ = ["BatchStage", "from_array", "to_array"]
+
+#: torch dtypes numpy has no type for, stored as the integer type of their width (the same bits)
+_BIT_VIEWS = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float8_e5m2": "int8"}
+
+
+def to_array(value: "torch.Tensor") -> "np.ndarray":
+    """A processor output as a numpy array for the pixel cache, bit for bit: a dtype numpy lacks
+    (Llama 4's image processor returns bfloat16) is stored as its bits in the integer type of
+    its width, and :func:`from_array` restores it."""
+    import torch
+
+    name = str(value.dtype).removeprefix("torch.")
+    if name in _BIT_VIEWS:
+        return value.contiguous().view(getattr(torch, _BIT_VIEWS[name])).numpy()
+    return value.numpy()
+
+
+def from_array(value: Any, dtype: "torch.dtype | None") -> "torch.Tensor":
+    """The tensor of :func:`to_array`'s array (or of a tensor), in ``dtype`` where that is one
+    :func:`to_array` stored as bits."""
+    import torch
+
+    tensor = torch.as_tensor(value)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if name in _BIT_VIEWS and tensor.dtype == getattr(torch, _BIT_VIEWS[name]):
+        return tensor.view(dtype)
+    return tensor
 
 
 class BatchStage:
@@ -57,13 +84,13 @@ class BatchStage:
             raise CorruptImageError(path, None, None, err) from err
         except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the file
             raise UnsupportedImageError(path, None, None, f"{type(err).__name__}: {err}") from err
-        return {name: out[name].numpy() for name in self.image_input_names}
+        return {name: to_array(out[name]) for name in self.image_input_names}
 
     def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
-        """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them."""
-        import torch
-
-        parts = [{k: torch.as_tensor(v) for k, v in image.items()} for image in images]
+        """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them,
+        each in the dtype the processor made it (bfloat16 from Llama 4's: see :func:`to_array`)."""
+        dtypes = getattr(self, "_input_dtypes", {})
+        parts = [{k: from_array(v, dtypes.get(k)) for k, v in image.items()} for image in images]
         return self.join_image_inputs(parts)
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:

@@ -8,12 +8,14 @@ one-by-one processor outputs equal the joint output (:class:`~mmtune.models.base
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from mmtune.models.auto.errors import RemoteCodeError, UnsupportedProcessorError
+from mmtune.models.auto.render import common_prefix
 from mmtune.models.base import InputJoin
 
 __all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "noise_image"]
@@ -98,6 +100,21 @@ def check_remote_code(path: str, trust_remote_code: bool) -> None:
         )
 
 
+class _TokenizerRecorder:
+    """A processor's tokenizer that records the texts it is called on (everything else delegated)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+
+    def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self.texts += [text] if isinstance(text, str) else [t for t in (text or []) if isinstance(t, str)]
+        return self.tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
 class ProfileStage:
     """Stop tokens and image-input joins of the processor (mixed into the adapter)."""
 
@@ -121,9 +138,52 @@ class ProfileStage:
             return None
 
     def _call(self, images: list, count: int | None = None) -> dict[str, Any]:
-        """The processor on ``images`` with a text holding one placeholder per image."""
-        text = self.image_token * (len(images) if count is None else count)
+        """The processor on ``images`` with a text holding each image as the template renders it
+        (:attr:`_image_item_text`: the bare placeholder, or with the wrappers a processor such as
+        HunYuan-VL's requires around it)."""
+        text = self._image_item_text * (len(images) if count is None else count)
         return self.processor(text=[text], images=images, return_text_replacement_offsets=True, return_tensors="pt")
+
+    @functools.cached_property
+    def _image_item_text(self) -> str:
+        """The placeholder alone where the processor accepts it (every class tested before HunYuan-VL);
+        else what the chat template renders for one image item: a user message of one image against
+        one of an empty text, less their common prefix and suffix."""
+        try:
+            self.processor(text=[self.image_token], images=[noise_image(32, 32, 0)], return_tensors="pt")
+            return self.image_token
+        except Exception:  # noqa: BLE001 - the processor's refusal: try the template's rendering
+            pass
+        with_image = self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
+        without = self._render([{"role": "user", "content": [{"type": "text", "text": ""}]}],
+                               add_generation_prompt=False)
+        head = common_prefix(with_image, without)
+        tail = 0
+        while tail < min(len(with_image), len(without)) - head and with_image[-1 - tail] == without[-1 - tail]:
+            tail += 1
+        item = with_image[head:len(with_image) - tail]
+        return item if self.image_token in item else self.image_token
+
+    @functools.cached_property
+    def _text_change(self) -> tuple[str, str]:
+        """``(prefix, suffix)``: the text the processor's own call adds around the text it is given
+        (Janus saved with ``use_default_system_prompt=True``: its default system prompt; Molmo2:
+        the BOS its templates lack), seen by handing it a marker text and recording what it passes
+        its tokenizer. mmtune adds the same (:meth:`RenderStage._spans`)."""
+        marker = "mmtune text probe"
+        recorder = _TokenizerRecorder(self.processor.tokenizer)
+        self.processor.tokenizer = recorder
+        try:
+            self.processor(text=[marker], return_tensors="pt")
+        except Exception:  # noqa: BLE001 - a processor that needs images with text: no change known
+            return "", ""
+        finally:
+            self.processor.tokenizer = recorder.tokenizer
+        texts = [t for t in recorder.texts if marker in t]
+        if not texts:
+            return "", ""
+        at = texts[0].index(marker)
+        return texts[0][:at], texts[0][at + len(marker):]
 
     def _probe_joins(self) -> dict[str, InputJoin]:
         """Per image input, the join that makes two images' one-by-one outputs the joint output."""
@@ -135,7 +195,8 @@ class ProfileStage:
             alone = [self._call([first]), self._call([second])]
         except Exception as err:  # noqa: BLE001 - any failure of the processor is named
             raise UnsupportedProcessorError(
-                f"the processor of {self.config.path!r} fails on two small images: {type(err).__name__}: {err}"
+                f"the processor of {self.config.path!r} fails on two small images (50 x 30 and 24 x 70 px, each as {self._image_item_text!r} in the text): "
+                f"{type(err).__name__}: {err}"
             ) from err
         problems = []
         replaced = [r["replacement"] for r in joint["text_replacement_offsets"][0]]
@@ -151,6 +212,7 @@ class ProfileStage:
                     problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
                 self._token_marks[name] = marked.tolist()
         joins: dict[str, InputJoin] = {}
+        self._input_dtypes = {}
         for name in [k for k in joint if k not in _TEXT_KEYS]:
             value = joint[name]
             parts = [a.get(name) for a in alone]
@@ -165,6 +227,7 @@ class ProfileStage:
                     continue
                 if joined.shape == value.shape and joined.dtype == value.dtype and torch.equal(joined, value):
                     joins[name] = candidate
+                    self._input_dtypes[name] = value.dtype
                     break
             else:
                 problems.append(

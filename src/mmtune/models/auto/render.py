@@ -99,12 +99,29 @@ class RenderStage:
         roles = [t.role for t in turns]
         trainable = self._trainable(roles, train_on)
         found = None
-        if self._windows_match:
+        if not self._prefix_stable:
+            found = self._spans_by_whole(dialogue.id, messages, head, roles, trainable, offset, add_generation_prompt)
+        elif self._windows_match:
             found = self._spans_by_window(messages, head, roles, trainable, add_generation_prompt)
         if found is None:
             found = self._spans_by_prefix(dialogue.id, messages, head, roles, trainable, offset,
                                           add_generation_prompt)
-        return found[0], found[1], offset
+        return (*self._with_text_change(*found), offset)
+
+    def _with_text_change(self, text: str, spans: list[Span]) -> tuple[str, list[Span]]:
+        """``text`` with what the processor's own call adds (:attr:`_text_change`), the first span
+        grown to hold an added prefix. Raises where the processor adds a suffix (no class does)."""
+        prefix, suffix = self._text_change
+        if suffix:
+            raise TemplateNotPrefixStableError(
+                f"the processor of {self.config.path!r} appends {suffix!r} to every text it is given; mmtune "
+                "cannot place that in a dialogue's turns: save the processor without that setting")
+        if not prefix or text.startswith(prefix):
+            return text, spans
+        moved = [Span(s.start + len(prefix), s.end + len(prefix), s.turn, s.trainable, s.image) for s in spans]
+        if moved:
+            moved[0].start = 0
+        return prefix + text, moved
 
     @staticmethod
     def _trainable(roles: list[str], train_on: str) -> list[bool]:
@@ -203,6 +220,37 @@ class RenderStage:
     def _windows_match(self) -> bool:
         """Whether windowed rendering gives the per-prefix spans on probe dialogues (with and
         without a system message, images in several turns, a generation prompt)."""
+        for messages, head, roles, generation in self._probe_messages():
+            trainable = self._trainable(roles, "all_assistant")
+            windowed = self._spans_by_window(messages, head, roles, trainable, generation)
+            try:
+                defined = self._spans_by_prefix("probe", messages, head, roles, trainable, 0, generation)
+            except TemplateNotPrefixStableError:
+                return False
+            except Exception:  # noqa: BLE001 - the template's own refusal of the probe
+                defined = None
+            if windowed != defined:
+                return False
+        return True
+
+    @functools.cached_property
+    def _prefix_stable(self) -> bool:
+        """Whether rendering more turns keeps the text of earlier ones on the probe dialogues. A
+        template that is not (Qwen3.5's writes ``<think>\n\n</think>\n\n`` only into answers after
+        the last user turn) is rendered whole (:meth:`_spans_by_whole`)."""
+        for messages, head, roles, generation in self._probe_messages():
+            trainable = self._trainable(roles, "all_assistant")
+            try:
+                self._spans_by_prefix("probe", messages, head, roles, trainable, 0, generation)
+            except TemplateNotPrefixStableError:
+                return False
+            except Exception:  # noqa: BLE001 - the template's own refusal of the probe: not this question
+                continue
+        return True
+
+    def _probe_messages(self) -> list[tuple[list[dict], int, list[str], bool]]:
+        """Probe dialogues as ``(messages, head, roles, add_generation_prompt)``: with and without a
+        system message, images in several turns, a generation prompt."""
         image = Image("probe.png")
         user = [("Look at ", image, " and describe it."), ("Second question?",), (image, image, "Compare."),
                 ("More text  with   spaces\n",), ("Last one: ", image)]
@@ -220,15 +268,85 @@ class RenderStage:
             head = len(messages) - len(roles)
             probes += [(messages, head, roles, False), (messages, head, roles, True),
                        (messages[:-1], head, roles[:-1], False)]
-        for messages, head, roles, generation in probes:
-            trainable = self._trainable(roles, "all_assistant")
-            windowed = self._spans_by_window(messages, head, roles, trainable, generation)
-            try:
-                defined = self._spans_by_prefix("probe", messages, head, roles, trainable, 0, generation)
-            except TemplateNotPrefixStableError:
-                return False
-            except Exception:  # noqa: BLE001 - the template's own refusal of the probe
-                defined = None
-            if windowed != defined:
-                return False
-        return True
+        return probes
+
+    #: marks the end of a message's content in :meth:`_spans_by_whole` (a private-use character)
+    _END: ClassVar[str] = "\U000f0000"
+
+    def _spans_by_whole(self, dialogue_id: str, messages: list[dict], head: int, roles: list[str],
+                        trainable: list[bool], offset: int, add_generation_prompt: bool) -> tuple[str, list[Span]]:
+        """Spans of a template that is not prefix-stable, from one render of the whole dialogue.
+
+        Each message's content gets an end mark; the render with the marks removed must be the
+        render without them. A turn ends where its content ends plus what the template renders
+        after the content of a message that ends the dialogue (ChatML's ``<|im_end|>\n``); an
+        answer's header is the part of its turn it shares with the generation prompt, the rest
+        (content and end of turn, as the template shows the answer in this dialogue) is
+        labelled: the assistant-mask semantics of ``apply_chat_template(return_assistant_tokens_mask=True)``
+        without ``{% generation %}`` tags. The generation prompt is the template's own."""
+        if add_generation_prompt and (not roles or roles[-1] != "user"):
+            raise ValueError(f"dialogue {dialogue_id!r}: add_generation_prompt needs the dialogue to end with a user turn")
+        for index, role in enumerate(roles):
+            if role not in ("user", "assistant"):
+                raise ValueError(f"dialogue {dialogue_id!r}, turn {index + offset}: role {role!r} is not allowed here")
+        text = self._render(messages, add_generation_prompt)
+        ends = self._content_ends(dialogue_id, messages, head, text, add_generation_prompt)
+        spans: list[Span] = []
+        start = 0
+        for index, role in enumerate(roles):
+            trail = self._trail(messages[:head + index + 1])
+            end = ends[index] + len(trail)
+            if text[ends[index]:end] != trail:
+                self._refuse_whole(dialogue_id, index + offset, f"its end of turn {trail!r} is not rendered after it")
+            if role == "assistant":
+                before = self._render(messages[:head + index], add_generation_prompt=False)
+                prompt = self._render(messages[:head + index], add_generation_prompt=True)
+                if not prompt.startswith(before):
+                    self._refuse_whole(dialogue_id, index + offset, "the generation prompt changes earlier text")
+                body = common_prefix(prompt[len(before):], text[start:end]) + start
+                spans += [Span(start, body, index), Span(body, end, index, trainable[index])]
+            else:
+                spans.append(Span(start, end, index))
+            start = end
+        if add_generation_prompt:
+            spans.append(Span(start, len(text), -1))
+        elif start != len(text):
+            self._refuse_whole(dialogue_id, len(roles) - 1 + offset, f"text {text[start:]!r} follows the last turn")
+        return text, spans
+
+    def _content_ends(self, dialogue_id: str, messages: list[dict], head: int, text: str,
+                      add_generation_prompt: bool) -> list[int]:
+        """Where each message after ``head`` ends its content in ``text`` (the render of ``messages``)."""
+        marked = self._render(self._marked(messages, head), add_generation_prompt)
+        if marked.replace(self._END, "") != text or marked.count(self._END) != len(messages) - head:
+            self._refuse_whole(dialogue_id, None, "marking the end of each message's content changes the render")
+        ends, removed = [], 0
+        for at, char in enumerate(marked):
+            if char == self._END:
+                ends.append(at - removed)
+                removed += 1
+        return ends
+
+    def _marked(self, messages: list[dict], head: int) -> list[dict]:
+        out = list(messages[:head])
+        for message in messages[head:]:
+            content = [dict(item) for item in message["content"]]
+            if content[-1].get("type") == "text":
+                content[-1]["text"] = content[-1]["text"] + self._END
+            else:
+                content.append({"type": "text", "text": self._END})
+            out.append({**message, "content": content})
+        return out
+
+    def _trail(self, messages: list[dict]) -> str:
+        """What the template renders after the content of the last of ``messages``."""
+        marked = self._render(self._marked(messages, len(messages) - 1), add_generation_prompt=False)
+        return marked[marked.rindex(self._END) + 1:]
+
+    def _refuse_whole(self, dialogue_id: str, turn: int | None, what: str) -> None:
+        where = f"dialogue {dialogue_id!r}" + (f", turn {turn}" if turn is not None else "")
+        raise TemplateNotPrefixStableError(
+            f"{where}: the chat template of {self.config.path!r} is not prefix-stable, and rendering the whole "
+            f"dialogue cannot place its turns: {what}. Use a template that renders earlier turns identically, or a "
+            "family adapter."
+        )
