@@ -128,12 +128,33 @@ class Reference:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def call(self, text, images):
+        """The processor's call; :attr:`seen` is the text it hands its tokenizer (with the text its
+        own call adds: Janus's default system prompt, Molmo2's BOS)."""
         from transformers.image_utils import load_image
 
         bos = self.tokenizer.bos_token
         kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
-        return self.processor(text=[text], images=[load_image(p) for p in images] or None, return_tensors="pt",
-                              return_text_replacement_offsets=True, return_mm_token_type_ids=True, **kwargs)
+        seen = []
+        tokenizer = self.processor.tokenizer
+
+        def recording(texts, **kw):
+            seen.extend(texts)
+            return tokenizer(texts, **kw)
+
+        class Recorder:  # the processor's tokenizer, recording the texts it is called on
+            __call__ = staticmethod(recording)
+
+            def __getattr__(self, name):
+                return getattr(tokenizer, name)
+
+        self.processor.tokenizer = Recorder()
+        try:
+            out = self.processor(text=[text], images=[load_image(p) for p in images] or None, return_tensors="pt",
+                                 return_text_replacement_offsets=True, return_mm_token_type_ids=True, **kwargs)
+        finally:
+            self.processor.tokenizer = tokenizer
+        self.seen = seen[0]
+        return out
 
     def positions(self, out):
         ids = out["input_ids"]
@@ -156,6 +177,11 @@ class Reference:
             spans.append([start, len(full)])
         # the processor's own record of each placeholder: its span before and after expansion
         replaced = out["text_replacement_offsets"][0] if "text_replacement_offsets" in out else []
+        # what the processor's call put before the text (its tokenizer saw that, expanded)
+        growth = sum(len(item["replacement"]) - (item["span"][1] - item["span"][0]) for item in replaced)
+        added = len(self.seen) - len(text) - growth
+        text = self.seen[:added] + text
+        spans = [[start + added, end + added] for start, end in spans]
         pieces, cursor = [], 0
         for item in replaced:
             a, b = item["span"]

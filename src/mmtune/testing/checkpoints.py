@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
+from mmtune.testing.classes import CLASSES
+from mmtune.testing.kind import TinyKind
 from mmtune.testing.tokenizers import class_tokenizer
 
 __all__ = ["KINDS", "RELEASED_IMAGE_SETTINGS", "TinyKind", "save_tiny_checkpoint", "tiny_processor", "tiny_model_config"]
@@ -109,25 +110,6 @@ _GLM4V_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class TinyKind:
-    """One transformers image-text class as a tiny checkpoint."""
-
-    model_type: str
-    template: str
-    released: str
-    """The released checkpoint whose template structure :attr:`template` follows."""
-    special_tokens: tuple[str, ...]
-    bos: str | None = None
-    eos: str = "<|im_end|>"
-    pad: str = "<|endoftext|>"
-    named_tokens: dict[str, str] = field(default_factory=dict)
-    """Tokens the processor reads from tokenizer attributes (``start_image_token`` ...)."""
-    generation_eos: tuple[str, ...] = ()
-    """The stop tokens of the released checkpoint's ``generation_config.json`` (``eos_token_id``),
-    where they are more than the tokenizer's EOS; written with the checkpoint."""
-
-
 _IM = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _ROWS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
 
@@ -170,6 +152,7 @@ KINDS: dict[str, TinyKind] = {
                          "<global-img>") + _ROWS,
                         bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>"),
 }
+KINDS.update(CLASSES)  # the classes written as one entry each (mmtune.testing.classes)
 
 
 def _check_kind(kind: str) -> TinyKind:
@@ -183,7 +166,7 @@ def tiny_tokenizer(kind: str):
     tokenizer (as the released Llama / Gemma / Mistral tokenizers do) where the class has one."""
     spec = _check_kind(kind)
     return class_tokenizer(spec.special_tokens, bos=spec.bos, eos=spec.eos, pad=spec.pad,
-                           named_tokens=spec.named_tokens)
+                           named_tokens=spec.named_tokens, add_bos=spec.add_bos)
 
 
 #: image settings of the released checkpoints' processors (token counts and pixel work of real
@@ -199,6 +182,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "aya_vision": {"size": 364, "max_patches": 12, "patch_size": 14, "downsample_factor": 2},
     "llava_next": {"size": 336, "pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]},
 }
+RELEASED_IMAGE_SETTINGS.update({kind: spec.released_sizes for kind, spec in CLASSES.items() if spec.released_sizes})
 
 
 def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
@@ -208,6 +192,8 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
     spec = _check_kind(kind)
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(kind)
     template = spec.template
+    if spec.processor is not None:
+        return spec.processor(tokenizer, template, RELEASED_IMAGE_SETTINGS[kind] if released_sizes else None)
     if released_sizes:
         return _released_processor(kind, tokenizer, template)
     if kind == "internvl":
@@ -356,12 +342,14 @@ def tiny_model_config(kind: str, tokenizer):
     """The class's 2-layer transformers config, token ids from ``tokenizer``."""
     from transformers import AutoConfig
 
-    _check_kind(kind)
+    spec = _check_kind(kind)
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     text = {**_CHATML_TEXT, "vocab_size": vocab, "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
-    if kind == "internvl":
+    if spec.config is not None:
+        values = spec.config(tokenizer, text)
+    elif kind == "internvl":
         values = {"vision_config": {**_VISION, "image_size": [56, 56], "patch_size": [14, 14]},
                   "text_config": {**text, "model_type": "qwen2"}, "image_token_id": ids("<IMG_CONTEXT>"),
                   "downsample_ratio": 0.5}  # fmt: skip

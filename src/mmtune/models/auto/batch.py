@@ -16,31 +16,30 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["BatchStage", "from_array", "to_array"]
 
-#: torch dtypes numpy has no type for, stored as the integer type of their width (the same bits)
-_BIT_VIEWS = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float8_e5m2": "int8"}
+#: floating dtypes stored widened to float32 (exact: float32 holds every value of each) where
+#: numpy, or the pixel cache's format, has no type for them
+_WIDENED = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
 def to_array(value: "torch.Tensor") -> "np.ndarray":
-    """A processor output as a numpy array for the pixel cache, bit for bit: a dtype numpy lacks
-    (Llama 4's image processor returns bfloat16) is stored as its bits in the integer type of
-    its width, and :func:`from_array` restores it."""
+    """A processor output as a numpy array for the pixel cache, value for value: a floating dtype
+    numpy or the cache lacks (Llama 4's image processor returns bfloat16) is stored as float32,
+    which holds each of its values exactly, and :func:`from_array` restores it."""
     import torch
 
-    name = str(value.dtype).removeprefix("torch.")
-    if name in _BIT_VIEWS:
-        return value.contiguous().view(getattr(torch, _BIT_VIEWS[name])).numpy()
+    if str(value.dtype).removeprefix("torch.") in _WIDENED:
+        return value.to(torch.float32).numpy()
     return value.numpy()
 
 
 def from_array(value: Any, dtype: "torch.dtype | None") -> "torch.Tensor":
-    """The tensor of :func:`to_array`'s array (or of a tensor), in ``dtype`` where that is one
-    :func:`to_array` stored as bits."""
+    """The tensor of :func:`to_array`'s array (or of a tensor), in the processor's ``dtype``
+    where :func:`to_array` widened it (the same values: the conversion back is exact)."""
     import torch
 
     tensor = torch.as_tensor(value)
-    name = str(dtype).removeprefix("torch.") if dtype is not None else None
-    if name in _BIT_VIEWS and tensor.dtype == getattr(torch, _BIT_VIEWS[name]):
-        return tensor.view(dtype)
+    if dtype is not None and str(dtype).removeprefix("torch.") in _WIDENED and tensor.dtype == torch.float32:
+        return tensor.to(dtype)
     return tensor
 
 

@@ -1,0 +1,133 @@
+"""Tested classes as one entry each: a :class:`~mmtune.testing.kind.TinyKind` with the builders of
+its processor and config, written after the released checkpoint (or transformers' conversion)
+named in ``released``. :data:`mmtune.testing.checkpoints.KINDS` holds these with the earlier
+classes; tests, ``scripts/tiny_checkpoint.py`` and ``bench/collate.py`` read that one mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmtune.testing.kind import TinyKind
+
+__all__ = ["CLASSES"]
+
+_SMALL_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 4096}  # fmt: skip
+
+# -- Janus (deepseek-ai/Janus-Pro-1B as transformers' convert_janus_weights_to_hf.py writes it) ------
+# the conversion's CHAT_TEMPLATE, and its processor saved with use_default_system_prompt=True
+_JANUS_TEMPLATE = (
+    "{%set seps=['\n\n','<\uff5cend\u2581of\u2581sentence\uff5c>']%}"
+    "{%set i=0%}"
+    "{%for message in messages%}"
+    "{%if message['role']|lower=='user'%}"
+    "<|User|>: "
+    "{%elif message['role']|lower=='assistant'%}"
+    "<|Assistant|>:{%if not (loop.last and not add_generation_prompt and message['content'][0]['type']=='text' and message['content'][0]['text']=='')%} {%endif%}"
+    "{%else%}"
+    "{{message['role'].capitalize()}}: "
+    "{%endif%}"
+    "{%for content in message['content']%}"
+    "{%if content['type']=='image'%}"
+    "{%if not loop.first%}{{'\n'}}{%endif%}"
+    "<image_placeholder>"
+    "{%if not loop.last%}{{'\n'}}{%endif%}"
+    "{%elif content['type']=='text'%}"
+    "{%set text=content['text']%}"
+    "{%if loop.first%}{%set text=text.lstrip()%}{%endif%}"
+    "{%if loop.last%}{%set text=text.rstrip()%}{%endif%}"
+    "{%if not loop.first and message['content'][loop.index0-1]['type']=='text'%}"
+    "{{' '+text}}"
+    "{%else%}"
+    "{{text}}"
+    "{%endif%}"
+    "{%endif%}"
+    "{%endfor%}"
+    "{%if not loop.last or add_generation_prompt%}"
+    "{%if message['role']|lower=='user'%}"
+    "{{seps[0]}}"
+    "{%else%}"
+    "{{seps[1]}}"
+    "{%endif%}"
+    "{%endif%}"
+    "{%endfor%}"
+    "{%if add_generation_prompt%}<|Assistant|>:{%endif%}"
+)
+_BOS, _EOS, _PAD = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5c\u2581pad\u2581\uff5c>"
+
+
+def _janus_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import JanusProcessor
+    from transformers.models.janus.image_processing_janus import JanusImageProcessor
+
+    size = released["size"] if released else 32
+    tokens = released["num_image_tokens"] if released else 4
+    return JanusProcessor(image_processor=JanusImageProcessor(size={"height": size, "width": size}),
+                          tokenizer=tokenizer, chat_template=template, use_default_system_prompt=True,
+                          num_image_tokens=tokens)  # fmt: skip
+
+
+def _janus_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, "model_type": "llama"},
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
+                              "patch_size": 16, "projection_dim": 64, "num_image_tokens": 4},
+            # the image-generation VQ model, as small as its group norms (32 groups) allow
+            "vq_config": {"embed_dim": 8, "num_embeddings": 32, "latent_channels": 32, "base_channels": 32,
+                          "channel_multiplier": [1, 1], "num_res_blocks": 1, "num_patches": 2, "projection_dim": 64,
+                          "image_token_embed_dim": 64},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<image_placeholder>")}  # fmt: skip
+
+
+# -- Llama 4 (meta-llama/Llama-4-Scout-17B-16E-Instruct) -----------------------------------------------
+# BOS, "<|header_start|>role<|header_end|>\n\n" headers, "<|eot|>" ends a turn, "<|image|>" per image item
+_LLAMA4_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' %}{{- '<|image|>' }}{%- elif content['type'] == 'text' %}{{- content['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|eot|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\\n\\n' }}{%- endif %}"
+)
+
+
+def _llama4_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Llama4ImageProcessor, Llama4Processor
+
+    size = released["size"] if released else 28
+    image = Llama4ImageProcessor(size={"height": size, "width": size},
+                                 max_patches=released["max_patches"] if released else 4)  # fmt: skip
+    # its image processor returns bfloat16 pixel_values, as the released one does
+    return Llama4Processor(image_processor=image, tokenizer=tokenizer, patch_size=14, pixel_shuffle_ratio=0.5,
+                           chat_template=template)  # fmt: skip
+
+
+def _llama4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"text_config": {**text, "intermediate_size": 64, "intermediate_size_mlp": 128, "head_dim": 16,
+                            # mixture of experts in every second layer (the released Scout: every layer)
+                            "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                            "attention_chunk_size": 64},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,
+                              "projector_input_dim": 64, "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5},
+            "boi_token_index": ids("<|image_start|>"), "eoi_token_index": ids("<|image_end|>"),
+            "image_token_index": ids("<|patch|>")}  # fmt: skip
+
+
+CLASSES: dict[str, TinyKind] = {
+    "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
+                      (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
+                      bos=_BOS, eos=_EOS, pad=_PAD,
+                      named_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                                    "eoi_token": "<end_of_image>"},
+                      processor=_janus_processor, config=_janus_config,
+                      released_sizes={"size": 384, "num_image_tokens": 576}),
+    "llama4": TinyKind("llama4", _LLAMA4_TEMPLATE, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+                       ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|>", "<|header_start|>",
+                        "<|header_end|>", "<|eot|>", "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>",
+                        "<|tile_x_separator|>", "<|tile_y_separator|>"),
+                       bos="<|begin_of_text|>", eos="<|eot|>", pad="<|finetune_right_pad|>",
+                       processor=_llama4_processor, config=_llama4_config,
+                       released_sizes={"size": 336, "max_patches": 16}),
+}
