@@ -115,6 +115,50 @@ def _llama4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "image_token_index": ids("<|patch|>")}  # fmt: skip
 
 
+# -- HunYuan-VL (tencent/HunyuanOCR) ------------------------------------------------------------------
+# BOS, the system text ended by a placeholder token, "<｜hy_User｜>" / "<｜hy_Assistant｜>" turns, an answer
+# ended by EOS, each image wrapped in its start / end tokens (what HunYuanVLProcessor requires around it)
+def _hy(name: str) -> str:
+    return "<\uff5chy_" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+_HY_BOS, _HY_EOS, _HY_PAD = _hy("begin of sentence"), _hy("place holder no 2"), _hy(" pad ")
+_HY_IMAGE = {"image_start_token": _hy("place holder no 100"), "image_token": _hy("place holder no 102"),
+             "image_end_token": _hy("place holder no 101")}  # fmt: skip
+_HY_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- for item in message['content'] %}{{- item['text'] }}{%- endfor %}"
+    "{{- '" + _hy("place holder no 3") + "' }}"
+    "{%- elif message['role'] == 'user' %}{{- '" + _hy("User") + "' }}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '" + _HY_IMAGE["image_start_token"] + _HY_IMAGE["image_token"]
+    + _HY_IMAGE["image_end_token"] + "' }}{%- else %}{{- item['text'] }}{%- endif %}{%- endfor %}"
+    "{%- else %}{{- '" + _hy("Assistant") + "' }}{%- for item in message['content'] %}{{- item['text'] }}{%- endfor %}"
+    "{{- eos_token }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '" + _hy("Assistant") + "' }}"
+    "{%- endif %}"
+)
+
+
+def _hunyuan_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers.models.hunyuan_vl.image_processing_hunyuan_vl import HunYuanVLImageProcessor
+    from transformers.models.hunyuan_vl.processing_hunyuan_vl import HunYuanVLProcessor
+
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (32 * 32 * 4, 32 * 32 * 32)
+    image = HunYuanVLImageProcessor(size={"shortest_edge": low, "longest_edge": high}, patch_size=16, merge_size=2)
+    return HunYuanVLProcessor(image_processor=image, tokenizer=tokenizer, chat_template=template)
+
+
+def _hunyuan_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    # four rope axes (sequence, width, height, image index) of 2 half-dimensions each, as the released 4 x 16
+    return {"text_config": {**text, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "mrope_section": [2, 2, 2, 2]}},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                              "out_hidden_size": 64, "text_hidden_size": 64},
+            "image_token_id": ids(_HY_IMAGE["image_token"]), "im_start_id": ids(_HY_IMAGE["image_start_token"]),
+            "im_end_id": ids(_HY_IMAGE["image_end_token"]), "im_newline_id": ids(_hy("place holder no 103"))}
+
+
 CLASSES: dict[str, TinyKind] = {
     "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
                       (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
@@ -130,4 +174,10 @@ CLASSES: dict[str, TinyKind] = {
                        bos="<|begin_of_text|>", eos="<|eot|>", pad="<|finetune_right_pad|>",
                        processor=_llama4_processor, config=_llama4_config,
                        released_sizes={"size": 336, "max_patches": 16}),
+    "hunyuan_vl": TinyKind("hunyuan_vl", _HY_TEMPLATE, "tencent/HunyuanOCR (structure; its template text reduced)",
+                           (_HY_BOS, _HY_EOS, _HY_PAD, _hy("place holder no 3"), _hy("User"), _hy("Assistant"),
+                            *_HY_IMAGE.values(), _hy("place holder no 103")),
+                           bos=_HY_BOS, eos=_HY_EOS, pad=_HY_PAD, named_tokens=dict(_HY_IMAGE),
+                           processor=_hunyuan_processor, config=_hunyuan_config,
+                           released_sizes={"min_pixels": 512 * 512, "max_pixels": 2048 * 2048}),
 }

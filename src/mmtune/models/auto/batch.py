@@ -59,8 +59,10 @@ class BatchStage:
         from mmtune.models.positions import RopeIndex
 
         vision = getattr(self.model_config, "vision_config", None)
+        # the processor's own marks: each image one run, of the length the class's rule gives
+        marked = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
         return RopeIndex(self.model_config, model_class, self.image_token_id,
-                         int(getattr(vision, "spatial_merge_size", 1)))
+                         int(getattr(vision, "spatial_merge_size", 1)), marked)
 
     # -- the batch: image inputs -----------------------------------------------------------------
     def image_input_joins(self) -> dict[str, InputJoin]:
