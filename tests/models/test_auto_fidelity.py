@@ -165,10 +165,20 @@ class Reference:
         )
         return positions[:, 0]
 
-    def labels(self, messages, out, text):
-        """Labels from character spans of the rendered text, moved onto the processor's tokens."""
+    def labels(self, messages, out, text, tagged=None):
+        """Labels from character spans of the rendered text, moved onto the processor's tokens. A
+        template that is not prefix-stable (Qwen3.5) is labelled by transformers' own assistant mask
+        on ``tagged``, its copy with ``{% generation %}`` tags."""
         spans = []
-        for i, message in enumerate(messages):
+        if tagged is not None:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            rendered, indices = render_jinja_template(conversations=[messages], chat_template=tagged,
+                                                      return_assistant_tokens_mask=True,
+                                                      **self.tokenizer.special_tokens_map)  # fmt: skip
+            assert rendered[0] == text
+            spans = [list(pair) for pair in indices[0]]
+        for i, message in enumerate(messages if tagged is None else []):
             if message["role"] != "assistant":
                 continue
             header = self.render(messages[:i], add_generation_prompt=True)
@@ -258,8 +268,9 @@ def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
         example = encode_example(adapter, dialogue, max_length=None)
         ids = torch.tensor(example.input_ids)
         inputs = pipeline.inputs(pipeline.load_images(example.images)) if example.images else None
+        tagged = KINDS[kind].fidelity_reference_template
         want_ids, want = reference.with_answer_stops(messages, text, out["input_ids"][0].tolist(),
-                                                     reference.labels(messages, out, text))
+                                                     reference.labels(messages, out, text, tagged))
         checks = {"input_ids": example.input_ids == want_ids}
         if inputs is None:
             checks["image_inputs"] = not paths and not any(n in out for n in adapter.image_input_names)

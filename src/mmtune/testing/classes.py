@@ -159,6 +159,93 @@ def _hunyuan_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "im_end_id": ids(_HY_IMAGE["image_end_token"]), "im_newline_id": ids(_hy("place holder no 103"))}
 
 
+# -- Qwen3.5 (Qwen/Qwen3.5-*: Qwen3_5ForConditionalGeneration, Qwen3VLProcessor) -------------------------
+# The logic of its released chat template, reduced to images and text: ChatML turns; an answer after
+# the last user turn is written with its thinking block ("<think>\n\n</think>\n\n" when it has none),
+# earlier answers without it (so the template is not prefix-stable); the generation prompt opens the
+# thinking block ("<think>\n"). ``{GEN}`` / ``{END}`` mark where the fidelity tests' copy puts
+# ``{% generation %}`` tags (transformers' assistant mask is their reference for the labels).
+_QWEN35_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query_index = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = namespace(text='') %}"
+    "{%- for item in message['content'] %}{%- if item['type'] == 'image' %}"
+    "{%- set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif item['type'] == 'text' %}{%- set content.text = content.text + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- if message['role'] == 'assistant' %}{%- set reasoning = '' %}{%- set answer = content.text %}"
+    "{%- if '</think>' in answer %}"
+    "{%- set reasoning = answer.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}{GEN}"
+    "{{- '\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + answer.lstrip('\\n') + '<|im_end|>\\n' }}{END}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' }}{GEN}{{- answer + '<|im_end|>\\n' }}{END}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content.text + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+_QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>", "<think>", "</think>")  # fmt: skip
+
+
+def _qwen3vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    factor = 32  # patch 16 x merge 2
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
+    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=low,
+                                     max_pixels=high)  # fmt: skip
+    return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=template)  # fmt: skip
+
+
+def _qwen3vl_vision() -> dict[str, Any]:
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64, "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0]}  # fmt: skip
+
+
+def _qwen_ids(tokenizer: Any) -> dict[str, int]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+            "vision_start_token_id": ids("<|vision_start|>"), "vision_end_token_id": ids("<|vision_end|>")}
+
+
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+# one linear-attention (Gated DeltaNet) layer and one full-attention layer, as the released 3:1 pattern mixes them
+_QWEN35_TEXT = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "rope_parameters": {**_MROPE, "partial_rotary_factor": 1.0}}
+_MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def _qwen35_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_QWEN35_TEXT}, "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen35_moe_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_QWEN35_TEXT, **_MOE, "shared_expert_intermediate_size": 32},
+            "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen3vl_moe_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_MOE, "head_dim": 16, "rope_parameters": _MROPE, "decoder_sparse_step": 1},
+            "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagged: str | None = None) -> TinyKind:
+    return TinyKind(model_type, template, released, _QWEN_SPECIAL, add_bos=False,
+                    named_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+                    processor=_qwen3vl_processor, config=config,
+                    released_sizes={"min_pixels": 64 * 32**2, "max_pixels": 16384 * 32**2},
+                    fidelity_reference_template=tagged)
+
+
 CLASSES: dict[str, TinyKind] = {
     "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
                       (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
@@ -180,4 +267,19 @@ CLASSES: dict[str, TinyKind] = {
                            bos=_HY_BOS, eos=_HY_EOS, pad=_HY_PAD, named_tokens=dict(_HY_IMAGE),
                            processor=_hunyuan_processor, config=_hunyuan_config,
                            released_sizes={"min_pixels": 512 * 512, "max_pixels": 2048 * 2048}),
+    "qwen3_5": _qwen_kind("qwen3_5", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
+                          "Qwen/Qwen3.5-* (its template's logic)", _qwen35_config,
+                          _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")),
+    "qwen3_5_moe": _qwen_kind("qwen3_5_moe", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
+                              "Qwen/Qwen3.5-*-A*B (its template's logic)", _qwen35_moe_config,
+                              _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}")
+                              .replace("{END}", "{% endgeneration %}")),
+    # Qwen3-VL's released (prefix-stable) template is the qwen2_vl family's; here its MoE class on the auto path
+    "qwen3_vl_moe": _qwen_kind("qwen3_vl_moe", "{%- set ns = namespace(last_query_index=-1) %}"
+                               + _QWEN35_TEMPLATE[_QWEN35_TEMPLATE.index("{%- for message in messages %}{%- set content"):]
+                               .replace("loop.index0 > ns.last_query_index", "false").replace("{GEN}", "")
+                               .replace("{END}", "").replace("{%- if enable_thinking is defined and enable_thinking is "
+                                                             "false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+                                                             "{%- else %}{{- '<think>\\n' }}{%- endif %}", ""),
+                               "Qwen/Qwen3-VL-30B-A3B-Instruct (ChatML)", _qwen3vl_moe_config),
 }
