@@ -365,3 +365,16 @@ def test_answer_stop_eos_leaves_a_template_with_its_own_stop_unchanged():
 def test_an_unknown_answer_stop_is_refused_at_start_up():
     with pytest.raises(ValueError, match=r"model\.auto\.answer_stop='always'.*'template', 'eos'"):
         ModelConfig(family="auto", path="unused", **{"auto": {"answer_stop": "always"}}).validate()
+
+
+def test_qwen2_vl_family_routes_qwen3_5_to_the_auto_encoder():
+    """``model.family=qwen2_vl`` on a Qwen3.5 checkpoint builds the auto adapter (its processor and
+    template, positions from the model's own rope index); a qwen2_vl key it would ignore is refused."""
+    from tests.support.auto_checkpoints import checkpoint
+
+    path = checkpoint("qwen3_5")
+    adapter = build_adapter(ModelConfig(family="qwen2_vl", path=path))
+    assert isinstance(adapter, AutoAdapter) and adapter.config.family == "auto"
+    assert adapter.position_id_rows == 3 and not adapter._prefix_stable
+    with pytest.raises(ValueError, match=r"(?s)model.family=qwen2_vl hands .* to the 'auto' family.*max_pixels"):
+        build_adapter(ModelConfig(family="qwen2_vl", path=path, qwen2_vl={"max_pixels": 50176}))

@@ -245,6 +245,15 @@ class ModelAdapter(ABC):
         return model, find_module_groups(model)
 
     @classmethod
+    def routed_family(cls, config: "ModelConfig") -> str | None:
+        """The family that encodes ``config``'s checkpoint instead of this one, or ``None`` (this one).
+
+        A family whose line has classes it leaves to another family's encoder names that family
+        here (the ``qwen2_vl`` family hands Qwen3.5 checkpoints to ``auto``); ``build_adapter``
+        builds that family's adapter, and says so."""
+        return None
+
+    @classmethod
     def planned_image_tokens(cls, config: "ModelConfig", model_config: Any) -> int | None:
         """Tokens per image for ``mmtune plan`` (no image read), or ``None`` when the family's
         counts depend on each image (the plan then uses ``data.mixture.tokens_per_image``).
