@@ -4,17 +4,30 @@ modules, the dummy vision pass. Mixed into an adapter that sets ``config`` (``mo
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from mmtune.models._utils import load_dtype_and_attention
 from mmtune.models.base import ModuleGroups, find_module_groups, unwrap_model
-from mmtune.models.masks import install_packed_window_masks
+from mmtune.models.masks import install_packed_guards
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
 __all__ = ["TransformersModelHooks"]
+
+
+def _image_inputs_in_model_dtype(module, args, kwargs, *, names: tuple[str, ...]):
+    """Forward pre-hook: floating image inputs in the model's dtype where the processor made another
+    (Llama 4's image processor returns bfloat16; a float32 model computes in float32), as
+    transformers' examples move processor outputs with ``.to(model.dtype)``. The batch keeps the
+    processor's values; an exact conversion for a model in the processor's dtype is no conversion."""
+    dtype = getattr(module, "dtype", None)
+    changed = {name: kwargs[name].to(dtype) for name in names
+               if hasattr(kwargs.get(name), "is_floating_point") and kwargs[name].is_floating_point()
+               and dtype is not None and kwargs[name].dtype != dtype}
+    return (args, {**kwargs, **changed}) if changed else None
 
 
 class TransformersModelHooks:
@@ -32,7 +45,12 @@ class TransformersModelHooks:
             trust_remote_code=self.config.trust_remote_code,
             **kwargs,
         )
-        install_packed_window_masks(model, self.text_config(model.config))
+        install_packed_guards(model, self.text_config(model.config))
+        names = tuple(getattr(self, "image_input_names", ()))
+        for module in (model, getattr(model, "model", None)) if names else ():  # the loss may call the body
+            if module is not None:
+                module.register_forward_pre_hook(functools.partial(_image_inputs_in_model_dtype, names=names),
+                                                 with_kwargs=True)
         return model
 
     def module_groups(self, model: "nn.Module") -> ModuleGroups:

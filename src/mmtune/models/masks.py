@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["install_packed_window_masks", "packed_window_masks"]
+__all__ = ["install_packed_guards", "install_packed_window_masks", "packed_window_masks", "PackedLinearAttentionError", "refuse_packed_linear_attention"]
 
 
 def packed_window_masks(module, args, kwargs, *, window: int):
@@ -55,3 +55,32 @@ def install_packed_window_masks(model: Any, text_config: Any) -> None:
     if window and "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
         model.get_decoder().register_forward_pre_hook(
             functools.partial(packed_window_masks, window=int(window)), with_kwargs=True)
+
+
+class PackedLinearAttentionError(ValueError):
+    """A packed row reached a language model with linear-attention layers."""
+
+
+def refuse_packed_linear_attention(module, args, kwargs):
+    """Forward pre-hook of a language model with linear-attention layers (Qwen3.5's Gated DeltaNet):
+    refuse a packed row (positions restarting, no cache). Its recurrent state and short convolution
+    run across the whole row, so a packed sample would read the samples before it: not exact."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    positions = kwargs.get("position_ids")
+    if kwargs.get("cache", kwargs.get("past_key_values")) is not None or positions is None:
+        return None
+    text = positions[0] if positions.ndim == 3 else positions  # M-RoPE: the text row first
+    if text.ndim == 2 and find_packed_sequence_indices(text) is not None:
+        raise PackedLinearAttentionError(
+            f"{type(module).__name__} has linear-attention layers, whose recurrent state would run from one packed "
+            "sample into the next; train it without packing (collator.batching other than packing)")
+    return None
+
+
+def install_packed_guards(model: Any, text_config: Any) -> None:
+    """The packed-row hooks ``model``'s decoder needs: :func:`packed_window_masks` for sliding-window
+    layers, :func:`refuse_packed_linear_attention` for linear-attention ones."""
+    install_packed_window_masks(model, text_config)
+    if "linear_attention" in (getattr(text_config, "layer_types", None) or []):
+        model.get_decoder().register_forward_pre_hook(refuse_packed_linear_attention, with_kwargs=True)

@@ -107,9 +107,10 @@ def _llama4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     return {"text_config": {**text, "intermediate_size": 64, "intermediate_size_mlp": 128, "head_dim": 16,
                             # mixture of experts in every second layer (the released Scout: every layer)
                             "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
-                            "attention_chunk_size": 64},
-            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,
+                            "attention_chunk_size": 8192},  # the released value
+            # the pixel shuffle makes 4 x hidden_size features (the vision MLP's input: intermediate_size)
+            "vision_config": {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 64,
                               "projector_input_dim": 64, "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5},
             "boi_token_index": ids("<|image_start|>"), "eoi_token_index": ids("<|image_end|>"),
             "image_token_index": ids("<|patch|>")}  # fmt: skip

@@ -14,7 +14,7 @@ from PIL import Image as PILImage
 
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator
-from tests.support.auto_checkpoints import CLASSES, adapter
+from tests.support.auto_checkpoints import adapter, cases
 from tests.support.dialogues import numbered_dialogue
 
 
@@ -46,7 +46,7 @@ def _run(auto, model, dialogues, window, **settings):
 
 
 
-@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("kind", cases("batched_kv"))
 def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
     auto = adapter(kind)
     model = auto.load_model().eval()
