@@ -22,6 +22,8 @@ GAPS: dict[str, dict[str, str]] = {
                    "qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
                    "hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
                                  "[1 + 4, B, L] but then refuses that shape (5.25)"},
+    "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
+    "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
     "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the packed layout [1 + 4, B, L] (5.25)"},
     "truncation": {kind: "a template that is not prefix-stable renders the cut dialogue's last answer differently "
                          "(with its thinking block); data truncation drops encoded turns instead of re-encoding "

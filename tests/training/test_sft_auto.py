@@ -10,13 +10,21 @@ import torch
 from mmtune.training.config import to_sft_config
 from mmtune.training.demo import compose_sft_config
 from mmtune.training.loop import SFTRecipe
-from tests.support.auto_checkpoints import CLASSES, checkpoint
+from tests.support.auto_checkpoints import CLASSES, GAPS, adapter, checkpoint
 
 # the mode each class runs in the default suite (the other one is behind the slow marker)
 DEFAULT_MODE = {kind: ("full", "lora")[k % 2] for k, kind in enumerate(CLASSES)}
 CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
-                      marks=[] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
+                      marks=([] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
+                      + ([pytest.mark.xfail(strict=True, reason=GAPS["sft"][kind])] if kind in GAPS["sft"] else []))
          for kind in CLASSES for mode in ("full", "lora")]
+
+
+def _batching(kind):
+    """Padding for a model with linear-attention layers (packed rows are refused there), else the demo's."""
+    auto = adapter(kind)
+    layer_types = getattr(auto.text_config(auto.model_config), "layer_types", None) or []
+    return ["collator.batching=padding"] if "linear_attention" in layer_types else []
 
 
 def _params(recipe):
@@ -36,7 +44,7 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
                 ["peft=lora", "peft.r=4", "training.vision.train=true", "training.lr=1e-2"])
     overrides = tiny_overrides(tmp_path / "run", synthetic_dir, f"model={kind}_tiny", f"model.path={checkpoint(kind)}",
                                "training.max_steps=2", "training.warmup_ratio=0.0", "training.lr_scheduler=constant",
-                               "collator.max_length=1024", *settings)
+                               "collator.max_length=1024", *_batching(kind), *settings)
     recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
     recipe.setup()
     try:

@@ -70,6 +70,8 @@ def refuse_packed_linear_attention(module, args, kwargs):
     positions = kwargs.get("position_ids")
     if kwargs.get("cache", kwargs.get("past_key_values")) is not None or positions is None:
         return None
+    if kwargs.get("attention_mask") is not None:  # padded rows carry their mask; packed rows none
+        return None
     text = positions[0] if positions.ndim == 3 else positions  # M-RoPE: the text row first
     if text.ndim == 2 and find_packed_sequence_indices(text) is not None:
         raise PackedLinearAttentionError(

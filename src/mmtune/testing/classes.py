@@ -244,7 +244,7 @@ def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagge
                     named_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
                     processor=_qwen3vl_processor, config=config,
                     released_sizes={"min_pixels": 64 * 32**2, "max_pixels": 16384 * 32**2},
-                    fidelity_reference_template=tagged)
+                    fidelity_reference_template=tagged, projector_in_vision=True)
 
 
 CLASSES: dict[str, TinyKind] = {
@@ -266,7 +266,7 @@ CLASSES: dict[str, TinyKind] = {
                            (_HY_BOS, _HY_EOS, _HY_PAD, _hy("place holder no 3"), _hy("User"), _hy("Assistant"),
                             *_HY_IMAGE.values(), _hy("place holder no 103")),
                            bos=_HY_BOS, eos=_HY_EOS, pad=_HY_PAD, named_tokens=dict(_HY_IMAGE),
-                           processor=_hunyuan_processor, config=_hunyuan_config,
+                           processor=_hunyuan_processor, config=_hunyuan_config, projector_in_vision=True,
                            released_sizes={"min_pixels": 512 * 512, "max_pixels": 2048 * 2048}),
     "qwen3_5": _qwen_kind("qwen3_5", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
                           "Qwen/Qwen3.5-* (its template's logic)", _qwen35_config,

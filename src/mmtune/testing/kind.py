@@ -33,6 +33,9 @@ class TinyKind:
     """``(tokenizer, text config defaults) -> the keyword arguments of the class's config``."""
     released_sizes: dict[str, Any] | None = None
     """The image settings of the released checkpoint's processor (for benchmarks)."""
+    projector_in_vision: bool = False
+    """The multimodal projection sits inside the vision model (GLM-4.1V's, Qwen3-VL's ``merger``): the
+    generic grouping counts it with the tower (:func:`mmtune.models.base.find_module_groups`)."""
     fidelity_reference_template: str | None = None
     """A copy of :attr:`template` with ``{% generation %}`` around each answer, for a template that is
     not prefix-stable: the fidelity tests' reference labels (transformers' assistant mask)."""
