@@ -291,8 +291,9 @@ def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, 
 
 def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_renders_next():
     """GLM-4.1V's template ends an answer with the next turn's ``<|user|>`` (a generation stop
-    token): it is labelled with the answer, appended after the last one; the classes whose
-    answers carry their own end-of-turn stop token are left as they are."""
+    token), Janus's writes its EOS only between an answer and the next turn: it is labelled with
+    the answer, appended after the last one; the classes whose answers carry their own
+    end-of-turn stop token are left as they are."""
     from tests.support.auto_checkpoints import CLASSES
     from tests.support.auto_checkpoints import adapter as auto_adapter
 
@@ -301,7 +302,8 @@ def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_render
     found = {kind: auto_adapter(kind)._answer_stop for kind in CLASSES}
     glm = auto_adapter("glm4v")
     user = glm.tokenizer.convert_tokens_to_ids("<|user|>")
-    assert found == {kind: (user if kind == "glm4v" else None) for kind in CLASSES}
+    janus = auto_adapter("janus").tokenizer.eos_token_id
+    assert found == {kind: {"glm4v": user, "janus": janus}.get(kind) for kind in CLASSES}
     assert user in glm.stop_token_ids  # generation stops at it
     example = encode_example(glm, dialogue, max_length=None)
     runs = [glm.tokenizer.decode(run) for run in labelled_runs(example.labels)]

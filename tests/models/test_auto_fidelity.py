@@ -137,9 +137,9 @@ class Reference:
         seen = []
         tokenizer = self.processor.tokenizer
 
-        def recording(texts, **kw):
-            seen.extend(texts)
-            return tokenizer(texts, **kw)
+        def recording(text=None, *args, **kw):
+            seen.extend([text] if isinstance(text, str) else list(text or []))
+            return tokenizer(text, *args, **kw)
 
         class Recorder:  # the processor's tokenizer, recording the texts it is called on
             __call__ = staticmethod(recording)
@@ -153,7 +153,7 @@ class Reference:
                                  return_text_replacement_offsets=True, return_mm_token_type_ids=True, **kwargs)
         finally:
             self.processor.tokenizer = tokenizer
-        self.seen = seen[0]
+        self.seen = next(t for t in seen if isinstance(t, str) and len(t) >= len(text))
         return out
 
     def positions(self, out):
