@@ -70,3 +70,23 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
         assert changed & vision, "the vision tower trains"
         base_language = {n for n in language if "lora_" not in n and "base_layer" in n}
         assert not changed & base_language, "the language model's own weights stay frozen under LoRA"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_classes_train_on_two_ranks(kind, engine, tmp_path, synthetic_dir, tiny_overrides):
+    """The MoE classes (experts in every layer) through the SFT recipe on 2 gloo ranks under DDP and
+    FSDP2, LoRA on the default targets: finite losses, a final checkpoint."""
+    import math
+
+    from tests.support.processes import read_jsonl, run_ok, torchrun
+
+    run = tmp_path / "run"
+    run_ok([*torchrun(2), *tiny_overrides(run, synthetic_dir, f"model={kind}_tiny", f"model.path={checkpoint(kind)}",
+                                          "training.max_steps=2", "peft=lora", "peft.dropout=0.0",
+                                          "collator.max_length=1024", *_batching(kind),
+                                          f"training.backend.engine={engine}")])
+    losses = [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl") if "train/loss" in m]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert (run / "final").is_dir()

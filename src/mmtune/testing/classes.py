@@ -247,6 +247,43 @@ def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagge
                     fidelity_reference_template=tagged, projector_in_vision=True)
 
 
+# -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
+# ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
+_MOLMO2_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- for item in message['content'] %}{%- if item['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- else %}{{- item['text'] }}{%- endif %}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_MOLMO2_IMAGE_TOKENS = ("<im_patch>", "<im_col>", "<im_start>", "<low_res_im_start>", "<frame_start>", "<im_end>",
+                        "<frame_end>", "<im_low>", "<|image|>", "<|video|>")
+
+
+def _molmo2_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers.models.molmo2.image_processing_molmo2 import Molmo2ImageProcessor
+    from transformers.models.molmo2.processing_molmo2 import Molmo2Processor
+    from transformers.models.molmo2.video_processing_molmo2 import Molmo2VideoProcessor
+
+    size = released["size"] if released else 56
+    image = Molmo2ImageProcessor(size={"height": size, "width": size}, max_crops=released["max_crops"] if released else 2,
+                                 patch_size=14, pooling_size=[2, 2], overlap_margins=[4, 4] if released else [1, 1])
+    return Molmo2Processor(image_processor=image, video_processor=Molmo2VideoProcessor(size={"height": size, "width": size}),
+                           tokenizer=tokenizer, chat_template=template)  # fmt: skip
+
+
+def _molmo2_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"text_config": {**text, "head_dim": 16, "additional_vocab_size": 0},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "image_size": [56, 56],
+                              "patch_size": 14},
+            "adapter_config": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                               "intermediate_size": 64, "text_hidden_size": 64, "vision_feature_layer": [-1]},
+            "image_start_token_id": ids("<im_start>"), "low_res_image_start_token_id": ids("<low_res_im_start>"),
+            "image_end_token_id": ids("<im_end>"), "image_patch_id": ids("<im_patch>"),
+            "frame_start_token_id": ids("<frame_start>"), "frame_end_token_id": ids("<frame_end>")}  # fmt: skip
+
+
 CLASSES: dict[str, TinyKind] = {
     "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
                       (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
@@ -275,6 +312,11 @@ CLASSES: dict[str, TinyKind] = {
                               "Qwen/Qwen3.5-*-A*B (its template's logic)", _qwen35_moe_config,
                               _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}")
                               .replace("{END}", "{% endgeneration %}")),
+    "molmo2": TinyKind("molmo2", _MOLMO2_TEMPLATE, "allenai/Molmo2-4B", ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                       *_MOLMO2_IMAGE_TOKENS), bos="<|endoftext|>", add_bos=False,
+                       named_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
+                       processor=_molmo2_processor, config=_molmo2_config,
+                       released_sizes={"size": 378, "max_crops": 8}),
     # Qwen3-VL's released (prefix-stable) template is the qwen2_vl family's; here its MoE class on the auto path
     "qwen3_vl_moe": _qwen_kind("qwen3_vl_moe", "{%- set ns = namespace(last_query_index=-1) %}"
                                + _QWEN35_TEMPLATE[_QWEN35_TEMPLATE.index("{%- for message in messages %}{%- set content"):]
