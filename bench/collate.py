@@ -30,8 +30,7 @@ byte-level BPE.
   torchvision for its video part): the checkpoint's chat template, every image decoded by
   ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
   grid's token count, the tokenizer on the expanded text.
-- ``--family internvl | llava_onevision | gemma3 | idefics3 | mistral3 | glm4v | smolvlm |
-  llava_next | aya_vision``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.testing.checkpoints``) whose
+- ``--family <class>`` (every class of ``mmtune.testing.checkpoints.KINDS``): the ``auto`` family on a checkpoint of that transformers class (``mmtune.testing.checkpoints``) whose
   processor has the released checkpoint's image settings (InternVL3: 448 px tiles, up to 12, 256
   tokens each; LLaVA-OneVision: 384 px anyres, 729 tokens per tile; Gemma 3: 896 px, 256
   tokens; Idefics3: 364 px tiles of a 1456 px image, 169 tokens each; Mistral 3: 1540 px, 14 px

@@ -7,8 +7,7 @@ Usage::
     python scripts/tiny_checkpoint.py internvl                     # -> outputs/tiny/internvl
     python scripts/tiny_checkpoint.py glm4v --out /tmp/glm4v_tiny
 
-Classes: those of ``mmtune.testing.checkpoints.KINDS`` (internvl, llava_onevision, gemma3,
-idefics3, mistral3, glm4v, smolvlm, llava_next, aya_vision).
+Classes: those of ``mmtune.testing.checkpoints.KINDS`` (``--help`` lists them).
 """
 
 from __future__ import annotations

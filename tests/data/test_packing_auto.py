@@ -1,5 +1,5 @@
-"""Packing for the ``auto`` family's tested classes (InternVL, LLaVA-OneVision, Gemma 3, Idefics3,
-Mistral 3, GLM-4.1V, SmolVLM on tiny random-weight checkpoints built from transformers' classes): a
+"""Packing for the ``auto`` family's tested classes (every class of ``mmtune.testing.checkpoints.KINDS``
+on tiny random-weight checkpoints built from transformers' classes; the gaps of ``GAPS``): a
 packed row's loss, gradients and logits equal every sample run alone at 1e-5, with per-sample
 attention, or transformers' block mask where the model has sliding-window layers (Gemma 3, whose
 images attend bidirectionally: its sliding mask is the full one within the window, see

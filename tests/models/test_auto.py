@@ -380,3 +380,33 @@ def test_qwen2_vl_family_routes_qwen3_5_to_the_auto_encoder():
     assert adapter.position_id_rows == 3 and not adapter._prefix_stable
     with pytest.raises(ValueError, match=r"(?s)model.family=qwen2_vl hands .* to the 'auto' family.*max_pixels"):
         build_adapter(ModelConfig(family="qwen2_vl", path=path, qwen2_vl={"max_pixels": 50176}))
+
+
+def test_image_inputs_keep_the_processors_dtype_through_the_pixel_cache_format():
+    """Llama 4's image processor returns bfloat16: the cached array (float32, which numpy and the
+    pixel cache have) holds the same values and comes back as the same bfloat16 tensor."""
+    import torch
+
+    from mmtune.models.auto.batch import from_array, to_array
+
+    value = torch.randn(3, 4, 5).to(torch.bfloat16)
+    array = to_array(value)
+    assert array.dtype.name == "float32"
+    back = from_array(array, torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, value)
+    assert from_array(to_array(torch.ones(2)), torch.float32).dtype == torch.float32
+
+
+def test_a_text_change_mmtune_does_not_reproduce_is_refused_at_the_first_differing_token(monkeypatch):
+    """Janus saved as transformers' conversion saves it prepends its default system prompt in its
+    processor's call: without adding it, the start-up check names the first differing token."""
+    import mmtune.models.auto.authority as authority
+    from mmtune.models.auto import UnsupportedProcessorError
+    from tests.support.auto_checkpoints import adapter as auto_adapter
+
+    janus = auto_adapter("janus")
+    assert janus._text_change[0].startswith("You are a helpful language and vision assistant.")
+    monkeypatch.setattr(authority, "_CHECKED", set())
+    monkeypatch.setattr(janus, "_text_change", ("", ""))
+    with pytest.raises(UnsupportedProcessorError, match=r"at token 1: the processor gives 'You', mmtune"):
+        janus._check_against_processor()

@@ -1,7 +1,6 @@
 """The auto family against transformers' own processors, dialogue by dialogue.
 
-For each tested class (InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3, Mistral 3, GLM-4.1V,
-SmolVLM, Aya Vision) a
+For each tested class (every entry of ``mmtune.testing.checkpoints.KINDS``) a
 tiny checkpoint is built from transformers' classes (``mmtune.testing.checkpoints``) and
 generated multi-image, multi-turn dialogues (images of many sizes and aspect ratios, several in
 one turn, introduced in later turns, text-only turns and dialogues, system turns, text pieces

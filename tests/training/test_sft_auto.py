@@ -1,6 +1,5 @@
 """The ``auto`` family's tested classes trained by the SFT recipe on CPU (tiny random-weight
-InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3, Mistral 3, GLM-4.1V, SmolVLM and Aya Vision
-checkpoints built from transformers' classes, ``configs/model/<class>_tiny.yaml``): a few steps of full fine-tuning
+checkpoints of every class of ``mmtune.testing.checkpoints.KINDS``, built from transformers' classes, ``configs/model/<class>_tiny.yaml``): a few steps of full fine-tuning
 with the vision tower frozen, and of LoRA with the vision tower trained; what should change
 changes and nothing else. One mode per class runs by default, the other behind ``slow``."""
 

@@ -1,5 +1,4 @@
-"""Generation for the ``auto`` family's tested classes (tiny random-weight InternVL, LLaVA-OneVision,
-Gemma 3, Idefics3, Mistral 3, GLM-4.1V and SmolVLM checkpoints built from transformers' classes): batched
+"""Generation for the ``auto`` family's tested classes (tiny random-weight checkpoints of every class of ``mmtune.testing.checkpoints.KINDS``): batched
 KV answers equal batch 1 and re-encoding, record for record.
 
 Greedy decoding in fp32. The dialogues differ in turns, images per turn (of different sizes:
