@@ -376,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"length pass  whole mix    mmtune {len(dialogues) / length_pass_s:8.1f} samples/s over all "
           f"{len(dialogues)} samples")
     for name, subset in (("mix", dialogues[: args.timed]), ("MMDU-shaped", mmdu[: args.timed])):
+        if not subset:  # a small --samples mix may hold no MMDU-shaped dialogue
+            print(f"length pass  {name:12s} no samples")
+            continue
         before = ours_rate(subset)
         hf_rate, hf_n = rate(lambda d: len(hf_encode(processor, d, args.max_length)["input_ids"][0]), subset, args.budget)
         ours = (before + ours_rate(subset)) / 2  # before and after: both see the same machine load

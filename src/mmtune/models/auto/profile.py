@@ -150,7 +150,7 @@ class ProfileStage:
         else what the chat template renders for one image item: a user message of one image against
         one of an empty text, less their common prefix and suffix."""
         try:
-            self.processor(text=[self.image_token], images=[noise_image(32, 32, 0)], return_tensors="pt")
+            self.processor(text=[self.image_token], images=[noise_image(50, 30, 1)], return_tensors="pt")
             return self.image_token
         except Exception:  # noqa: BLE001 - the processor's refusal: try the template's rendering
             pass
