@@ -377,7 +377,7 @@ def test_qwen2_vl_family_routes_qwen3_5_to_the_auto_encoder():
     path = checkpoint("qwen3_5")
     adapter = build_adapter(ModelConfig(family="qwen2_vl", path=path))
     assert isinstance(adapter, AutoAdapter) and adapter.config.family == "auto"
-    assert adapter.position_id_rows == 3 and not adapter._prefix_stable
+    assert adapter.position_id_rows == 3 and not adapter._prefix_stable and adapter.prefix_stable is False
     with pytest.raises(ValueError, match=r"(?s)model.family=qwen2_vl hands .* to the 'auto' family.*max_pixels"):
         build_adapter(ModelConfig(family="qwen2_vl", path=path, qwen2_vl={"max_pixels": 50176}))
 

@@ -363,6 +363,11 @@ class ModelAdapter(ABC):
         1 on image tokens). Default: none."""
         return {}
 
+    #: whether encoding a dialogue's first turns gives the first turns of its encoding. False for a
+    #: template rendered whole (Qwen3.5's writes the thinking block only after the last user turn):
+    #: a dialogue cut at an exchange must then be encoded again, not cut from the encoding.
+    prefix_stable: ClassVar[bool] = True
+
     # -- the batch: position ids -----------------------------------------------------------------
     #: rows of position ids per token: 1 (a running position) or M-RoPE's 3 (temporal, height, width)
     position_id_rows: ClassVar[int] = 1

@@ -98,6 +98,7 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
                 "answer, so a model trained on it as rendered does not learn to end its answers; set "
                 "model.auto.answer_stop=eos to append %r to every answer, labelled", config.path,
                 self.tokenizer.convert_ids_to_tokens(self.stop_token_ids), self.tokenizer.eos_token)
+        self.prefix_stable = self._prefix_stable
         self._state_policy()
         self._check_against_processor()
 
