@@ -30,8 +30,7 @@ byte-level BPE.
   torchvision for its video part): the checkpoint's chat template, every image decoded by
   ``load_image`` and run through the image processor, each ``<|image_pad|>`` expanded to its
   grid's token count, the tokenizer on the expanded text.
-- ``--family internvl | llava_onevision | gemma3 | idefics3 | mistral3 | glm4v | smolvlm |
-  llava_next | aya_vision``: the ``auto`` family on a checkpoint of that transformers class (``mmtune.models.tiny_checkpoints``) whose
+- ``--family <class>`` (every class of ``mmtune.testing.checkpoints.KINDS``): the ``auto`` family on a checkpoint of that transformers class (``mmtune.testing.checkpoints``) whose
   processor has the released checkpoint's image settings (InternVL3: 448 px tiles, up to 12, 256
   tokens each; LLaVA-OneVision: 384 px anyres, 729 tokens per tile; Gemma 3: 896 px, 256
   tokens; Idefics3: 364 px tiles of a 1456 px image, 169 tokens each; Mistral 3: 1540 px, 14 px
@@ -65,7 +64,7 @@ from mmtune.data.images import ImagePipeline  # noqa: E402
 from mmtune.data.lengths import compute_lengths  # noqa: E402
 from mmtune.models.config import ModelConfig  # noqa: E402
 from mmtune.models.registry import build_adapter  # noqa: E402
-from mmtune.models.tiny_checkpoints import KINDS, RELEASED_IMAGE_SETTINGS, save_tiny_checkpoint  # noqa: E402
+from mmtune.testing.checkpoints import KINDS, RELEASED_IMAGE_SETTINGS, save_tiny_checkpoint  # noqa: E402
 
 WORDS = (
     "the shape in image is a red green blue yellow square circle triangle which shows compare two images "
@@ -377,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"length pass  whole mix    mmtune {len(dialogues) / length_pass_s:8.1f} samples/s over all "
           f"{len(dialogues)} samples")
     for name, subset in (("mix", dialogues[: args.timed]), ("MMDU-shaped", mmdu[: args.timed])):
+        if not subset:  # a small --samples mix may hold no MMDU-shaped dialogue
+            print(f"length pass  {name:12s} no samples")
+            continue
         before = ours_rate(subset)
         hf_rate, hf_n = rate(lambda d: len(hf_encode(processor, d, args.max_length)["input_ids"][0]), subset, args.budget)
         ours = (before + ours_rate(subset)) / 2  # before and after: both see the same machine load

@@ -7,8 +7,7 @@ Usage::
     python scripts/tiny_checkpoint.py internvl                     # -> outputs/tiny/internvl
     python scripts/tiny_checkpoint.py glm4v --out /tmp/glm4v_tiny
 
-Classes: those of ``mmtune.models.tiny_checkpoints.KINDS`` (internvl, llava_onevision, gemma3,
-idefics3, mistral3, glm4v, smolvlm, llava_next, aya_vision).
+Classes: those of ``mmtune.testing.checkpoints.KINDS`` (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import argparse
 
 
 def main(argv: list[str] | None = None) -> str:
-    from mmtune.models.tiny_checkpoints import KINDS, save_tiny_checkpoint
+    from mmtune.testing.checkpoints import KINDS, save_tiny_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(KINDS), help="the transformers class to build")

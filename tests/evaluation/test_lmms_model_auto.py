@@ -10,12 +10,12 @@ from mmtune.data.dialogue import Dialogue, Image, Turn
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator
 from mmtune.evaluation.lmms_model import GenerationEngine
-from tests.support.auto_checkpoints import CLASSES, checkpoint
+from tests.support.auto_checkpoints import cases, checkpoint
 
 QUESTION = "What colour is this image? Answer with one word."
 
 
-@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("kind", cases("lmms"))
 def test_the_engine_answers_as_mmtunes_generator(kind, tmp_path):
     image = PILImage.new("RGB", (40, 32), "red")
     path = tmp_path / "red.png"

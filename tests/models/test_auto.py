@@ -113,10 +113,38 @@ def test_chatml_labels_are_content_plus_end_of_turn(llava, tmp_path, image):
     assert [auto.tokenizer.decode(s) for s in _spans(last)] == ["A square.\nYes<|im_end|>\n"]
 
 
-def test_unstable_template_raises_a_clear_error(llava, tmp_path, image):
+def test_unstable_template_is_rendered_whole(llava, tmp_path, image):
+    """A template whose earlier text changes as turns are added (a turn count in front) is rendered
+    once per dialogue: the ids are the whole dialogue's render, each answer labelled as it appears."""
     auto = _with_template(llava, tmp_path, UNSTABLE)
-    with pytest.raises(TemplateNotPrefixStableError, match=r"dialogue 'd', turn 1: .*not prefix-stable"):
-        auto.encode_dialogue(_dialogue(image))
+    assert not auto._prefix_stable
+    dialogue = _dialogue(image)
+    example = encode_example(auto, dialogue, max_length=None)
+    assert [auto.tokenizer.decode(s) for s in _spans(example)] == ["red<|im_end|>\n", "A square.\nYes<|im_end|>\n"]
+    rendered = auto.processor.apply_chat_template([auto._message(t.role, t.segments) for t in dialogue.turns],
+                                                  tokenize=False)
+    assert rendered.startswith("4 turns: ")
+    collapsed = [t for k, t in enumerate(example.input_ids) if not (t == auto.image_token_id and example.input_ids[k - 1] == t)]
+    assert collapsed == auto.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    prompt = Dialogue("g", "t", dialogue.turns[:3])
+    ids = flatten(auto.encode_dialogue(prompt, add_generation_prompt=True), auto.image_token_id)[0]
+    want = auto.processor.apply_chat_template([auto._message(t.role, t.segments) for t in prompt.turns],
+                                              tokenize=False, add_generation_prompt=True)
+    collapsed = [t for k, t in enumerate(ids) if not (t == auto.image_token_id and ids[k - 1] == t)]
+    assert want.startswith("3 turns: ") and collapsed == auto.tokenizer(want, add_special_tokens=False)["input_ids"]
+
+
+# renders a message's content twice: the whole render cannot place the turns
+TWICE = CHATML.replace("{{- '<|im_end|>\\n' -}}", "{{- '<|im_end|>\\n' -}}{%- if loop.last -%}"
+                       "{%- for c in m['content'] -%}{%- if c['type'] == 'text' -%}{{- c['text'] -}}{%- endif -%}"
+                       "{%- endfor -%}{%- endif -%}")
+
+
+def test_template_the_whole_render_cannot_place_is_refused_at_start_up(llava, tmp_path):
+    assert TWICE != CHATML
+    with pytest.raises(TemplateNotPrefixStableError, match=r"dialogue 'processor-probe'.*not prefix-stable.*"
+                                                           r"rendering the whole.*changes the render"):
+        _with_template(llava, tmp_path, TWICE)
 
 
 # numbers every message: what a turn adds depends on all the turns before it
@@ -233,7 +261,7 @@ def test_a_checkpoint_without_chat_template_is_refused(llava, tmp_path):
 def glm4v(tmp_path_factory):
     """A tiny GLM-4.1V checkpoint whose image limits let through what its processor refuses."""
     from mmtune.core.images import ImageLimits
-    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+    from mmtune.testing.checkpoints import save_tiny_checkpoint
 
     directory = save_tiny_checkpoint(str(tmp_path_factory.mktemp("glm4v")), "glm4v", weights=False)
     return build_adapter(ModelConfig(family="auto", path=directory, image_limits=ImageLimits(max_aspect_ratio=1e5)))
@@ -263,8 +291,9 @@ def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, 
 
 def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_renders_next():
     """GLM-4.1V's template ends an answer with the next turn's ``<|user|>`` (a generation stop
-    token): it is labelled with the answer, appended after the last one; the classes whose
-    answers carry their own end-of-turn stop token are left as they are."""
+    token), Janus's writes its EOS only between an answer and the next turn: it is labelled with
+    the answer, appended after the last one; the classes whose answers carry their own
+    end-of-turn stop token are left as they are."""
     from tests.support.auto_checkpoints import CLASSES
     from tests.support.auto_checkpoints import adapter as auto_adapter
 
@@ -273,7 +302,8 @@ def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_render
     found = {kind: auto_adapter(kind)._answer_stop for kind in CLASSES}
     glm = auto_adapter("glm4v")
     user = glm.tokenizer.convert_tokens_to_ids("<|user|>")
-    assert found == {kind: (user if kind == "glm4v" else None) for kind in CLASSES}
+    janus = auto_adapter("janus").tokenizer.eos_token_id
+    assert found == {kind: {"glm4v": user, "janus": janus}.get(kind) for kind in CLASSES}
     assert user in glm.stop_token_ids  # generation stops at it
     example = encode_example(glm, dialogue, max_length=None)
     runs = [glm.tokenizer.decode(run) for run in labelled_runs(example.labels)]
@@ -337,3 +367,46 @@ def test_answer_stop_eos_leaves_a_template_with_its_own_stop_unchanged():
 def test_an_unknown_answer_stop_is_refused_at_start_up():
     with pytest.raises(ValueError, match=r"model\.auto\.answer_stop='always'.*'template', 'eos'"):
         ModelConfig(family="auto", path="unused", **{"auto": {"answer_stop": "always"}}).validate()
+
+
+def test_qwen2_vl_family_routes_qwen3_5_to_the_auto_encoder():
+    """``model.family=qwen2_vl`` on a Qwen3.5 checkpoint builds the auto adapter (its processor and
+    template, positions from the model's own rope index); a qwen2_vl key it would ignore is refused."""
+    from tests.support.auto_checkpoints import checkpoint
+
+    path = checkpoint("qwen3_5")
+    adapter = build_adapter(ModelConfig(family="qwen2_vl", path=path))
+    assert isinstance(adapter, AutoAdapter) and adapter.config.family == "auto"
+    assert adapter.position_id_rows == 3 and not adapter._prefix_stable and adapter.prefix_stable is False
+    with pytest.raises(ValueError, match=r"(?s)model.family=qwen2_vl hands .* to the 'auto' family.*max_pixels"):
+        build_adapter(ModelConfig(family="qwen2_vl", path=path, qwen2_vl={"max_pixels": 50176}))
+
+
+def test_image_inputs_keep_the_processors_dtype_through_the_pixel_cache_format():
+    """Llama 4's image processor returns bfloat16: the cached array (float32, which numpy and the
+    pixel cache have) holds the same values and comes back as the same bfloat16 tensor."""
+    import torch
+
+    from mmtune.models.auto.batch import from_array, to_array
+
+    value = torch.randn(3, 4, 5).to(torch.bfloat16)
+    array = to_array(value)
+    assert array.dtype.name == "float32"
+    back = from_array(array, torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, value)
+    assert from_array(to_array(torch.ones(2)), torch.float32).dtype == torch.float32
+
+
+def test_a_text_change_mmtune_does_not_reproduce_is_refused_at_the_first_differing_token(monkeypatch):
+    """Janus saved as transformers' conversion saves it prepends its default system prompt in its
+    processor's call: without adding it, the start-up check names the first differing token."""
+    import mmtune.models.auto.authority as authority
+    from mmtune.models.auto import UnsupportedProcessorError
+    from tests.support.auto_checkpoints import adapter as auto_adapter
+
+    janus = auto_adapter("janus")
+    assert janus._text_change[0].startswith("You are a helpful language and vision assistant.")
+    monkeypatch.setattr(authority, "_CHECKED", set())
+    monkeypatch.setattr(janus, "_text_change", ("", ""))
+    with pytest.raises(UnsupportedProcessorError, match=r"at token 1: the processor gives 'You', mmtune"):
+        janus._check_against_processor()

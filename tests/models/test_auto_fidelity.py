@@ -1,8 +1,7 @@
 """The auto family against transformers' own processors, dialogue by dialogue.
 
-For each tested class (InternVL, LLaVA-OneVision, LLaVA-NeXT, Gemma 3, Idefics3, Mistral 3, GLM-4.1V,
-SmolVLM, Aya Vision) a
-tiny checkpoint is built from transformers' classes (``mmtune.models.tiny_checkpoints``) and
+For each tested class (every entry of ``mmtune.testing.checkpoints.KINDS``) a
+tiny checkpoint is built from transformers' classes (``mmtune.testing.checkpoints``) and
 generated multi-image, multi-turn dialogues (images of many sizes and aspect ratios, several in
 one turn, introduced in later turns, text-only turns and dialogues, system turns, text pieces
 with odd whitespace) go through mmtune's adapter, encoder and pixel cache. The reference is the
@@ -40,7 +39,7 @@ from mmtune.data.images import ImagePipeline
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
 from mmtune.models.registry import build_adapter
-from mmtune.models.tiny_checkpoints import KINDS, save_tiny_checkpoint
+from mmtune.testing.checkpoints import KINDS, save_tiny_checkpoint
 from tests.support.auto_checkpoints import labelled_runs
 
 N_DIALOGUES = 30
@@ -128,12 +127,33 @@ class Reference:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def call(self, text, images):
+        """The processor's call; :attr:`seen` is the text it hands its tokenizer (with the text its
+        own call adds: Janus's default system prompt, Molmo2's BOS)."""
         from transformers.image_utils import load_image
 
         bos = self.tokenizer.bos_token
         kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
-        return self.processor(text=[text], images=[load_image(p) for p in images] or None, return_tensors="pt",
-                              return_text_replacement_offsets=True, return_mm_token_type_ids=True, **kwargs)
+        seen = []
+        tokenizer = self.processor.tokenizer
+
+        def recording(text=None, *args, **kw):
+            seen.extend([text] if isinstance(text, str) else list(text or []))
+            return tokenizer(text, *args, **kw)
+
+        class Recorder:  # the processor's tokenizer, recording the texts it is called on
+            __call__ = staticmethod(recording)
+
+            def __getattr__(self, name):
+                return getattr(tokenizer, name)
+
+        self.processor.tokenizer = Recorder()
+        try:
+            out = self.processor(text=[text], images=[load_image(p) for p in images] or None, return_tensors="pt",
+                                 return_text_replacement_offsets=True, return_mm_token_type_ids=True, **kwargs)
+        finally:
+            self.processor.tokenizer = tokenizer
+        self.seen = next(t for t in seen if isinstance(t, str) and len(t) >= len(text))
+        return out
 
     def positions(self, out):
         ids = out["input_ids"]
@@ -144,10 +164,20 @@ class Reference:
         )
         return positions[:, 0]
 
-    def labels(self, messages, out, text):
-        """Labels from character spans of the rendered text, moved onto the processor's tokens."""
+    def labels(self, messages, out, text, tagged=None):
+        """Labels from character spans of the rendered text, moved onto the processor's tokens. A
+        template that is not prefix-stable (Qwen3.5) is labelled by transformers' own assistant mask
+        on ``tagged``, its copy with ``{% generation %}`` tags."""
         spans = []
-        for i, message in enumerate(messages):
+        if tagged is not None:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            rendered, indices = render_jinja_template(conversations=[messages], chat_template=tagged,
+                                                      return_assistant_tokens_mask=True,
+                                                      **self.tokenizer.special_tokens_map)  # fmt: skip
+            assert rendered[0] == text
+            spans = [list(pair) for pair in indices[0]]
+        for i, message in enumerate(messages if tagged is None else []):
             if message["role"] != "assistant":
                 continue
             header = self.render(messages[:i], add_generation_prompt=True)
@@ -156,6 +186,11 @@ class Reference:
             spans.append([start, len(full)])
         # the processor's own record of each placeholder: its span before and after expansion
         replaced = out["text_replacement_offsets"][0] if "text_replacement_offsets" in out else []
+        # what the processor's call put before the text (its tokenizer saw that, expanded)
+        growth = sum(len(item["replacement"]) - (item["span"][1] - item["span"][0]) for item in replaced)
+        added = len(self.seen) - len(text) - growth
+        text = self.seen[:added] + text
+        spans = [[start + added, end + added] for start, end in spans]
         pieces, cursor = [], 0
         for item in replaced:
             a, b = item["span"]
@@ -232,8 +267,9 @@ def test_dialogues_are_identical_to_the_processor(setup, images, tmp_path):
         example = encode_example(adapter, dialogue, max_length=None)
         ids = torch.tensor(example.input_ids)
         inputs = pipeline.inputs(pipeline.load_images(example.images)) if example.images else None
+        tagged = KINDS[kind].fidelity_reference_template
         want_ids, want = reference.with_answer_stops(messages, text, out["input_ids"][0].tolist(),
-                                                     reference.labels(messages, out, text))
+                                                     reference.labels(messages, out, text, tagged))
         checks = {"input_ids": example.input_ids == want_ids}
         if inputs is None:
             checks["image_inputs"] = not paths and not any(n in out for n in adapter.image_input_names)

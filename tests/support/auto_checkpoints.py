@@ -1,5 +1,5 @@
 """Tiny checkpoints of the ``auto`` family's tested classes, each written once per test process
-(``mmtune.models.tiny_checkpoints``) and shared by the tests of every room that runs them."""
+(``mmtune.testing.checkpoints``) and shared by the tests of every room that runs them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,36 @@ import functools
 import shutil
 import tempfile
 
-from mmtune.models.tiny_checkpoints import KINDS
+from mmtune.testing.checkpoints import KINDS
 
-#: the tested classes, by the names of :data:`mmtune.models.tiny_checkpoints.KINDS`
+#: the tested classes, by the names of :data:`mmtune.testing.checkpoints.KINDS`
 CLASSES = tuple(KINDS)
+
+_LINEAR_CACHE = ("the generator's KV reuse rolls a row back with Cache.crop, which transformers' linear-attention "
+                 "(Gated DeltaNet) cache layers refuse unless past recording is on")
+#: what a downstream test cannot show yet for a class, and why: each an xfail(strict=True) there
+GAPS: dict[str, dict[str, str]] = {
+    "batched_kv": {"llama4": "its chunked-attention layers get sliding-window cache layers, which the generator's "
+                             "batched KV compaction refuses (it names eval.generation.batch_size: 1)",
+                   "qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
+                   "hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
+                                 "[1 + 4, B, L] but then refuses that shape (5.25)"},
+    "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
+    "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
+    "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the packed layout [1 + 4, B, L] (5.25)"},
+    "truncation": {kind: "a template that is not prefix-stable renders the cut dialogue's last answer differently "
+                         "(with its thinking block); data truncation drops encoded turns instead of re-encoding "
+                         "the cut dialogue" for kind in ("qwen3_5", "qwen3_5_moe")},
+}
+
+
+def cases(test: str) -> list:
+    """:data:`CLASSES` as pytest parameters, the :data:`GAPS` of ``test`` marked xfail (strict)."""
+    import pytest
+
+    gaps = GAPS.get(test, {})
+    return [pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=gaps[kind])) if kind in gaps else kind
+            for kind in CLASSES]
 
 _ROOT = tempfile.mkdtemp(prefix="mmtune-auto-checkpoints-")
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
@@ -20,7 +46,7 @@ atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 @functools.lru_cache(maxsize=None)
 def checkpoint(kind: str) -> str:
     """The directory of a tiny random-weight checkpoint of ``kind`` (weights seeded with 0)."""
-    from mmtune.models.tiny_checkpoints import save_tiny_checkpoint
+    from mmtune.testing.checkpoints import save_tiny_checkpoint
 
     return save_tiny_checkpoint(f"{_ROOT}/{kind}", kind)
 

@@ -245,6 +245,15 @@ class ModelAdapter(ABC):
         return model, find_module_groups(model)
 
     @classmethod
+    def routed_family(cls, config: "ModelConfig") -> str | None:
+        """The family that encodes ``config``'s checkpoint instead of this one, or ``None`` (this one).
+
+        A family whose line has classes it leaves to another family's encoder names that family
+        here (the ``qwen2_vl`` family hands Qwen3.5 checkpoints to ``auto``); ``build_adapter``
+        builds that family's adapter, and says so."""
+        return None
+
+    @classmethod
     def planned_image_tokens(cls, config: "ModelConfig", model_config: Any) -> int | None:
         """Tokens per image for ``mmtune plan`` (no image read), or ``None`` when the family's
         counts depend on each image (the plan then uses ``data.mixture.tokens_per_image``).
@@ -353,6 +362,11 @@ class ModelAdapter(ABC):
         batch [B, L], packed rows included) and passed beside them (Gemma 3's ``token_type_ids``,
         1 on image tokens). Default: none."""
         return {}
+
+    #: whether encoding a dialogue's first turns gives the first turns of its encoding. False for a
+    #: template rendered whole (Qwen3.5's writes the thinking block only after the last user turn):
+    #: a dialogue cut at an exchange must then be encoded again, not cut from the encoding.
+    prefix_stable: ClassVar[bool] = True
 
     # -- the batch: position ids -----------------------------------------------------------------
     #: rows of position ids per token: 1 (a running position) or M-RoPE's 3 (temporal, height, width)

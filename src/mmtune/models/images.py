@@ -16,6 +16,10 @@ Every image is checked against :class:`~mmtune.core.images.ImageLimits` (the
 adapter's ``model.image_limits``) from its header, before it is decoded or padded: the
 padding canvas of a 1 x 30000 PNG would be 30000 x 30000. The limits refuse images and
 never change pixels, so they are not part of the cache key.
+
+:func:`oriented_size` is the size rule every processor-driven family shares: an image's
+``(width, height)`` after its EXIF orientation, read from the file header without a decode
+(what ``transformers.image_utils.load_image`` hands the processor).
 """
 
 from __future__ import annotations
@@ -30,7 +34,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.core.images import ImageLimits
 
-__all__ = ["SquareImage", "SquareImageAdapter"]
+__all__ = ["SquareImage", "SquareImageAdapter", "oriented_size"]
+
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def oriented_size(path: str) -> tuple[int, int]:
+    """``(width, height)`` after the EXIF orientation, from the file header (no pixel decode).
+
+    A PNG's EXIF chunk is read only when it precedes the pixel data (where the PNG
+    specification puts it); finding a later one would mean decoding the file.
+    """
+    from PIL import Image as PILImage
+
+    with PILImage.open(path) as handle:
+        width, height = handle.size
+        orientation = 1
+        if handle.format != "PNG" or "exif" in handle.info:
+            orientation = handle.getexif().get(_EXIF_ORIENTATION, 1)
+    return (height, width) if orientation in _TRANSPOSED else (width, height)
 
 
 @dataclass(frozen=True)

@@ -85,4 +85,17 @@ def build_adapter(config: "ModelConfig") -> "ModelAdapter":
     problem = model_path_problem(config.path)
     if problem:
         raise FileNotFoundError(problem)
+    routed = adapter_class(config.family).routed_family(config)
+    if routed is not None and routed != config.family:
+        import logging
+
+        logging.getLogger(__name__).info("model.family=%s: model.path=%s is encoded by the %r family",
+                                         config.family, config.path, routed)
+        original = config.family
+        config = dataclasses.replace(config, family=routed)
+        try:
+            config.validate()
+        except ValueError as err:
+            raise ValueError(f"model.family={original} hands model.path={config.path} to the {routed!r} family "
+                             f"(its model_type is one that family encodes): {err}") from err
     return adapter_class(config.family)(config)

@@ -1,5 +1,4 @@
-"""Generation for the ``auto`` family's tested classes (tiny random-weight InternVL, LLaVA-OneVision,
-Gemma 3, Idefics3, Mistral 3, GLM-4.1V and SmolVLM checkpoints built from transformers' classes): batched
+"""Generation for the ``auto`` family's tested classes (tiny random-weight checkpoints of every class of ``mmtune.testing.checkpoints.KINDS``): batched
 KV answers equal batch 1 and re-encoding, record for record.
 
 Greedy decoding in fp32. The dialogues differ in turns, images per turn (of different sizes:
@@ -14,7 +13,7 @@ from PIL import Image as PILImage
 
 from mmtune.evaluation.generation.config import GenerationConfig
 from mmtune.evaluation.generation.generator import DialogueGenerator
-from tests.support.auto_checkpoints import CLASSES, adapter
+from tests.support.auto_checkpoints import adapter, cases
 from tests.support.dialogues import numbered_dialogue
 
 
@@ -46,7 +45,7 @@ def _run(auto, model, dialogues, window, **settings):
 
 
 
-@pytest.mark.parametrize("kind", CLASSES)
+@pytest.mark.parametrize("kind", cases("batched_kv"))
 def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
     auto = adapter(kind)
     model = auto.load_model().eval()

@@ -5,6 +5,7 @@ tower, projector and language model as the adapter groups them."""
 import pytest
 
 from mmtune.training.plan import plan_run
+from mmtune.testing.checkpoints import KINDS
 from tests.support.auto_checkpoints import CLASSES, adapter, checkpoint
 
 
@@ -19,6 +20,6 @@ def test_plan_counts_the_parameters_of_the_tiny_checkpoint(kind, env):  # noqa: 
     assert params["total"] == sum(t.numel() for t in model.parameters())
     assert params["vision"] == count(groups.vision) > 0
     assert params["projector"] == count(groups.projector)
-    # GLM-4.1V's merger sits inside its vision model, so the generic grouping counts it with the tower
-    assert (params["projector"] > 0) == (kind != "glm4v")
+    # GLM-4.1V's and the Qwen line's merger sits inside the vision model: the generic grouping counts it there
+    assert (params["projector"] > 0) == (not KINDS[kind].projector_in_vision)
     assert params["language_model"] == count(groups.language_model) > 0

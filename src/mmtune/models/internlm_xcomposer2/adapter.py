@@ -36,7 +36,6 @@ from mmtune.models.internlm_xcomposer2.conversion import (
 from mmtune.models.internlm_xcomposer2.modeling import InternLMXComposer2ForCausalLM
 from mmtune.models.internlm_xcomposer2.tokenization import InternLM2Tokenizer, load_tokenizer
 from mmtune.models.registry import register_adapter
-from mmtune.models.tiny_tokenizer import cached_tiny_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.core.dialogue import Dialogue
@@ -167,6 +166,8 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
+            from mmtune.testing.tokenizers import cached_tiny_tokenizer
+
             # a copy: the image token is added below, and the cached tokenizer is shared
             tokenizer = copy.deepcopy(
                 cached_tiny_tokenizer(

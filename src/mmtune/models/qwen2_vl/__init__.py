@@ -6,7 +6,8 @@
   image processor's (``pixel_values`` + ``image_grid_thw``);
 - :mod:`.positions`: M-RoPE position ids from the model class's own rope index;
 - :mod:`.adapter`: :class:`Qwen2VLAdapter` (``model.family: qwen2_vl``);
-- :mod:`.tiny`: tiny random-weight checkpoints for tests and CPU runs.
+- tiny random-weight checkpoints for tests and CPU runs: :mod:`mmtune.testing.qwen2_vl` (its names
+  are looked up here on first use, so the registry's import of this package does not load them).
 
 See ``docs/qwen2_vl.md``.
 """
@@ -14,7 +15,7 @@ See ``docs/qwen2_vl.md``.
 from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template, unwrap_model
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes
 from mmtune.models.qwen2_vl.images import QwenVLImages, UnsupportedImageError, oriented_size
-from mmtune.models.qwen2_vl.positions import RopeIndex
+from mmtune.models.positions import RopeIndex
 from mmtune.models.qwen2_vl.template import (
     CHAT_TEMPLATES,
     QWEN2_VL_CHAT_TEMPLATE,
@@ -23,14 +24,6 @@ from mmtune.models.qwen2_vl.template import (
     TemplateMismatchError,
     renderer_for_template,
     user_runs,
-)
-from mmtune.models.qwen2_vl.tiny import (
-    SPECIAL_TOKENS,
-    TINY_ARCHITECTURES,
-    save_tiny_checkpoint,
-    tiny_image_processor,
-    tiny_model_config,
-    tiny_tokenizer,
 )
 
 __all__ = [
@@ -57,3 +50,15 @@ __all__ = [
     "tiny_model_config",
     "tiny_tokenizer",
 ]
+
+_TESTING = frozenset({"SPECIAL_TOKENS", "TINY_ARCHITECTURES", "save_tiny_checkpoint", "tiny_image_processor",
+                      "tiny_model_config", "tiny_tokenizer"})
+
+
+def __getattr__(name: str):
+    # the tiny builders live in mmtune.testing, imported only when asked for
+    if name in _TESTING:
+        from mmtune.testing import qwen2_vl
+
+        return getattr(qwen2_vl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

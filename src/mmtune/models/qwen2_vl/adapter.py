@@ -22,7 +22,7 @@ Its model-agnostic batch (the contract of :mod:`mmtune.models.base`):
   laid out ``[4, B, L]`` for the forward (the base class's ``model_position_ids``).
 
 With ``ModelConfig.path = None`` it builds a random-weight tiny model of
-``architecture.model_type`` (default ``qwen2_vl``) from :mod:`~mmtune.models.qwen2_vl.tiny`.
+``architecture.model_type`` (default ``qwen2_vl``) from :mod:`mmtune.testing.qwen2_vl`.
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from mmtune.models.base import ModuleGroups
 from mmtune.models.base import unwrap_model as base_unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.qwen2_vl.images import QwenVLImages
-from mmtune.models.qwen2_vl.positions import RopeIndex
+from mmtune.models.positions import RopeIndex
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
-from mmtune.models.qwen2_vl.classes import MODEL_TYPES, generation_classes, model_classes
-from mmtune.models.qwen2_vl.tiny import tiny_image_processor, tiny_model_config, tiny_tokenizer
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, generation_classes, model_classes
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -146,6 +145,19 @@ class Qwen2VLAdapter(PieceAdapter):
         return model, _module_groups(model)
 
     @classmethod
+    def routed_family(cls, config: ModelConfig) -> str | None:
+        """``auto`` for a checkpoint of :data:`ROUTED_MODEL_TYPES` (Qwen3.5 ...), read from its config."""
+        if config.path is None:
+            return None
+        from transformers import PretrainedConfig
+
+        try:
+            values, _ = PretrainedConfig.get_config_dict(config.path)
+        except (OSError, ValueError):
+            return None  # the adapter names the problem when it loads the config
+        return "auto" if values.get("model_type") in ROUTED_MODEL_TYPES else None
+
+    @classmethod
     def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
         """The most tokens an image can become under ``model.qwen2_vl.max_pixels`` (large
         photos reach it): ``max_pixels // (patch x merge)^2``; ``None`` without the bound (it
@@ -166,6 +178,8 @@ class Qwen2VLAdapter(PieceAdapter):
                 raise ValueError(
                     f"model.architecture.model_type={model_type!r}: use one of {list(MODEL_TYPES)}"
                 )
+            from mmtune.testing.qwen2_vl import tiny_image_processor, tiny_model_config, tiny_tokenizer
+
             self.tokenizer = tiny_tokenizer()
             self.model_config = tiny_model_config(model_type, self.tokenizer, config.architecture)
             image_processor = tiny_image_processor(

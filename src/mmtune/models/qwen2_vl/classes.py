@@ -6,10 +6,14 @@ dispatch on ``model_type`` through this table, never on names of checkpoints.
 
 from __future__ import annotations
 
-__all__ = ["MODEL_TYPES", "model_classes", "generation_classes"]
+__all__ = ["MODEL_TYPES", "ROUTED_MODEL_TYPES", "model_classes", "generation_classes"]
 
 #: the ``model_type`` values of the transformers classes this family covers
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+#: later classes of the Qwen-VL line, encoded by the processor-driven ``auto`` family (their
+#: processor and chat template decide the text; M-RoPE positions from the model's own rope index)
+ROUTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
 
 # model_type -> (generation class, inner model class owning get_rope_index)
 _CLASSES = {

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from mmtune.core.images import CorruptImageError, ImageLimits, ImageTooLargeError
 from mmtune.core.images import UnsupportedImageError as BaseUnsupportedImageError
+from mmtune.models.images import oriented_size
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -35,31 +36,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["UnsupportedImageError", "oriented_size", "QwenVLImages"]
 
-_EXIF_ORIENTATION = 0x0112
-_TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-
-
 class UnsupportedImageError(BaseUnsupportedImageError):
     """An image the Qwen-VL image processor refuses (aspect ratio above 200)."""
 
     refused_by = "the Qwen-VL image processor"
     fix = "Crop or pad the image to an aspect ratio of at most 200:1, or remove the record"
-
-
-def oriented_size(path: str) -> tuple[int, int]:
-    """``(width, height)`` after the EXIF orientation, from the file header (no pixel decode).
-
-    A PNG's EXIF chunk is read only when it precedes the pixel data (where the PNG
-    specification puts it); finding a later one would mean decoding the file.
-    """
-    from PIL import Image as PILImage
-
-    with PILImage.open(path) as handle:
-        width, height = handle.size
-        orientation = 1
-        if handle.format != "PNG" or "exif" in handle.info:
-            orientation = handle.getexif().get(_EXIF_ORIENTATION, 1)
-    return (height, width) if orientation in _TRANSPOSED else (width, height)
 
 
 class QwenVLImages:

@@ -15,7 +15,6 @@ path=directory)`` and transformers' ``from_pretrained`` both load.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from mmtune.models._utils import build_random_model, deep_update
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES
+from mmtune.testing.tokenizers import qwen_tokenizer
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -50,17 +50,6 @@ SPECIAL_TOKENS = (
     "<|vision_pad|>",
     "<|image_pad|>",
     "<|video_pad|>",
-)
-
-# Words the templates and the tests use, repeated so that BPE learns them as single tokens
-# (the official label rule counts the role name as one token: "assistant" is id 77091 in the
-# released vocabulary).
-_CORPUS = (
-    "system\nYou are a helpful assistant.\nuser\nassistant\n"
-    "user user user assistant assistant assistant system system\n"
-    "Image1: Image2: Image3: What is shown in the image? Describe the picture. Compare the two images.\n"
-    "The first image is red, the second image is green. Which one is larger? Yes. No. It is a cat.\n"
-    "0 1 2 3 4 5 6 7 8 9 10 . , ? ! : ; ' \" ( ) \n\n"
 )
 
 # 2-layer models of each family (widths 32-64). head_dim 16 -> mrope_section sums to 8:
@@ -142,46 +131,13 @@ def _check_model_type(model_type: str) -> None:
         raise ValueError(f"model_type {model_type!r} is not one of the qwen2_vl family's {list(MODEL_TYPES)}")
 
 
-@functools.lru_cache(maxsize=4)
-def _trained_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    # the pipeline Qwen2Tokenizer installs, so the learned merges fit how it splits text
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator([_CORPUS] * 16, trainer=trainer)
-    model = json.loads(tokenizer.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    return dict(model["vocab"]), merges
-
-
 def tiny_tokenizer(vocab_size: int = 512):
     """A ``Qwen2Tokenizer`` over a BPE of ``vocab_size`` entries, plus :data:`SPECIAL_TOKENS`.
 
     eos ``<|im_end|>`` and pad ``<|endoftext|>`` as in the released instruct tokenizers; no
     bos, no unk (byte-level BPE encodes any text). Deterministic; a fresh object each call.
     """
-    from tokenizers import AddedToken
-    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
-
-    vocab, merges = _trained_bpe(vocab_size)
-    tokenizer = Qwen2Tokenizer(
-        vocab=dict(vocab), merges=list(merges), unk_token=None, bos_token=None, eos_token=None, pad_token=None,
-        clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.pad_token = "<|endoftext|>"
-    return tokenizer
+    return qwen_tokenizer(SPECIAL_TOKENS, vocab_size=vocab_size, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def tiny_model_config(model_type: str, tokenizer, overrides: dict[str, Any] | None = None):

@@ -2,7 +2,7 @@
 
 There is no model hub here, so tests, benchmarks and CPU demos of the ``auto`` family build
 their checkpoints from transformers' classes: a small byte-level BPE tokenizer (the one of
-:mod:`mmtune.models.qwen2_vl.tiny`) holding the special tokens the class's processor and
+:mod:`mmtune.testing.tokenizers`) holding the special tokens the class's processor and
 template use, the class's processor built from its image processor (tiny image and tile
 sizes), a chat template, and a 2-layer config (widths 32-64). ``save_tiny_checkpoint(directory,
 "internvl")`` writes a directory that ``ModelConfig(family="auto", path=directory)`` and
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
 from typing import Any
+
+from mmtune.testing.classes import CLASSES
+from mmtune.testing.kind import TinyKind
+from mmtune.testing.tokenizers import class_tokenizer
 
 __all__ = ["KINDS", "RELEASED_IMAGE_SETTINGS", "TinyKind", "save_tiny_checkpoint", "tiny_processor", "tiny_model_config"]
 
@@ -107,25 +110,6 @@ _GLM4V_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class TinyKind:
-    """One transformers image-text class as a tiny checkpoint."""
-
-    model_type: str
-    template: str
-    released: str
-    """The released checkpoint whose template structure :attr:`template` follows."""
-    special_tokens: tuple[str, ...]
-    bos: str | None = None
-    eos: str = "<|im_end|>"
-    pad: str = "<|endoftext|>"
-    named_tokens: dict[str, str] = field(default_factory=dict)
-    """Tokens the processor reads from tokenizer attributes (``start_image_token`` ...)."""
-    generation_eos: tuple[str, ...] = ()
-    """The stop tokens of the released checkpoint's ``generation_config.json`` (``eos_token_id``),
-    where they are more than the tokenizer's EOS; written with the checkpoint."""
-
-
 _IM = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _ROWS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
 
@@ -154,7 +138,8 @@ KINDS: dict[str, TinyKind] = {
                       ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                        "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                        "<|video|>"),
-                      eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>")),
+                      eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=("<|endoftext|>", "<|user|>"),
+                      projector_in_vision=True),
     "llava_next": TinyKind("llava_next", _LLAVA_NEXT_TEMPLATE, "llava-hf/llava-v1.6-vicuna-7b-hf",
                            ("<unk>", "<s>", "</s>", "<image>"), bos="<s>", eos="</s>", pad="<unk>"),
     "aya_vision": TinyKind("aya_vision", _AYA_VISION_TEMPLATE, "CohereLabs/aya-vision-8b",
@@ -168,6 +153,7 @@ KINDS: dict[str, TinyKind] = {
                          "<global-img>") + _ROWS,
                         bos="<|im_start|>", eos="<end_of_utterance>", pad="<|im_end|>"),
 }
+KINDS.update(CLASSES)  # the classes written as one entry each (mmtune.testing.classes)
 
 
 def _check_kind(kind: str) -> TinyKind:
@@ -179,27 +165,9 @@ def _check_kind(kind: str) -> TinyKind:
 def tiny_tokenizer(kind: str):
     """A fast byte-level BPE tokenizer with the class's special tokens; BOS added by the
     tokenizer (as the released Llama / Gemma / Mistral tokenizers do) where the class has one."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    from mmtune.models.qwen2_vl.tiny import _trained_bpe
-
     spec = _check_kind(kind)
-    vocab, merges = _trained_bpe(512)
-    backend = Tokenizer(models.BPE(vocab=dict(vocab), merges=list(merges)))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
-    if spec.bos is not None:
-        bos_id = backend.token_to_id(spec.bos)
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{spec.bos} $A", pair=f"{spec.bos} $A {spec.bos} $B", special_tokens=[(spec.bos, bos_id)]
-        )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad,
-        extra_special_tokens=dict(spec.named_tokens) or None, clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    return tokenizer
+    return class_tokenizer(spec.special_tokens, bos=spec.bos, eos=spec.eos, pad=spec.pad,
+                           named_tokens=spec.named_tokens, add_bos=spec.add_bos)
 
 
 #: image settings of the released checkpoints' processors (token counts and pixel work of real
@@ -215,6 +183,7 @@ RELEASED_IMAGE_SETTINGS: dict[str, dict[str, Any]] = {
     "aya_vision": {"size": 364, "max_patches": 12, "patch_size": 14, "downsample_factor": 2},
     "llava_next": {"size": 336, "pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]},
 }
+RELEASED_IMAGE_SETTINGS.update({kind: spec.released_sizes for kind, spec in CLASSES.items() if spec.released_sizes})
 
 
 def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
@@ -224,6 +193,8 @@ def tiny_processor(kind: str, tokenizer=None, *, released_sizes: bool = False):
     spec = _check_kind(kind)
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer(kind)
     template = spec.template
+    if spec.processor is not None:
+        return spec.processor(tokenizer, template, RELEASED_IMAGE_SETTINGS[kind] if released_sizes else None)
     if released_sizes:
         return _released_processor(kind, tokenizer, template)
     if kind == "internvl":
@@ -372,12 +343,14 @@ def tiny_model_config(kind: str, tokenizer):
     """The class's 2-layer transformers config, token ids from ``tokenizer``."""
     from transformers import AutoConfig
 
-    _check_kind(kind)
+    spec = _check_kind(kind)
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     text = {**_CHATML_TEXT, "vocab_size": vocab, "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}  # fmt: skip
-    if kind == "internvl":
+    if spec.config is not None:
+        values = spec.config(tokenizer, text)
+    elif kind == "internvl":
         values = {"vision_config": {**_VISION, "image_size": [56, 56], "patch_size": [14, 14]},
                   "text_config": {**text, "model_type": "qwen2"}, "image_token_id": ids("<IMG_CONTEXT>"),
                   "downsample_ratio": 0.5}  # fmt: skip

@@ -12,7 +12,7 @@ to partition), so the positions are transformers' own, never a re-implementation
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -29,13 +29,18 @@ class RopeIndex:
             ``get_rope_index``.
         image_token_id: the ``<|image_pad|>`` id.
         merge_size: the vision tower's spatial merge size (tokens per image = t*h*w / merge**2).
+        marked_ids: the token ids the processor marks 1 in ``mm_token_type_ids`` (the ``auto`` family:
+            each class has its own run length, HunYuan-VL's ``h * (w + 1) + 2`` tokens, and its rope
+            index returns 4 rows): then only the number of image runs is checked against the grid.
     """
 
-    def __init__(self, model_config: Any, model_class: type, image_token_id: int, merge_size: int):
+    def __init__(self, model_config: Any, model_class: type, image_token_id: int, merge_size: int,
+                 marked_ids: "Sequence[int] | None" = None):
         self.model_config = model_config
         self.model_class = model_class
         self.image_token_id = int(image_token_id)
         self.merge_size = int(merge_size)
+        self.marked_ids = None if marked_ids is None else tuple(int(i) for i in marked_ids)
         self._model = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -60,17 +65,34 @@ class RopeIndex:
             self._model = host
         return self._model
 
+    def _marks(self, input_ids: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        if self.marked_ids is None:
+            return input_ids == self.image_token_id
+        return torch.isin(input_ids, torch.tensor(self.marked_ids, dtype=input_ids.dtype, device=input_ids.device))
+
+    @property
+    def rows(self) -> int:
+        """The number of position rows the model's rope index returns (3 for M-RoPE, 4 for HunYuan-VL)."""
+        import torch
+
+        return int(self.model.get_rope_index(torch.zeros(1, 1, dtype=torch.long) - 1,
+                                             mm_token_type_ids=torch.zeros(1, 1, dtype=torch.int))[0].shape[0])
+
     def _check(self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None") -> None:
         """Each run of image tokens must be one image of the grid, in order, with its token count."""
         import torch
 
-        is_image = (input_ids == self.image_token_id).to(torch.int8)
+        is_image = self._marks(input_ids).to(torch.int8)
         edges = torch.diff(is_image, prepend=is_image.new_zeros(1), append=is_image.new_zeros(1))
         starts = torch.nonzero(edges == 1).flatten()
         ends = torch.nonzero(edges == -1).flatten()
         runs = (ends - starts).tolist()
         grids = [] if image_grid_thw is None else image_grid_thw.tolist()
         want = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        if self.marked_ids is not None:  # runs of the processor's own marks: their lengths are the class's rule
+            want = runs if len(runs) == len(grids) else want
         if runs != want:
             raise ValueError(
                 f"the sample has {len(runs)} image-token run(s) of lengths {runs} but image_grid_thw has {len(grids)} "
@@ -101,7 +123,7 @@ class RopeIndex:
         self._check(input_ids.cpu(), grid)
         if input_ids.numel() == 0:
             return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device), 0
-        mm_token_type_ids = (input_ids == self.image_token_id).int()[None]  # 1 = image, as the processor marks it
+        mm_token_type_ids = self._marks(input_ids).int()[None]  # 1 = image, as the processor marks it
         positions, deltas = self.model.get_rope_index(
             input_ids[None], mm_token_type_ids=mm_token_type_ids,
             image_grid_thw=None if grid is None else grid.to(input_ids.device),

@@ -1,0 +1,145 @@
+"""Stage 5: the batch's image inputs (as the processor made them, joined as it joins them), its
+token inputs (Gemma 3's ``token_type_ids``) and positions (the model's own rope index)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Sequence
+
+from mmtune.core.images import CorruptImageError
+from mmtune.models.auto.errors import UnsupportedImageError
+from mmtune.models.base import InputJoin
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import torch
+
+__all__ = ["BatchStage", "from_array", "to_array"]
+
+#: floating dtypes stored widened to float32 (exact: float32 holds every value of each) where
+#: numpy, or the pixel cache's format, has no type for them
+_WIDENED = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def to_array(value: "torch.Tensor") -> "np.ndarray":
+    """A processor output as a numpy array for the pixel cache, value for value: a floating dtype
+    numpy or the cache lacks (Llama 4's image processor returns bfloat16) is stored as float32,
+    which holds each of its values exactly, and :func:`from_array` restores it."""
+    import torch
+
+    if str(value.dtype).removeprefix("torch.") in _WIDENED:
+        return value.to(torch.float32).numpy()
+    return value.numpy()
+
+
+def from_array(value: Any, dtype: "torch.dtype | None") -> "torch.Tensor":
+    """The tensor of :func:`to_array`'s array (or of a tensor), in the processor's ``dtype``
+    where :func:`to_array` widened it (the same values: the conversion back is exact)."""
+    import torch
+
+    tensor = torch.as_tensor(value)
+    if dtype is not None and str(dtype).removeprefix("torch.") in _WIDENED and tensor.dtype == torch.float32:
+        return tensor.to(dtype)
+    return tensor
+
+
+class BatchStage:
+    """Image inputs, token inputs and positions (mixed into the adapter)."""
+
+    def _rope_index(self):
+        """transformers' own ``get_rope_index`` of the model class, for M-RoPE models; else None."""
+        from transformers import MODEL_MAPPING
+
+        try:
+            model_class = MODEL_MAPPING[type(self.model_config)]
+        except KeyError:
+            return None
+        if not hasattr(model_class, "get_rope_index"):
+            return None
+        from mmtune.models.positions import RopeIndex
+
+        vision = getattr(self.model_config, "vision_config", None)
+        # the processor's own marks: each image one run, of the length the class's rule gives
+        marked = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
+        return RopeIndex(self.model_config, model_class, self.image_token_id,
+                         int(getattr(vision, "spatial_merge_size", 1)), marked)
+
+    # -- the batch: image inputs -----------------------------------------------------------------
+    def image_input_joins(self) -> dict[str, InputJoin]:
+        """The join of each image input, found at start-up from the processor itself."""
+        return dict(self._joins)
+
+    def _decode(self, path: str):
+        from transformers.image_utils import load_image
+
+        self.config.image_limits.check_file(path)  # from the header, before the decode
+        return load_image(path)
+
+    def load_image(self, path: str) -> dict[str, "np.ndarray"]:
+        """The processor's image inputs of this one image (what the pixel cache stores)."""
+        try:
+            out = self._call([self._decode(path)])
+        except CorruptImageError:
+            raise
+        except (OSError, SyntaxError) as err:  # not an image PIL can read
+            raise CorruptImageError(path, None, None, err) from err
+        except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the file
+            raise UnsupportedImageError(path, None, None, f"{type(err).__name__}: {err}") from err
+        return {name: to_array(out[name]) for name in self.image_input_names}
+
+    def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
+        """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them,
+        each in the dtype the processor made it (bfloat16 from Llama 4's: see :func:`to_array`)."""
+        dtypes = getattr(self, "_input_dtypes", {})
+        parts = [{k: from_array(v, dtypes.get(k)) for k, v in image.items()} for image in images]
+        return self.join_image_inputs(parts)
+
+    def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
+        return self.image_batch([self.load_image(p) for p in paths])
+
+    def pixel_settings(self) -> dict[str, Any]:
+        """The processor's settings (image processor included): the pixel cache's key."""
+        settings = self.processor.to_dict() if hasattr(self.processor, "to_dict") else repr(self.processor)
+        return {"settings": {"class": type(self.processor).__name__, **settings} if isinstance(settings, dict)
+                else settings, "uint8": False}
+
+    def preprocess_images(self, paths: list[str]) -> "torch.Tensor":
+        inputs = self.image_inputs(paths)
+        if set(inputs) != {"pixel_values"} or inputs["pixel_values"].ndim != 4:
+            raise NotImplementedError(
+                f"the processor of {self.config.path!r} gives {sorted(inputs)}, not pixel_values [N, 3, H, W] "
+                "alone: use adapter.image_inputs(paths)"
+            )
+        return inputs["pixel_values"]
+
+    def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+        """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image
+        tokens), computed from ``input_ids`` as the processor marks them."""
+        import torch
+
+        return {name: torch.isin(input_ids, torch.tensor(marked, dtype=input_ids.dtype)).long()
+                for name, marked in self._token_marks.items()}
+
+    # -- the batch: position ids -----------------------------------------------------------------
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
+    ) -> "torch.Tensor":
+        """One running position, or the model's own ``get_rope_index`` rows (M-RoPE models)."""
+        if self._rope is None:
+            return super().position_ids(input_ids, image_inputs)
+        grid = None if image_inputs is None else image_inputs.get("image_grid_thw")
+        return self._rope(input_ids, grid)
+
+    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
+        if self._rope is None:
+            return super().prompt_positions(input_ids, image_paths)
+        inputs = self.image_inputs(image_paths) if image_paths else None
+        grid = None if inputs is None else inputs.get("image_grid_thw")
+        return self._rope.with_delta(input_ids, grid)
+
+    @functools.cached_property
+    def _dummy_image_inputs(self) -> dict:
+        from PIL import Image as PILImage
+
+        out = self._call([PILImage.new("RGB", (64, 64), (0, 0, 0))])
+        return {name: out[name] for name in self.image_input_names}

@@ -1,0 +1,242 @@
+"""Stage 1: the checkpoint's processor and chat template, and what is probed from them once.
+
+:func:`load_processor_and_template` is the one place the processor and its template are read from
+a checkpoint folder (checks of a hostile folder slot in there). :class:`ProfileStage` probes,
+once per adapter: the stop tokens, and per image input the join that makes two images'
+one-by-one processor outputs equal the joint output (:class:`~mmtune.models.base.InputJoin`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mmtune.models.auto.errors import RemoteCodeError, UnsupportedProcessorError
+from mmtune.models.auto.render import common_prefix
+from mmtune.models.base import InputJoin
+
+__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "noise_image"]
+
+#: processor outputs that are text inputs, not image inputs
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
+                        "text_replacement_offsets"})
+
+
+
+def noise_image(width: int, height: int, seed: int):
+    import numpy as np
+    from PIL import Image as PILImage
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return PILImage.fromarray(pixels, "RGB")
+
+
+
+@dataclass
+class LoadedProcessor:
+    """A checkpoint's processor, its tokenizer, chat template and image placeholder."""
+
+    processor: Any
+    tokenizer: Any
+    chat_template: str
+    image_token: str
+
+
+def load_processor_and_template(path: str, trust_remote_code: bool) -> LoadedProcessor:
+    """The processor of ``path`` with its tokenizer, chat template and image placeholder.
+
+    Raises:
+        UnsupportedProcessorError: no tokenizer, no chat template or no ``image_token`` (all named).
+    """
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", None)
+    problems = []
+    if tokenizer is None:
+        problems.append("its processor has no tokenizer")
+    template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        problems.append("it has no chat template (save one with the processor: processor.chat_template = ...; "
+                        "processor.save_pretrained(path))")
+    image_token = getattr(processor, "image_token", None)
+    if image_token is None:
+        problems.append("its processor has no `image_token` attribute (the placeholder the template renders)")
+    if problems:
+        raise UnsupportedProcessorError(
+            f"model.path={path!r} cannot be used with model.family=auto: " + "; ".join(problems)
+        )
+    return LoadedProcessor(processor, tokenizer, template, image_token)
+
+
+def check_remote_code(path: str, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint whose config, processor or model class is code shipped with it."""
+    if trust_remote_code:
+        return
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        values, _ = PretrainedConfig.get_config_dict(path)
+    except (OSError, ValueError):
+        return  # transformers names the problem itself when it loads the config
+    found = dict(values.get("auto_map") or {})
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        file = os.path.join(str(path), name)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as handle:
+                found.update(json.load(handle).get("auto_map") or {})
+    model_type = values.get("model_type")
+    if found or model_type not in CONFIG_MAPPING:
+        what = f"auto_map {found}" if found else f"model_type {model_type!r}, which transformers does not know"
+        raise RemoteCodeError(
+            f"model.path={path!r} needs code shipped with the checkpoint ({what}); set "
+            "model.trust_remote_code=true only if you trust the checkpoint's source"
+        )
+
+
+class _TokenizerRecorder:
+    """A processor's tokenizer that records the texts it is called on (everything else delegated)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.texts: list[str] = []
+
+    def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self.texts += [text] if isinstance(text, str) else [t for t in (text or []) if isinstance(t, str)]
+        return self.tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+class ProfileStage:
+    """Stop tokens and image-input joins of the processor (mixed into the adapter)."""
+
+    def _stop_tokens(self) -> list[int]:
+        """The tokenizer's EOS, the config's and the generation config's ``eos_token_id``
+        (GLM-4.1V's holds ``<|user|>``, Gemma 3's ``<end_of_turn>``): where generation stops."""
+        eos = [self.tokenizer.eos_token_id]
+        for value in (getattr(self.model_config, "eos_token_id", None), self._generation_eos()):
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and token not in eos:
+                    eos.append(token)
+        return [int(i) for i in eos if i is not None]
+
+    def _generation_eos(self) -> Any:
+        """``eos_token_id`` of the checkpoint's ``generation_config.json`` (``None`` without one)."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.config.path).eos_token_id
+        except OSError:
+            return None
+
+    def _call(self, images: list, count: int | None = None) -> dict[str, Any]:
+        """The processor on ``images`` with a text holding each image as the template renders it
+        (:attr:`_image_item_text`: the bare placeholder, or with the wrappers a processor such as
+        HunYuan-VL's requires around it)."""
+        text = self._image_item_text * (len(images) if count is None else count)
+        return self.processor(text=[text], images=images, return_text_replacement_offsets=True, return_tensors="pt")
+
+    @functools.cached_property
+    def _image_item_text(self) -> str:
+        """The placeholder alone where the processor accepts it (every class tested before HunYuan-VL);
+        else what the chat template renders for one image item: a user message of one image against
+        one of an empty text, less their common prefix and suffix."""
+        try:
+            self.processor(text=[self.image_token], images=[noise_image(50, 30, 1)], return_tensors="pt")
+            return self.image_token
+        except Exception:  # noqa: BLE001 - the processor's refusal: try the template's rendering
+            pass
+        with_image = self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
+        without = self._render([{"role": "user", "content": [{"type": "text", "text": ""}]}],
+                               add_generation_prompt=False)
+        head = common_prefix(with_image, without)
+        tail = 0
+        while tail < min(len(with_image), len(without)) - head and with_image[-1 - tail] == without[-1 - tail]:
+            tail += 1
+        item = with_image[head:len(with_image) - tail]
+        return item if self.image_token in item else self.image_token
+
+    @functools.cached_property
+    def _text_change(self) -> tuple[str, str]:
+        """``(prefix, suffix)``: the text the processor's own call adds around the text it is given
+        (Janus saved with ``use_default_system_prompt=True``: its default system prompt; Molmo2:
+        the BOS its templates lack), seen by handing it a marker text and recording what it passes
+        its tokenizer. mmtune adds the same (:meth:`RenderStage._spans`)."""
+        marker = "mmtune text probe"
+        recorder = _TokenizerRecorder(self.processor.tokenizer)
+        self.processor.tokenizer = recorder
+        try:
+            self.processor(text=[marker], return_tensors="pt")
+        except Exception:  # noqa: BLE001 - a processor that needs images with text: no change known
+            return "", ""
+        finally:
+            self.processor.tokenizer = recorder.tokenizer
+        texts = [t for t in recorder.texts if marker in t]
+        if not texts:
+            return "", ""
+        at = texts[0].index(marker)
+        return texts[0][:at], texts[0][at + len(marker):]
+
+    def _probe_joins(self) -> dict[str, InputJoin]:
+        """Per image input, the join that makes two images' one-by-one outputs the joint output."""
+        import torch
+
+        first, second = noise_image(50, 30, 1), noise_image(24, 70, 2)
+        try:
+            joint = self._call([first, second])
+            alone = [self._call([first]), self._call([second])]
+        except Exception as err:  # noqa: BLE001 - any failure of the processor is named
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} fails on two small images (50 x 30 and 24 x 70 px, each as {self._image_item_text!r} in the text): "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        problems = []
+        replaced = [r["replacement"] for r in joint["text_replacement_offsets"][0]]
+        one_by_one = [a["text_replacement_offsets"][0][0]["replacement"] for a in alone]
+        if replaced != one_by_one:
+            problems.append("the text that replaces an image depends on the other images of the call")
+        self._token_marks = {}
+        ids = joint["input_ids"]
+        for name in ("token_type_ids", "mm_token_type_ids"):  # text-aligned inputs the processor returns
+            if name in joint:
+                marked = ids[joint[name] == 1].unique()
+                if not torch.equal(joint[name], torch.isin(ids, marked).to(joint[name].dtype)):
+                    problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
+                self._token_marks[name] = marked.tolist()
+        joins: dict[str, InputJoin] = {}
+        self._input_dtypes = {}
+        for name in [k for k in joint if k not in _TEXT_KEYS]:
+            value = joint[name]
+            parts = [a.get(name) for a in alone]
+            if not isinstance(value, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
+                problems.append(f"its image input {name!r} is not a tensor ({type(value).__name__})")
+                continue
+            candidates = [InputJoin(axis=a) for a in range(value.ndim)] + [InputJoin(axis=0, stack=True)]
+            for candidate in candidates:
+                try:
+                    joined = candidate.join(parts)
+                except (RuntimeError, ValueError):
+                    continue
+                if joined.shape == value.shape and joined.dtype == value.dtype and torch.equal(joined, value):
+                    joins[name] = candidate
+                    self._input_dtypes[name] = value.dtype
+                    break
+            else:
+                problems.append(
+                    f"its image input {name!r} of two images ({tuple(value.shape)}) is no concatenation or stack of "
+                    f"the one-image values ({[tuple(p.shape) for p in parts]})"
+                )
+        if problems:
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} ({type(self.processor).__name__}) cannot be used with "
+                "model.family=auto: " + "; ".join(problems)
+            )
+        return joins

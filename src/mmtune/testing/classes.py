@@ -1,0 +1,328 @@
+"""Tested classes as one entry each: a :class:`~mmtune.testing.kind.TinyKind` with the builders of
+its processor and config, written after the released checkpoint (or transformers' conversion)
+named in ``released``. :data:`mmtune.testing.checkpoints.KINDS` holds these with the earlier
+classes; tests, ``scripts/tiny_checkpoint.py`` and ``bench/collate.py`` read that one mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmtune.testing.kind import TinyKind
+
+__all__ = ["CLASSES"]
+
+_SMALL_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 4096}  # fmt: skip
+
+# -- Janus (deepseek-ai/Janus-Pro-1B as transformers' convert_janus_weights_to_hf.py writes it) ------
+# the conversion's CHAT_TEMPLATE, and its processor saved with use_default_system_prompt=True
+_JANUS_TEMPLATE = (
+    "{%set seps=['\n\n','<\uff5cend\u2581of\u2581sentence\uff5c>']%}"
+    "{%set i=0%}"
+    "{%for message in messages%}"
+    "{%if message['role']|lower=='user'%}"
+    "<|User|>: "
+    "{%elif message['role']|lower=='assistant'%}"
+    "<|Assistant|>:{%if not (loop.last and not add_generation_prompt and message['content'][0]['type']=='text' and message['content'][0]['text']=='')%} {%endif%}"
+    "{%else%}"
+    "{{message['role'].capitalize()}}: "
+    "{%endif%}"
+    "{%for content in message['content']%}"
+    "{%if content['type']=='image'%}"
+    "{%if not loop.first%}{{'\n'}}{%endif%}"
+    "<image_placeholder>"
+    "{%if not loop.last%}{{'\n'}}{%endif%}"
+    "{%elif content['type']=='text'%}"
+    "{%set text=content['text']%}"
+    "{%if loop.first%}{%set text=text.lstrip()%}{%endif%}"
+    "{%if loop.last%}{%set text=text.rstrip()%}{%endif%}"
+    "{%if not loop.first and message['content'][loop.index0-1]['type']=='text'%}"
+    "{{' '+text}}"
+    "{%else%}"
+    "{{text}}"
+    "{%endif%}"
+    "{%endif%}"
+    "{%endfor%}"
+    "{%if not loop.last or add_generation_prompt%}"
+    "{%if message['role']|lower=='user'%}"
+    "{{seps[0]}}"
+    "{%else%}"
+    "{{seps[1]}}"
+    "{%endif%}"
+    "{%endif%}"
+    "{%endfor%}"
+    "{%if add_generation_prompt%}<|Assistant|>:{%endif%}"
+)
+_BOS, _EOS, _PAD = "<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5c\u2581pad\u2581\uff5c>"
+
+
+def _janus_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import JanusProcessor
+    from transformers.models.janus.image_processing_janus import JanusImageProcessor
+
+    size = released["size"] if released else 32
+    tokens = released["num_image_tokens"] if released else 4
+    return JanusProcessor(image_processor=JanusImageProcessor(size={"height": size, "width": size}),
+                          tokenizer=tokenizer, chat_template=template, use_default_system_prompt=True,
+                          num_image_tokens=tokens)  # fmt: skip
+
+
+def _janus_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, "model_type": "llama"},
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
+                              "patch_size": 16, "projection_dim": 64, "num_image_tokens": 4},
+            # the image-generation VQ model, as small as its group norms (32 groups) allow
+            "vq_config": {"embed_dim": 8, "num_embeddings": 32, "latent_channels": 32, "base_channels": 32,
+                          "channel_multiplier": [1, 1], "num_res_blocks": 1, "num_patches": 2, "projection_dim": 64,
+                          "image_token_embed_dim": 64},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<image_placeholder>")}  # fmt: skip
+
+
+# -- Llama 4 (meta-llama/Llama-4-Scout-17B-16E-Instruct) -----------------------------------------------
+# BOS, "<|header_start|>role<|header_end|>\n\n" headers, "<|eot|>" ends a turn, "<|image|>" per image item
+_LLAMA4_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' %}{{- '<|image|>' }}{%- elif content['type'] == 'text' %}{{- content['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|eot|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\\n\\n' }}{%- endif %}"
+)
+
+
+def _llama4_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Llama4ImageProcessor, Llama4Processor
+
+    size = released["size"] if released else 28
+    image = Llama4ImageProcessor(size={"height": size, "width": size},
+                                 max_patches=released["max_patches"] if released else 4)  # fmt: skip
+    # its image processor returns bfloat16 pixel_values, as the released one does
+    return Llama4Processor(image_processor=image, tokenizer=tokenizer, patch_size=14, pixel_shuffle_ratio=0.5,
+                           chat_template=template)  # fmt: skip
+
+
+def _llama4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"text_config": {**text, "intermediate_size": 64, "intermediate_size_mlp": 128, "head_dim": 16,
+                            # mixture of experts in every second layer (the released Scout: every layer)
+                            "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                            "attention_chunk_size": 8192},  # the released value
+            # the pixel shuffle makes 4 x hidden_size features (the vision MLP's input: intermediate_size)
+            "vision_config": {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 64,
+                              "projector_input_dim": 64, "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5},
+            "boi_token_index": ids("<|image_start|>"), "eoi_token_index": ids("<|image_end|>"),
+            "image_token_index": ids("<|patch|>")}  # fmt: skip
+
+
+# -- HunYuan-VL (tencent/HunyuanOCR) ------------------------------------------------------------------
+# BOS, the system text ended by a placeholder token, "<｜hy_User｜>" / "<｜hy_Assistant｜>" turns, an answer
+# ended by EOS, each image wrapped in its start / end tokens (what HunYuanVLProcessor requires around it)
+def _hy(name: str) -> str:
+    return "<\uff5chy_" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+_HY_BOS, _HY_EOS, _HY_PAD = _hy("begin of sentence"), _hy("place holder no 2"), _hy(" pad ")
+_HY_IMAGE = {"image_start_token": _hy("place holder no 100"), "image_token": _hy("place holder no 102"),
+             "image_end_token": _hy("place holder no 101")}  # fmt: skip
+_HY_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- for item in message['content'] %}{{- item['text'] }}{%- endfor %}"
+    "{{- '" + _hy("place holder no 3") + "' }}"
+    "{%- elif message['role'] == 'user' %}{{- '" + _hy("User") + "' }}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '" + _HY_IMAGE["image_start_token"] + _HY_IMAGE["image_token"]
+    + _HY_IMAGE["image_end_token"] + "' }}{%- else %}{{- item['text'] }}{%- endif %}{%- endfor %}"
+    "{%- else %}{{- '" + _hy("Assistant") + "' }}{%- for item in message['content'] %}{{- item['text'] }}{%- endfor %}"
+    "{{- eos_token }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '" + _hy("Assistant") + "' }}"
+    "{%- endif %}"
+)
+
+
+def _hunyuan_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers.models.hunyuan_vl.image_processing_hunyuan_vl import HunYuanVLImageProcessor
+    from transformers.models.hunyuan_vl.processing_hunyuan_vl import HunYuanVLProcessor
+
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (32 * 32 * 4, 32 * 32 * 32)
+    image = HunYuanVLImageProcessor(size={"shortest_edge": low, "longest_edge": high}, patch_size=16, merge_size=2)
+    return HunYuanVLProcessor(image_processor=image, tokenizer=tokenizer, chat_template=template)
+
+
+def _hunyuan_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    # four rope axes (sequence, width, height, image index) of 2 half-dimensions each, as the released 4 x 16
+    return {"text_config": {**text, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                         "mrope_section": [2, 2, 2, 2]}},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                              "out_hidden_size": 64, "text_hidden_size": 64},
+            "image_token_id": ids(_HY_IMAGE["image_token"]), "im_start_id": ids(_HY_IMAGE["image_start_token"]),
+            "im_end_id": ids(_HY_IMAGE["image_end_token"]), "im_newline_id": ids(_hy("place holder no 103"))}
+
+
+# -- Qwen3.5 (Qwen/Qwen3.5-*: Qwen3_5ForConditionalGeneration, Qwen3VLProcessor) -------------------------
+# The logic of its released chat template, reduced to images and text: ChatML turns; an answer after
+# the last user turn is written with its thinking block ("<think>\n\n</think>\n\n" when it has none),
+# earlier answers without it (so the template is not prefix-stable); the generation prompt opens the
+# thinking block ("<think>\n"). ``{GEN}`` / ``{END}`` mark where the fidelity tests' copy puts
+# ``{% generation %}`` tags (transformers' assistant mask is their reference for the labels).
+_QWEN35_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query_index = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = namespace(text='') %}"
+    "{%- for item in message['content'] %}{%- if item['type'] == 'image' %}"
+    "{%- set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif item['type'] == 'text' %}{%- set content.text = content.text + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- if message['role'] == 'assistant' %}{%- set reasoning = '' %}{%- set answer = content.text %}"
+    "{%- if '</think>' in answer %}"
+    "{%- set reasoning = answer.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}{GEN}"
+    "{{- '\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + answer.lstrip('\\n') + '<|im_end|>\\n' }}{END}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' }}{GEN}{{- answer + '<|im_end|>\\n' }}{END}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content.text + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+_QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>", "<think>", "</think>")  # fmt: skip
+
+
+def _qwen3vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    factor = 32  # patch 16 x merge 2
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
+    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=low,
+                                     max_pixels=high)  # fmt: skip
+    return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
+                            chat_template=template)  # fmt: skip
+
+
+def _qwen3vl_vision() -> dict[str, Any]:
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64, "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0]}  # fmt: skip
+
+
+def _qwen_ids(tokenizer: Any) -> dict[str, int]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+            "vision_start_token_id": ids("<|vision_start|>"), "vision_end_token_id": ids("<|vision_end|>")}
+
+
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+# one linear-attention (Gated DeltaNet) layer and one full-attention layer, as the released 3:1 pattern mixes them
+_QWEN35_TEXT = {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "rope_parameters": {**_MROPE, "partial_rotary_factor": 1.0}}
+_MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def _qwen35_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_QWEN35_TEXT}, "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen35_moe_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_QWEN35_TEXT, **_MOE, "shared_expert_intermediate_size": 32},
+            "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen3vl_moe_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_MOE, "head_dim": 16, "rope_parameters": _MROPE, "decoder_sparse_step": 1},
+            "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagged: str | None = None) -> TinyKind:
+    return TinyKind(model_type, template, released, _QWEN_SPECIAL, add_bos=False,
+                    named_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+                    processor=_qwen3vl_processor, config=config,
+                    released_sizes={"min_pixels": 64 * 32**2, "max_pixels": 16384 * 32**2},
+                    fidelity_reference_template=tagged, projector_in_vision=True)
+
+
+# -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
+# ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
+_MOLMO2_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- for item in message['content'] %}{%- if item['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- else %}{{- item['text'] }}{%- endif %}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_MOLMO2_IMAGE_TOKENS = ("<im_patch>", "<im_col>", "<im_start>", "<low_res_im_start>", "<frame_start>", "<im_end>",
+                        "<frame_end>", "<im_low>", "<|image|>", "<|video|>")
+
+
+def _molmo2_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers.models.molmo2.image_processing_molmo2 import Molmo2ImageProcessor
+    from transformers.models.molmo2.processing_molmo2 import Molmo2Processor
+    from transformers.models.molmo2.video_processing_molmo2 import Molmo2VideoProcessor
+
+    size = released["size"] if released else 56
+    image = Molmo2ImageProcessor(size={"height": size, "width": size}, max_crops=released["max_crops"] if released else 2,
+                                 patch_size=14, pooling_size=[2, 2], overlap_margins=[4, 4] if released else [1, 1])
+    return Molmo2Processor(image_processor=image, video_processor=Molmo2VideoProcessor(size={"height": size, "width": size}),
+                           tokenizer=tokenizer, chat_template=template)  # fmt: skip
+
+
+def _molmo2_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"text_config": {**text, "head_dim": 16, "additional_vocab_size": 0},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "image_size": [56, 56],
+                              "patch_size": 14},
+            "adapter_config": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                               "intermediate_size": 64, "text_hidden_size": 64, "vision_feature_layer": [-1]},
+            "image_start_token_id": ids("<im_start>"), "low_res_image_start_token_id": ids("<low_res_im_start>"),
+            "image_end_token_id": ids("<im_end>"), "image_patch_id": ids("<im_patch>"),
+            "frame_start_token_id": ids("<frame_start>"), "frame_end_token_id": ids("<frame_end>")}  # fmt: skip
+
+
+CLASSES: dict[str, TinyKind] = {
+    "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
+                      (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
+                      bos=_BOS, eos=_EOS, pad=_PAD,
+                      named_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                                    "eoi_token": "<end_of_image>"},
+                      processor=_janus_processor, config=_janus_config,
+                      released_sizes={"size": 384, "num_image_tokens": 576}),
+    "llama4": TinyKind("llama4", _LLAMA4_TEMPLATE, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+                       ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|>", "<|header_start|>",
+                        "<|header_end|>", "<|eot|>", "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>",
+                        "<|tile_x_separator|>", "<|tile_y_separator|>"),
+                       bos="<|begin_of_text|>", eos="<|eot|>", pad="<|finetune_right_pad|>",
+                       processor=_llama4_processor, config=_llama4_config,
+                       released_sizes={"size": 336, "max_patches": 16}),
+    "hunyuan_vl": TinyKind("hunyuan_vl", _HY_TEMPLATE, "tencent/HunyuanOCR (structure; its template text reduced)",
+                           (_HY_BOS, _HY_EOS, _HY_PAD, _hy("place holder no 3"), _hy("User"), _hy("Assistant"),
+                            *_HY_IMAGE.values(), _hy("place holder no 103")),
+                           bos=_HY_BOS, eos=_HY_EOS, pad=_HY_PAD, named_tokens=dict(_HY_IMAGE),
+                           processor=_hunyuan_processor, config=_hunyuan_config, projector_in_vision=True,
+                           released_sizes={"min_pixels": 512 * 512, "max_pixels": 2048 * 2048}),
+    "qwen3_5": _qwen_kind("qwen3_5", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
+                          "Qwen/Qwen3.5-* (its template's logic)", _qwen35_config,
+                          _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")),
+    "qwen3_5_moe": _qwen_kind("qwen3_5_moe", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
+                              "Qwen/Qwen3.5-*-A*B (its template's logic)", _qwen35_moe_config,
+                              _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}")
+                              .replace("{END}", "{% endgeneration %}")),
+    "molmo2": TinyKind("molmo2", _MOLMO2_TEMPLATE, "allenai/Molmo2-4B", ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                       *_MOLMO2_IMAGE_TOKENS), bos="<|endoftext|>", add_bos=False,
+                       named_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
+                       processor=_molmo2_processor, config=_molmo2_config,
+                       released_sizes={"size": 378, "max_crops": 8}),
+    # Qwen3-VL's released (prefix-stable) template is the qwen2_vl family's; here its MoE class on the auto path
+    "qwen3_vl_moe": _qwen_kind("qwen3_vl_moe", "{%- set ns = namespace(last_query_index=-1) %}"
+                               + _QWEN35_TEMPLATE[_QWEN35_TEMPLATE.index("{%- for message in messages %}{%- set content"):]
+                               .replace("loop.index0 > ns.last_query_index", "false").replace("{GEN}", "")
+                               .replace("{END}", "").replace("{%- if enable_thinking is defined and enable_thinking is "
+                                                             "false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+                                                             "{%- else %}{{- '<think>\\n' }}{%- endif %}", ""),
+                               "Qwen/Qwen3-VL-30B-A3B-Instruct (ChatML)", _qwen3vl_moe_config),
+}
