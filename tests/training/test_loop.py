@@ -189,26 +189,28 @@ def _saved_on(ranks, accumulation, consumed=2):
 
 def test_a_resume_on_another_number_of_ranks_is_checked_by_the_engine_and_the_global_batch():
     from mmtune.training.checkpoint import ResumeConfigError
-    from mmtune.training.loop import check_resume_layout
+    from mmtune.training.layout import RankLayout
+    from mmtune.training.resume import check_resume_layout
 
-    layout = {"processes_per_rank": 1}
+    def on(num_processes, accumulation):
+        return RankLayout(num_processes=num_processes, accumulation=accumulation)
+
     # DDP and FSDP2 load on any number of processes: only the global batch must stay.
     for name in ("ddp", "fsdp2"):
         assert _engine(name).reshard_problem(2, 1) == ""
-        said = check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=1, accumulation=2, **layout)
+        said = check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), on(1, 2))
         assert said.startswith("resuming on 1 rank(s) x 2 micro-batch(es) per step, saved on 2 x 1: the same 2 ")
-        assert check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=2, accumulation=1,
-                                   **layout) == ""
+        assert check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), on(2, 1)) == ""
     with pytest.raises(ResumeConfigError, match=r"cannot resume from ckpt \(step 2\) on 1 process\(es\): it was "
                                                 r"saved on 2 ranks x training.gradient_accumulation_steps=1 .* Set "
                                                 r"training.gradient_accumulation_steps=2 to keep 2 micro-batches"):
-        check_resume_layout("ckpt", _saved_on(2, 1), _engine("fsdp2"), num_processes=1, accumulation=1, **layout)
+        check_resume_layout("ckpt", _saved_on(2, 1), _engine("fsdp2"), on(1, 1))
     # DeepSpeed's ZeRO partitions load on their own number of processes only: refused, checked without
     # launching DeepSpeed, with the data's problem in the same message.
     zero = _engine("deepspeed", stage=2)
     assert zero.reshard_problem(2, 2) == ""
     with pytest.raises(ResumeConfigError) as refused:
-        check_resume_layout("ckpt", _saved_on(2, 1), zero, num_processes=1, accumulation=1, **layout)
+        check_resume_layout("ckpt", _saved_on(2, 1), zero, on(1, 1))
     said = str(refused.value)
     assert ("DeepSpeed ZeRO-2 saved its optimizer states in 2 per-rank partitions, which its load_checkpoint "
             "restores onto 2 processes only (this run has 1)") in said

@@ -53,34 +53,22 @@ import torch
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
-from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, complete_checkpoints,
-                                       intact_note, latest_checkpoint, read_trainer_state, recover_interrupted_saves,
-                                       save_final)
+from mmtune.training.checkpoint import CheckpointManager, intact_note, save_final
 from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
+from mmtune.training.layout import RankLayout
 from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
 from mmtune.training.loss import TrainingLoss
-from mmtune.training.manifest import choose_resume_checkpoint
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
+from mmtune.training import resume as resume_policy
 
-__all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout",
-           "check_resume_layout"]
+__all__ = ["SFTRecipe", "seed_everything", "check_evaluation_layout"]
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def generate_synthetic_data(syn: Any) -> None:
-    """Write the synthetic dataset into ``syn.out_dir`` unless it is already there."""
-    from mmtune.data.synthetic import generate_synthetic
-
-    if all((Path(syn.out_dir) / name).is_file() for name in ("train.json", "test.json", "llava.json")):
-        return
-    generate_synthetic(syn.out_dir, n_train=syn.n_train, n_test=syn.n_test, n_llava=syn.n_llava, seed=syn.seed,
-                       image_size=syn.image_size, **dict(syn.options))
 
 
 def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -> None:
@@ -100,47 +88,6 @@ def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -
         raise ValueError(
             f"training.{' and training.'.join(asked)}=true cannot run under {problem}. Or set "
             + " ".join(f"training.{k}=false" for k in asked) + " to train without it")
-
-
-def check_resume_layout(checkpoint: Any, state: dict[str, Any], engine: Any, *, num_processes: int,
-                        processes_per_rank: int, accumulation: int) -> str:
-    """Refuse a resume whose rank layout cannot continue the checkpoint's exactly, before anything loads.
-
-    A checkpoint continues on another number of processes when the engine can load its
-    state there (:meth:`~mmtune.training.engines.base.Engine.reshard_problem`) and the
-    data position keeps its global batch, ranks x gradient accumulation
-    (:func:`~mmtune.data.datamodule.layout_problem`).
-
-    Args:
-        state: the checkpoint's ``trainer_state.json``.
-        processes_per_rank: processes sharing one data rank (``training.sequence_parallel.size``).
-
-    Returns:
-        A line saying how the layout changed (empty when it did not).
-
-    Raises:
-        ResumeConfigError: one message with every problem and its fix.
-    """
-    from mmtune.data.datamodule import layout_problem
-
-    data = state.get("data")
-    if data is None:  # nothing recorded to compare with
-        return ""
-    saved_ranks = int(data.get("world_size", num_processes // processes_per_rank))
-    saved_processes = int(state.get("num_processes", saved_ranks * processes_per_rank))
-    ranks = num_processes // processes_per_rank
-    problems = [problem for problem in (
-        engine.reshard_problem(saved_processes, num_processes),
-        layout_problem(data, ranks, accumulation, processes_per_rank=processes_per_rank)) if problem]
-    if problems:
-        raise ResumeConfigError(f"cannot resume from {checkpoint} (step {state.get('step')}) on {num_processes} "
-                                f"process(es): " + "; ".join(problems))
-    saved_accumulation = data.get("accumulation", accumulation)
-    if (saved_ranks, saved_accumulation) == (ranks, accumulation):
-        return ""
-    return (f"resuming on {ranks} rank(s) x {accumulation} micro-batch(es) per step, saved on {saved_ranks} x "
-            f"{saved_accumulation}: the same {ranks * accumulation} micro-batches per optimizer step, so every step "
-            "trains the samples of the uninterrupted run")
 
 
 class SFTRecipe:
@@ -165,9 +112,7 @@ class SFTRecipe:
         self.context_extension = None
         self.eval_results: dict[str, Any] = {}
         self.output_lock = None  # held by the main process from setup() to cleanup()
-        self.resume_from: Optional[Path] = None
-        self.config_changes: list[dict[str, Any]] = []  # allowed changes on every resume so far
-        self.resume_changes: dict[str, Any] = {}  # those of this resume
+        self.resume = resume_policy.Resume()  # the checkpoint continued and its recorded config changes
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -210,97 +155,49 @@ class SFTRecipe:
             **self.engine.accelerator_kwargs(),
         )
         acc = self.accelerator
+        self.layout = RankLayout.of_run(t, num_processes=acc.num_processes, process_index=acc.process_index)
         self.engine.start(acc)  # a launch for another engine stops here, naming both
         check_evaluation_layout(t, self.engine, num_processes=acc.num_processes)
         acc.print(f"engine: {self.engine.describe(self.engine.config)} on {acc.num_processes} process(es)")
 
     def _claim_output_dir(self) -> None:
-        """Lock ``training.output_dir``, finish saves an earlier attempt left half-renamed, and refuse
-        a folder with checkpoints unless resuming."""
-        acc = self.accelerator
-        self._lock_output_dir()
-        if acc.is_main_process:
-            recover_interrupted_saves(self.output_dir)  # a save killed between its renames
-        acc.wait_for_everyone()
-        self._check_output_dir()
+        """Lock ``training.output_dir``, finish half-renamed saves, refuse a used folder unless resuming."""
+        self.output_lock = resume_policy.claim_output_dir(self.accelerator, self.output_dir, self.cfg.training.resume)
 
     def _prepare_data_files(self) -> None:
         """The data files (generated when synthetic) and their content identities.
 
         This comes before :meth:`_choose_resume`, so that a resume compares the data's content too.
         """
-        acc = self.accelerator
-        if self.cfg.synthetic.enabled:
-            if acc.is_main_process:
-                generate_synthetic_data(self.cfg.synthetic)
-            acc.wait_for_everyone()
+        if self.cfg.synthetic.enabled:  # the demos' and the tiny runs' generated data (configs/synthetic/)
+            from mmtune.training.demo import generate_synthetic_data
+
+            generate_synthetic_data(self.cfg.synthetic, self.accelerator)
         self.data_identities = self._data_identities()
 
     def _choose_resume(self) -> None:
-        """Pick the checkpoint to resume from and check this run's config against its own.
+        """Pick the checkpoint to resume from and check this run against it (:mod:`mmtune.training.resume`).
 
-        Before building anything: a resume with a changed config is refused at once. The
-        checkpoint is the newest whose files are all there (:mod:`mmtune.training.manifest`).
+        Before building anything: a resume with a changed config is refused at once.
         """
-        t = self.cfg.training
-        self.resume_from, passed_over = choose_resume_checkpoint(
-            t.resume, lambda: complete_checkpoints(self.output_dir), lambda c: read_trainer_state(c).get("step"))
-        if passed_over:
-            self.accelerator.print(passed_over)
-        self.config_changes = self._check_resume_config() if self.resume_from is not None else []
+        self.resume = resume_policy.plan_resume(self.cfg.training, self.output_dir, engine=self.engine,
+                                                layout=self.layout, config_record=self.config_record,
+                                                say=self.accelerator.print)
 
     def _build_model(self) -> tuple[torch.nn.Module, Any]:
-        """Load the model through the adapter, extend its context, apply LoRA, freeze, choose attention.
+        """The model through the adapter, with its window, LoRA, freezing, attention and sequence
+        parallelism (:func:`~mmtune.training.model_setup.build_model`).
 
         Returns:
             The model (unwrapped) and its module groups (the adapter's ``module_groups``).
-
-        Raises:
-            ValueError: when the training window exceeds the model's context window.
         """
-        from mmtune.models.registry import build_adapter
-        from mmtune.models.rope import apply_context_extension
-        from mmtune.training.optim import apply_freezing
-        from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
+        from mmtune.training.model_setup import build_model
 
-        cfg, t = self.cfg, self.cfg.training
-        # Random-weight models are seeded identically on every rank.
-        self.adapter = build_adapter(cfg.model)
-        load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
-        if cfg.peft.method == "qlora":
-            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
-                                                  skip_modules=self.adapter.quantization_skip_modules()))
-        model = self.adapter.load_model(**load_kwargs)
-        text_config = self.adapter.text_config(model.config)
-        self.context_extension = apply_context_extension(
-            model, text_config, cfg.context,
-            model_max_position_embeddings=cfg.model.max_position_embeddings, tokenizer=self.adapter.tokenizer)
-        # The training window: the context group's target when it extends the model,
-        # otherwise the collator's sample budget.
-        self.max_length = cfg.context.max_length or cfg.collator.max_length
-        window = max(int(text_config.max_position_embeddings),
-                     self.context_extension.target if self.context_extension else 0)  # dynamic NTK keeps the original
-        if self.max_length > window:
-            raise ValueError(
-                f"samples of up to {self.max_length} tokens (collator.max_length / context.max_length) exceed the "
-                f"model's {window}-token window: lower collator.max_length or extend the window with context=8k")
-        if t.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
-        lora = cfg.peft.method in ("lora", "qlora")
-        if lora:
-            model = apply_lora(model, self.adapter.module_groups(model), cfg.peft, self.adapter.default_lora_targets,
-                               gradient_checkpointing=t.gradient_checkpointing)
-        groups = self.adapter.module_groups(model)
-        apply_freezing(model, groups, t, lora=lora)
-        self._choose_attention(model, text_config)
-        self.sequence_parallel = None
-        if t.sequence_parallel.size > 1:
-            from mmtune.training.sequence_parallel import SequenceParallel
-
-            self.sequence_parallel = SequenceParallel.create(t.sequence_parallel.size, self.adapter, model,
-                                                             attn_implementation=text_config._attn_implementation)
-        return model, groups
+        built = build_model(self.cfg, self.layout)
+        self.adapter, self.context_extension, self.max_length = built.adapter, built.context_extension, built.max_length
+        self.attention, self._language_model = built.attention, built.language_model
+        self.sequence_parallel = built.sequence_parallel
+        return built.model, built.groups
 
     def _build_optimizer(self, model: torch.nn.Module, groups: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Count the parameters, let the engine shard the model, then build the optimizer over its groups.
@@ -327,11 +224,10 @@ class SFTRecipe:
 
         cfg, t, acc = self.cfg, self.cfg.training, self.accelerator
         # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
-        sp_size = t.sequence_parallel.size
+        layout = self.layout
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index // sp_size,
-                          world_size=acc.num_processes // sp_size,
-                          gradient_accumulation_steps=t.gradient_accumulation_steps)
+        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=layout.data_rank,
+                          world_size=layout.data_ranks, gradient_accumulation_steps=layout.accumulation)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -358,7 +254,7 @@ class SFTRecipe:
         self.vision = VisionOnEveryRank(self.adapter, self.model, groups.language_model)
         self.objective = TokenWeightedCrossEntropy(
             self.batch_loss, reduce_sum=lambda x: acc.reduce(x, reduction="sum"), world_size=acc.num_processes,
-            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=t.sequence_parallel.size)
+            accumulation=self.layout.accumulation, device=acc.device, row_replicas=self.layout.sequence_parallel)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
         if self.sequence_parallel is not None:
@@ -374,57 +270,28 @@ class SFTRecipe:
         """
         acc = self.accelerator
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
-        resume_from = self.resume_from
-        if resume_from is None and acc.is_main_process:
-            # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
-            for stale in ("metrics.jsonl", "sample_ids.jsonl"):
-                (self.output_dir / stale).unlink(missing_ok=True)
-        if resume_from is not None:
-            saved = read_trainer_state(resume_from)
-            try:  # before anything loads
-                self.data.check_state(saved["data"], processes_per_rank=self.cfg.training.sequence_parallel.size)
-            except ValueError as err:  # a resume refusal like a changed config: one message, no traceback
-                raise ResumeConfigError(f"cannot resume from {resume_from} (step {saved['step']}): {err}") from None
-            # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
-            fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                     list(self.scheduler.scheduler.base_lrs))
-            state = self.checkpoints.load(acc, resume_from, engine=self.engine)
-            if self.resume_changes:
-                self._apply_allowed_changes(*fresh)
-            self.step, self.epoch = int(state["step"]), int(state["epoch"])
-            # The saved position dealt out to this run's ranks (the same when the layout is the checkpoint's).
-            self.micro_batches_done = self.data.resume_position(state["data"])
-            # accelerate finds each step's last micro-batch by counting micro-batches; it restored
-            # the saved rank's count, which under another accumulation falls elsewhere in a step.
-            acc.step = self.step * self.cfg.training.gradient_accumulation_steps
-            self._note_random_states(state)
-            if acc.is_main_process:
-                # Steps after the checkpoint were logged by the interrupted attempt and are
-                # about to be trained again: drop their rows so each step appears once.
-                for log in ("metrics.jsonl", "sample_ids.jsonl"):
-                    cut_jsonl_after(self.output_dir / log, self.step)
-            acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
-                      f"micro-batch {self.micro_batches_done} of the epoch")
-
-    def _note_random_states(self, state: dict[str, Any]) -> None:
-        """Say which processes did not get their own random state back from a checkpoint saved on another number.
-
-        accelerate's ``load_state`` restores ``random_states_<i>.pkl`` on process ``i`` and, for
-        a process without that file, logs and goes on: its Python, NumPy and torch generators
-        keep the state they reached at start-up, seeded with ``training.seed`` like every
-        process of a fresh run. Files of processes this run does not have are not read.
-        """
-        acc = self.accelerator
-        ranks = state.get("data", {}).get("world_size", acc.num_processes // self.cfg.training.sequence_parallel.size)
-        saved = int(state.get("num_processes", ranks * self.cfg.training.sequence_parallel.size))
-        if saved == acc.num_processes:
+        logs = [self.output_dir / name for name in ("metrics.jsonl", "sample_ids.jsonl")]
+        if self.resume.checkpoint is None:
+            if acc.is_main_process:  # a fresh run: per-step logs of an earlier attempt here would mix in
+                for stale in logs:
+                    stale.unlink(missing_ok=True)
             return
-        if acc.num_processes > saved:
-            acc.print(f"random state: the checkpoint holds those of {saved} process(es); processes {saved}.."
-                      f"{acc.num_processes - 1} have none and continue from their start-up state (training.seed)")
-        else:
-            acc.print(f"random state: processes 0..{acc.num_processes - 1} restored their own; those of processes "
-                      f"{acc.num_processes}..{saved - 1} are not used")
+        state = resume_policy.restore(self.resume, accelerator=acc, checkpoints=self.checkpoints, engine=self.engine,
+                                      data=self.data, optimizer=self.optimizer, scheduler=self.scheduler,
+                                      layout=self.layout)
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        # The saved position dealt out to this run's ranks (the same when the layout is the checkpoint's).
+        self.micro_batches_done = self.data.resume_position(state["data"])
+        # accelerate finds each step's last micro-batch by counting micro-batches; it restored
+        # the saved rank's count, which under another accumulation falls elsewhere in a step.
+        acc.step = self.step * self.layout.accumulation
+        if acc.is_main_process:
+            # Steps after the checkpoint were logged by the interrupted attempt and are
+            # about to be trained again: drop their rows so each step appears once.
+            for log in logs:
+                cut_jsonl_after(log, self.step)
+        acc.print(f"resumed from {self.resume.checkpoint}: step {self.step}, epoch {self.epoch}, "
+                  f"micro-batch {self.micro_batches_done} of the epoch")
 
     def _start_logger(self) -> None:
         """The run logger, from the step the run starts at, and the run's one-line summary."""
@@ -441,24 +308,6 @@ class SFTRecipe:
                if self.context_extension else "")
         )
 
-    def _choose_attention(self, model: torch.nn.Module, text_config: Any) -> None:
-        """Resolve ``training.packed_attention`` against the loaded model (see
-        :mod:`mmtune.training.packed_attention`); ``auto`` falls back, saying why, where the
-        language model cannot switch, ``per_sample`` fails."""
-        from mmtune.training.packed_attention import fallback, language_model, model_support_problem, resolve_attention
-
-        mode = self.cfg.training.packed_attention
-        self.attention = resolve_attention(mode, batching=self.cfg.collator.batching,
-                                           attn_implementation=text_config._attn_implementation)
-        self._language_model = language_model(model, text_config)
-        if self.attention.per_sample:
-            problem = model_support_problem(model, text_config)
-            if problem and mode == "per_sample":
-                raise ValueError(f"training.packed_attention=per_sample cannot work with this model: {problem}; "
-                                 "set training.packed_attention=auto (transformers' block mask) or off")
-            if problem:
-                self.attention = fallback(self.attention, problem)
-
     def _count_steps(self) -> int:
         """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
         t = self.cfg.training
@@ -472,96 +321,6 @@ class SFTRecipe:
             raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
                              "(see the truncation stats) or the sources have no records")
         return min(total, t.max_steps) if t.max_steps is not None else total
-
-    def _lock_output_dir(self) -> None:
-        """Refuse a second job writing into this run's folder (every rank stops with the holder's details).
-
-        Only the main process takes the lock: every rank of this job writes into the folder
-        (its RNG state, its engine's shards), which is legitimate. Another job's main process
-        then finds it held; the refusal is broadcast so that its other ranks stop at once
-        with the same message instead of waiting at the next barrier.
-        """
-        from accelerate.utils import broadcast_object_list
-
-        from mmtune.io.locks import DirectoryLockedError, lock_directory
-
-        acc, refusal = self.accelerator, None
-        if acc.is_main_process:
-            try:
-                self.output_lock = lock_directory(
-                    self.output_dir, purpose="training",
-                    hint="set training.output_dir to another folder (to continue that run once it has stopped, "
-                         "rerun with training.resume=auto)")
-            except DirectoryLockedError as err:
-                refusal = str(err)
-        if acc.num_processes > 1:
-            refusal = broadcast_object_list([refusal])[0]
-        if refusal is not None:
-            raise DirectoryLockedError(refusal)
-
-    def _check_resume_config(self) -> list[dict[str, Any]]:
-        """The config changes of the run so far, this resume's included; refuses one not allowed.
-
-        First the rank layout (:func:`check_resume_layout`: the engine loads the state on this
-        number of processes, and ranks x gradient accumulation is the checkpoint's), then this
-        run's config against the one the checkpoint was saved with (see
-        :func:`~mmtune.training.checkpoint.check_resume_config`). Returns the checkpoint's
-        record of earlier changes plus this resume's, if any: ``{"effective_from_step",
-        "resumed_from", "changes": {key: {"old", "new"}}}``.
-        """
-        from mmtune.data.datamodule import saved_global_batch
-        from mmtune.data.identity import comparable_record
-        from mmtune.training.checkpoint import check_resume_config
-
-        if not (Path(self.resume_from) / TRAINER_STATE).is_file():
-            raise FileNotFoundError(
-                f"training.resume: {self.resume_from} has no {TRAINER_STATE}, so it is not a complete mmtune "
-                "checkpoint; name a <output_dir>/checkpoints/step-N folder, or use training.resume=auto")
-        state = read_trainer_state(self.resume_from)
-        t, acc = self.cfg.training, self.accelerator
-        layout_change = check_resume_layout(self.resume_from, state, self.engine, num_processes=acc.num_processes,
-                                            processes_per_rank=t.sequence_parallel.size,
-                                            accumulation=t.gradient_accumulation_steps)
-        if layout_change:
-            acc.print(layout_change)
-        # The layout check compared ranks x accumulation, so the accumulation alone may differ.
-        free = ({"training.gradient_accumulation_steps": "the same global batch on another number of ranks"}
-                if saved_global_batch(state.get("data", {})) is not None else {})
-        history = list(state.get("config_changes", []))
-        if "config" not in state:
-            self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
-                                   "mmtune), so changes to it cannot be checked")
-            return history
-        current, unchecked = comparable_record(state["config"], self.config_record())
-        if unchecked:
-            self.accelerator.print(f"{self.resume_from}: {unchecked}")
-        changes = check_resume_config(self.resume_from, state, current, list(t.resume_config_changes), free=free)
-        self.resume_changes = changes
-        if changes:
-            step = int(state["step"])
-            history.append({"effective_from_step": step + 1, "resumed_from": str(self.resume_from), "changes": changes})
-            self.accelerator.print(
-                f"resuming with config changes allowed by training.resume_config_changes, from step {step + 1}: "
-                + "; ".join(f"{key}: {c['old']!r} -> {c['new']!r}" for key, c in changes.items()))
-        return history
-
-    def _apply_allowed_changes(self, fresh_groups: list[dict[str, Any]], fresh_base_lrs: list[float]) -> None:
-        """Make allowed changes of the optimizer and schedule take effect after a checkpoint load.
-
-        Loading restores the optimizer's param-group settings (lr, weight decay, betas,
-        epsilon) and the scheduler's base learning rates from the checkpoint, so without
-        this a changed ``training.lr`` would be recorded but never used. The moments and
-        the step count stay the checkpoint's; the schedule's shape (type, warm-up, length)
-        is already this run's, since the scheduler was built from this config.
-        """
-        scheduler = self.scheduler.scheduler  # transformers' schedulers are LambdaLR
-        scheduler.base_lrs = list(fresh_base_lrs)
-        for group, fresh, base, factor in zip(self.optimizer.param_groups, fresh_groups, scheduler.base_lrs,
-                                              scheduler.lr_lambdas):
-            for key in ("weight_decay", "betas", "eps", "initial_lr"):
-                if key in fresh:
-                    group[key] = fresh[key]
-            group["lr"] = base * factor(scheduler.last_epoch)
 
     @property
     def secret_names(self) -> list[str]:
@@ -588,14 +347,6 @@ class SFTRecipe:
         if acc.num_processes > 1:
             identities = broadcast_object_list([identities])[0]
         return identities
-
-    def _check_output_dir(self) -> None:
-        t = self.cfg.training
-        if t.resume is None and latest_checkpoint(self.output_dir) is not None:
-            raise FileExistsError(
-                f"{self.output_dir} already has checkpoints: set training.resume=auto to continue that run, "
-                "or choose another training.output_dir"
-            )
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -633,7 +384,8 @@ class SFTRecipe:
 
     def _train_steps(self) -> None:
         acc, t, cfg, engine = self.accelerator, self.cfg.training, self.cfg, self.engine
-        accum = t.gradient_accumulation_steps
+        accum = self.layout.accumulation
+        sp_size = self.layout.sequence_parallel  # ranks holding each micro-batch: its tokens and images count once
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         while self.step < self.total_steps:
@@ -641,7 +393,6 @@ class SFTRecipe:
             micro = [next(batches) for _ in range(accum)]
             # Global loss-token count of this step, before any backward (see module docstring).
             global_tokens = self.objective.begin_step([b for b, _ in micro])
-            sp_size = t.sequence_parallel.size  # ranks holding each micro-batch: its tokens and images count once
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
             for batch, meta in micro:
@@ -741,7 +492,7 @@ class SFTRecipe:
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
             "num_processes": self.accelerator.num_processes,  # what the engine's state was saved on
             # What a resume compares its own config with, and the changes made so far.
-            "config": self.config_record(), "config_changes": self.config_changes,
+            "config": self.config_record(), "config_changes": self.resume.history,
         })
 
     def save(self) -> Optional[Path]:
@@ -758,8 +509,8 @@ class SFTRecipe:
             "max_length": self.max_length,
             "config": self.logger_config(),
         }
-        if self.config_changes:  # the values above hold from these steps on; the old ones before
-            metadata["config_changes"] = self.config_changes
+        if self.resume.history:  # the values above hold from these steps on; the old ones before
+            metadata["config_changes"] = self.resume.history
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
                                     save_pretrained_extras=extras, metadata=metadata,
