@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModelAdapter
     from mmtune.training.config import SFTConfig
 
-__all__ = ["evaluate_in_training"]
+__all__ = ["evaluate_in_training", "evaluate_and_log"]
 
 
 def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTConfig", *, tag: str, run: str,
@@ -56,6 +56,24 @@ def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTC
         else:  # pragma: no cover - every benchmark's file was moved once
             raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
     return {name: dict(result.metrics) for name, result in results.items()}
+
+
+def evaluate_and_log(recipe: Any, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, dict[str, float]]:
+    """Evaluate a running recipe's current model (``before`` / ``after``) and log the scores: every rank
+    generates its share of the dialogues, the main process scores, logs and prints them."""
+    acc = recipe.accelerator
+    model = recipe.engine.unwrap(recipe.model)
+    results = evaluate_in_training(model, recipe.adapter, recipe.cfg, tag=tag, run=recipe.run_name,
+                                   output_dir=str(recipe.output_dir / "eval" / tag), checkpoint=checkpoint,
+                                   wandb_run=recipe.logger.wandb_run if acc.is_main_process else None)
+    if acc.is_main_process:
+        flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
+                for name, value in metrics.items()}
+        recipe.logger.summary(flat)
+        acc.print(f"eval ({tag}): " + ", ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in flat.items()
+                                                if isinstance(v, (int, float))))
+    acc.wait_for_everyone()
+    return results
 
 
 def _move_aside(path):

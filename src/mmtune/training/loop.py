@@ -57,7 +57,7 @@ from mmtune.training.checkpoint import CheckpointManager, intact_note, save_fina
 from mmtune.training.config import SFTConfig
 from mmtune.training.engines import build_engine
 from mmtune.training.layout import RankLayout
-from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
+from mmtune.training.logging import RunLogger, mfu, step_metrics
 from mmtune.training.loss import TrainingLoss
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 from mmtune.training import resume as resume_policy
@@ -173,7 +173,7 @@ class SFTRecipe:
             from mmtune.training.demo import generate_synthetic_data
 
             generate_synthetic_data(self.cfg.synthetic, self.accelerator)
-        self.data_identities = self._data_identities()
+        self.data_identities = data_identities(self.accelerator, self.cfg.data.mixture.sources)
 
     def _choose_resume(self) -> None:
         """Pick the checkpoint to resume from and check this run against it (:mod:`mmtune.training.resume`).
@@ -235,7 +235,7 @@ class SFTRecipe:
             with disk_full_guard(report, "data_report.json", intact=lambda: intact_note(self.output_dir)):
                 self.data.loss_report.write(str(report))
         acc.print(self.data.loss_report.render())
-        self.total_steps = self._count_steps()
+        self.steps_per_epoch, self.total_steps = count_steps(self.data, self.cfg.training)
 
     def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         """The learning-rate schedule over the run's optimizer steps (so after :meth:`_build_data`)."""
@@ -270,11 +270,9 @@ class SFTRecipe:
         """
         acc = self.accelerator
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
-        logs = [self.output_dir / name for name in ("metrics.jsonl", "sample_ids.jsonl")]
         if self.resume.checkpoint is None:
-            if acc.is_main_process:  # a fresh run: per-step logs of an earlier attempt here would mix in
-                for stale in logs:
-                    stale.unlink(missing_ok=True)
+            if acc.is_main_process:
+                resume_policy.reset_step_logs(self.output_dir, None)
             return
         state = resume_policy.restore(self.resume, accelerator=acc, checkpoints=self.checkpoints, engine=self.engine,
                                       data=self.data, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -286,10 +284,7 @@ class SFTRecipe:
         # the saved rank's count, which under another accumulation falls elsewhere in a step.
         acc.step = self.step * self.layout.accumulation
         if acc.is_main_process:
-            # Steps after the checkpoint were logged by the interrupted attempt and are
-            # about to be trained again: drop their rows so each step appears once.
-            for log in logs:
-                cut_jsonl_after(log, self.step)
+            resume_policy.reset_step_logs(self.output_dir, self.step)
         acc.print(f"resumed from {self.resume.checkpoint}: step {self.step}, epoch {self.epoch}, "
                   f"micro-batch {self.micro_batches_done} of the epoch")
 
@@ -308,20 +303,6 @@ class SFTRecipe:
                if self.context_extension else "")
         )
 
-    def _count_steps(self) -> int:
-        """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
-        t = self.cfg.training
-        self.steps_per_epoch: list[int] = []
-        for epoch in range(t.epochs):
-            if t.max_steps is not None and sum(self.steps_per_epoch) >= t.max_steps:
-                break  # later epochs are never reached; no need to plan them
-            self.steps_per_epoch.append(self.data.steps_in_epoch(epoch))
-        total = sum(self.steps_per_epoch)
-        if total == 0:
-            raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
-                             "(see the truncation stats) or the sources have no records")
-        return min(total, t.max_steps) if t.max_steps is not None else total
-
     @property
     def secret_names(self) -> list[str]:
         """Environment variables holding secrets whatever their names (the judge's key variable)."""
@@ -334,19 +315,6 @@ class SFTRecipe:
 
         record = json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
         return with_identities(record, getattr(self, "data_identities", None))
-
-    def _data_identities(self) -> list[str]:
-        """Each data source's content identity (:mod:`mmtune.data.identity`): read once, by the main
-        process, and given to every rank."""
-        from accelerate.utils import broadcast_object_list
-
-        from mmtune.data.identity import source_identities
-
-        acc = self.accelerator
-        identities = source_identities(self.cfg.data.mixture.sources) if acc.is_main_process else None
-        if acc.num_processes > 1:
-            identities = broadcast_object_list([identities])[0]
-        return identities
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -371,7 +339,7 @@ class SFTRecipe:
         self.model.train()
         with self._training_attention():
             self._train_steps()
-        self._report_skipped()
+        report_skipped(self.accelerator, self.data, self.output_dir)
 
     def _training_attention(self) -> contextlib.AbstractContextManager:
         """The training steps' attention (per sample over packed rows when chosen); evaluation
@@ -415,26 +383,15 @@ class SFTRecipe:
                                             device=acc.device), reduction="sum")
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
-                self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
+                log_sample_ids(self.accelerator, self.output_dir, [meta["ids"] for _, meta in micro], step=self.step,
+                               epoch=self.epoch)
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
-                tokens_per_s = float(stats[1]) / elapsed
-                metrics = {
-                    "train/loss": self.objective.step_loss(float(stats[0])),
-                    "train/lr": self.scheduler.get_last_lr()[0],
-                    "train/loss_tokens": global_tokens,
-                    "train/epoch": self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
-                    "perf/tokens_per_s": tokens_per_s,
-                    "perf/images_per_s": float(stats[2]) / elapsed,
-                    "perf/step_time_s": elapsed,
-                }
-                for group, lr in zip(self.optim_groups, self.scheduler.get_last_lr()):
-                    metrics[f"train/lr/{group['name']}"] = lr
-                if self.grad_norm is not None:
-                    metrics["train/grad_norm"] = float(self.grad_norm)
-                util = mfu(self.num_params, tokens_per_s, device_name, acc.num_processes)
-                if util is not None:
-                    metrics["perf/mfu"] = util
-                self.logger.log(self.step, metrics)
+                self.logger.log(self.step, step_metrics(
+                    stats, elapsed=elapsed, loss=self.objective.step_loss(float(stats[0])), loss_tokens=global_tokens,
+                    epoch=self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
+                    lrs=[(g["name"], lr) for g, lr in zip(self.optim_groups, self.scheduler.get_last_lr())],
+                    grad_norm=self.grad_norm, mfu=mfu(self.num_params, float(stats[1]) / elapsed, device_name,
+                                                      acc.num_processes)))
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
@@ -459,30 +416,6 @@ class SFTRecipe:
             else:
                 summed = self.loss(self.model, inputs, batch["labels"])
         return summed + self.vision.take()
-
-    def _report_skipped(self) -> None:
-        """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
-        from accelerate.utils import gather_object
-
-        acc = self.accelerator
-        items = self.data.skipped_items
-        if acc.num_processes > 1:
-            items = gather_object(items)
-        if acc.is_main_process and items:
-            self.data.merge_skipped(items)
-            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
-            acc.print(self.data.loss_report.render_skipped())
-
-    def _log_sample_ids(self, ids_per_micro_batch: list[list[str]], *, epoch: int) -> None:
-        from accelerate.utils import gather_object
-
-        gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
-        if self.accelerator.is_main_process:
-            path = self.output_dir / "sample_ids.jsonl"
-            with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(self.output_dir)):
-                with open_output(path, "a") as f:
-                    f.write(json.dumps({"step": self.step, "epoch": epoch,
-                                        "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Path:
@@ -532,23 +465,10 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:
-        """Run the ``eval`` benchmarks on the current model and log them: every rank generates
-        its share of the dialogues, the main process scores (see ``check_evaluation_layout``)."""
-        from mmtune.training.evaluation import evaluate_in_training
+        """Run the ``eval`` benchmarks on the current model and log them (:mod:`mmtune.training.evaluation`)."""
+        from mmtune.training.evaluation import evaluate_and_log
 
-        acc = self.accelerator
-        model = self.engine.unwrap(self.model)
-        results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
-                                       output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
-                                       wandb_run=self.logger.wandb_run if acc.is_main_process else None)
-        if acc.is_main_process:
-            flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
-                    for name, value in metrics.items()}
-            self.logger.summary(flat)
-            acc.print(f"eval ({tag}): " + ", ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in flat.items()
-                                                    if isinstance(v, (int, float))))
-        acc.wait_for_everyone()
-        return results
+        return evaluate_and_log(self, tag=tag, checkpoint=checkpoint)
 
     # ------------------------------------------------------------------ cleanup
     def cleanup(self) -> None:
@@ -569,3 +489,62 @@ def _to_dict(cfg: SFTConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def count_steps(data: Any, training: Any) -> tuple[list[int], int]:
+    """``(steps of each epoch planned, optimizer steps of the run)``: the sum over every epoch's own
+    plan, capped by ``training.max_steps``.
+
+    Raises:
+        ValueError: when the batch plan is empty.
+    """
+    per_epoch: list[int] = []
+    for epoch in range(training.epochs):
+        if training.max_steps is not None and sum(per_epoch) >= training.max_steps:
+            break  # later epochs are never reached; no need to plan them
+        per_epoch.append(data.steps_in_epoch(epoch))
+    total = sum(per_epoch)
+    if total == 0:
+        raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
+                         "(see the truncation stats) or the sources have no records")
+    return per_epoch, (min(total, training.max_steps) if training.max_steps is not None else total)
+
+
+def data_identities(accelerator: Any, sources: Any) -> list[str]:
+    """Each data source's content identity (:mod:`mmtune.data.identity`): read once, by the main
+    process, and given to every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    from mmtune.data.identity import source_identities
+
+    identities = source_identities(sources) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        identities = broadcast_object_list([identities])[0]
+    return identities
+
+
+def report_skipped(accelerator: Any, data: Any, output_dir: Path) -> None:
+    """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
+    from accelerate.utils import gather_object
+
+    items = data.skipped_items
+    if accelerator.num_processes > 1:
+        items = gather_object(items)
+    if accelerator.is_main_process and items:
+        data.merge_skipped(items)
+        data.loss_report.write(str(output_dir / "data_report.json"))
+        accelerator.print(data.loss_report.render_skipped())
+
+
+def log_sample_ids(accelerator: Any, output_dir: Path, ids_per_micro_batch: list[list[str]], *, step: int,
+                   epoch: int) -> None:
+    """Append one step's sample ids of every rank to ``sample_ids.jsonl`` (``training.log_sample_ids``)."""
+    from accelerate.utils import gather_object
+
+    gathered = gather_object([{"rank": accelerator.process_index, "ids": ids_per_micro_batch}])
+    if accelerator.is_main_process:
+        path = output_dir / "sample_ids.jsonl"
+        with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(output_dir)):
+            with open_output(path, "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch,
+                                    "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")

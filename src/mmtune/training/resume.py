@@ -27,7 +27,7 @@ from mmtune.training.layout import RankLayout
 from mmtune.training.manifest import choose_resume_checkpoint
 
 __all__ = ["Resume", "lock_output_dir", "claim_output_dir", "refuse_used_output_dir", "choose_checkpoint", "check_resume_layout", "check_resume",
-           "plan_resume", "restore", "apply_allowed_changes", "random_state_note"]
+           "plan_resume", "restore", "reset_step_logs", "apply_allowed_changes", "random_state_note"]
 
 Say = Callable[[str], None]
 
@@ -215,6 +215,22 @@ def plan_resume(training: Any, output_dir: Path, *, engine: Any, layout: RankLay
         return Resume()
     return check_resume(checkpoint, engine=engine, layout=layout, current=config_record(),
                         allowed=list(training.resume_config_changes), say=say)
+
+
+def reset_step_logs(output_dir: Path, step: Optional[int]) -> None:
+    """The per-step logs (``metrics.jsonl``, ``sample_ids.jsonl``) for a run starting after ``step``.
+
+    A fresh run (``step=None``) removes those of an earlier attempt in the folder, which would
+    mix in; a resume drops the rows after its checkpoint's step, logged by the interrupted
+    attempt and about to be trained again, so each step appears once.
+    """
+    from mmtune.training.logging import cut_jsonl_after
+
+    for name in ("metrics.jsonl", "sample_ids.jsonl"):
+        if step is None:
+            (output_dir / name).unlink(missing_ok=True)
+        else:
+            cut_jsonl_after(output_dir / name, step)
 
 
 def apply_allowed_changes(optimizer: Any, scheduler: Any, fresh_groups: list[dict[str, Any]],

@@ -156,9 +156,11 @@ class Engine(ABC):
                 f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
 
     @classmethod
-    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str,
+                              resolve: Callable[[str], str] = str) -> str:
         """Why the accelerate config file ``origin`` (parsed: ``launch``) cannot start this engine
-        with ``config``, its ``training.backend.<name>`` section; empty when it can.
+        with ``config``, its ``training.backend.<name>`` section; empty when it can. ``resolve``
+        finds a file the launch file names (relative paths: from the current folder, then the project).
 
         ``mmtune plan`` asks before a job is submitted; at start-up :meth:`start` refuses the
         same launch from what the launcher passed to the process.

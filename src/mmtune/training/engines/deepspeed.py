@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from mmtune.training.engines.base import (Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine,
                                           register_engine)
@@ -32,6 +32,12 @@ __all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
+
+
+def read_ds_json(path: str) -> dict[str, Any]:
+    """A DeepSpeed JSON config as a dict: the one place mmtune parses DeepSpeed's file."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _offload_device(zero: dict[str, Any], key: str) -> bool:
@@ -85,7 +91,7 @@ class DeepSpeedEngine(Engine):
             if not os.path.isfile(c.config_file):
                 problems.append(f"training.backend.deepspeed.config_file={c.config_file!r} does not exist")
             else:
-                problems += cls._file_problems(c, json.loads(open(c.config_file).read()), c.config_file)
+                problems += cls._file_problems(c, read_ds_json(c.config_file), c.config_file)
         return problems
 
     @staticmethod
@@ -99,21 +105,32 @@ class DeepSpeedEngine(Engine):
                 for key, value in found.items() if getattr(c, key) != value]
 
     @classmethod
-    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
-        problem = super().launch_config_problem(config, launch, origin)
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str,
+                              resolve: Callable[[str], str] = str) -> str:
+        """Also: the ZeRO stage and offloads the launch file starts (inline, or in the DeepSpeed JSON it
+        names) against ``training.backend.deepspeed``, as :meth:`start` checks them."""
+        problem = super().launch_config_problem(config, launch, origin, resolve)
         ds = launch.get("deepspeed_config") or {}
         if problem or not ds:
             return problem
-        stage = int(ds.get("zero_stage", 0))
+        if ds.get("deepspeed_config_file"):
+            path = ds["deepspeed_config_file"]
+            zero = read_ds_json(resolve(path)).get("zero_optimization", {})
+            origin = f"{origin} -> {path}"
+        else:
+            zero = {"stage": ds.get("zero_stage", 0),
+                    "offload_optimizer": {"device": ds.get("offload_optimizer_device") or "none"},
+                    "offload_param": {"device": ds.get("offload_param_device") or "none"}}
+        stage = int(zero.get("stage", 0))
         if stage != config.stage:
             return (f"training.backend.deepspeed.stage={config.stage} but {origin} launches ZeRO-{stage}: make them "
                     "agree (the config decides; the launch file must match it)")
-        return ""
+        return "\n".join(cls._file_problems(config, {"zero_optimization": zero}, origin))
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config this engine runs with when it builds the plugin itself."""
         c = self.config
-        ds: dict[str, Any] = json.loads(open(c.config_file).read()) if c.config_file else {}
+        ds: dict[str, Any] = read_ds_json(c.config_file) if c.config_file else {}
         zero = ds.setdefault("zero_optimization", {})
         zero["stage"] = c.stage
         if c.offload_optimizer:

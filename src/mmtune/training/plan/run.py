@@ -1,4 +1,4 @@
-"""One training run planned: model, data, context, LoRA, ZeRO, steps, tokens, GPU-hours, memory."""
+"""One training run planned: model, data, context, LoRA, engine, steps, tokens, GPU-hours, memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES
-from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, zero_settings
+from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, resolve_launch_file
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
 from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
@@ -34,7 +34,9 @@ class RunPlan:
     loss: str
     """The loss the loop will run (``training.loss_impl`` resolved as the loop resolves it, for
     CUDA GPUs) and, for a fallback, why."""
-    zero: dict[str, Any]
+    engine: dict[str, Any]
+    """The distributed engine as it describes itself (``description``), its settings section
+    (``settings``: ``training.backend.<name>``), GPUs and where they come from (``origin``)."""
     cost: Optional[dict[str, Any]]
     evaluation: dict[str, Any]
 
@@ -76,13 +78,8 @@ class RunPlan:
         lines.append(f"  batching    {b['description']}")
         lines.append(f"  attention   {self.attention}")
         lines.append(f"  loss        {self.loss}")
-        z = self.zero
-        if z["stage"]:  # the ZeRO accounting of plan/cost.py; other engines describe themselves
-            lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
-                         + (" + optimizer offload" if z["offload_optimizer"] else "")
-                         + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
-        else:
-            lines.append(f"  distributed {z['num_gpus']} GPU(s), {z['description']}  [{z['origin']}]")
+        e = self.engine  # what the engine says of itself
+        lines.append(f"  distributed {e['num_gpus']} GPU(s), {e['description']}  [{e['origin']}]")
         if self.cost:
             k = self.cost
             lines.append(f"  steps       {k['optimizer_steps']:,} optimizer steps, "
@@ -210,20 +207,21 @@ def plan_run(
 
     backend = cfg.training.backend
     engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
+    origin = f"training.backend.engine={backend.engine}" + (f" ({accelerate_config})" if accelerate_config else "")
     try:
-        # The engine is the config's; a launcher that started another one is a problem, as at start-up.
+        # The engine is the config's; a launcher that started another one (or other settings) is a
+        # problem, as at start-up: the engine reads the launch file.
         if accelerate_config:
-            problem = engine_cls.launch_config_problem(engine_cfg, launch_config(accelerate_config),
-                                                       str(accelerate_config))
+            problem = engine_cls.launch_config_problem(
+                engine_cfg, launch_config(accelerate_config), str(accelerate_config),
+                resolve=lambda path: resolve_launch_file(path, f"file {accelerate_config} names"))
             if problem:
                 problems.append(problem)
-        stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
         if num_gpus is None:
             num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
             launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
     except PlanError as err:
         problems.append(str(err))
-        stage, off_opt, off_par, origin = 0, False, False, "?"
         num_gpus = num_gpus or 8
     origin += launcher_note
     from mmtune.training.sequence_parallel.groups import size_problems
@@ -262,9 +260,6 @@ def plan_run(
             optimizer_steps=steps,
             weight_dtype=cfg.model.torch_dtype,
             gradient_checkpointing=cfg.training.gradient_checkpointing,
-            zero_stage=stage,
-            offload_optimizer=off_opt,
-            offload_params=off_par,
             num_gpus=num_gpus,
             state=engine_cls.state_memory(engine_cfg, total=params.total, trainable=params.trainable,
                                           weight_bytes=DTYPE_BYTES.get(cfg.model.torch_dtype, 4),
@@ -297,8 +292,8 @@ def plan_run(
         loss=loss_line,
         attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
                                     attn_implementation=cfg.model.attn_implementation).description,
-        zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
-              "num_gpus": num_gpus, "engine": backend.engine, "description": engine_cls.describe(engine_cfg)},
+        engine={"name": backend.engine, "description": engine_cls.describe(engine_cfg), "settings": asdict(engine_cfg),
+                "num_gpus": num_gpus, "origin": origin},
         cost=asdict(cost) if cost else None,
         evaluation={"benchmarks": list(ev.benchmarks) if (cfg.training.eval_before or cfg.training.eval_after) else [],
                     "context_length": ev.generation.context_length, "before": cfg.training.eval_before,
