@@ -149,14 +149,9 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tm
 
 
 def _engine(name, **settings):
-    from mmtune.training.config import SFTConfig
-    from mmtune.training.engines import build_engine
+    from mmtune.training.engines import build_engine, engine_class
 
-    cfg = SFTConfig()
-    cfg.training.backend.engine = name
-    for key, value in settings.items():
-        setattr(getattr(cfg.training.backend, name), key, value)
-    return build_engine(cfg)
+    return build_engine(name, engine_class(name).settings_class(**settings))
 
 
 def test_in_training_evaluation_is_refused_where_weights_are_sharded_on_several_ranks():

@@ -104,6 +104,24 @@ class BackendConfig(Sectioned):
         return backend_config_class()
 
 
+def engine_context(cfg: "SFTConfig") -> Any:
+    """What the run's engine is told of the run beyond its own section
+    (:class:`~mmtune.training.engines.base.EngineContext`)."""
+    from mmtune.training.engines import EngineContext
+
+    t = cfg.training
+    return EngineContext(mixed_precision=t.mixed_precision, max_grad_norm=t.max_grad_norm, compile=t.compile,
+                         trains_vision=t.vision.train)
+
+
+def run_engine(cfg: "SFTConfig") -> Any:
+    """The engine ``training.backend.engine`` names, built from its own section and :func:`engine_context`."""
+    from mmtune.training.engines import build_engine
+
+    backend = cfg.training.backend
+    return build_engine(backend.engine, getattr(backend, backend.engine), engine_context(cfg))
+
+
 def backend_config_class() -> type:
     """:class:`BackendConfig` with one section per registered engine, named after it and typed
     by its ``settings_class`` (built once per set of registered engines).
@@ -454,7 +472,8 @@ def validate(cfg: SFTConfig) -> None:
     if t.backend.engine not in engine_names():
         problems.append(f"training.backend.engine={t.backend.engine!r}: use one of {', '.join(engine_names())}")
     else:
-        problems += engine_class(t.backend.engine).config_problems(cfg)
+        problems += engine_class(t.backend.engine).config_problems(getattr(t.backend, t.backend.engine),
+                                                                   engine_context(cfg))
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.resume_config_changes:

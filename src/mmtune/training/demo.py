@@ -17,31 +17,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from mmtune.compose import compose_checked
 from mmtune.compose import compose_config as compose_sft_config  # composes configs/sft.yaml by default
 
-__all__ = ["compose_sft_config", "demo_overrides", "generate_synthetic_data", "describe_task", "describe_model",
-           "run_demo", "main"]
+__all__ = ["compose_sft_config", "demo_overrides", "describe_task", "describe_model", "run_demo", "main"]
 
 TARGET = 95.0
 """Held-out exact match (%) below which the demo exits with 1 (measured seeds of the
 default: docs/training.md)."""
-
-
-def generate_synthetic_data(syn: Any, accelerator: Any = None) -> None:
-    """Write the synthetic dataset (``synthetic``: ``SyntheticDataConfig``) into ``syn.out_dir`` unless it is
-    already there: by the main process, the others waiting (the demos' and the tiny runs' data)."""
-    from mmtune.data.synthetic import generate_synthetic
-
-    main_process = accelerator is None or accelerator.is_main_process
-    done = all((Path(syn.out_dir) / name).is_file() for name in ("train.json", "test.json", "llava.json"))
-    if main_process and not done:
-        generate_synthetic(syn.out_dir, n_train=syn.n_train, n_test=syn.n_test, n_llava=syn.n_llava, seed=syn.seed,
-                           image_size=syn.image_size, **dict(syn.options))
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
 
 
 def demo_overrides(overrides: list[str]) -> list[str]:

@@ -54,8 +54,7 @@ import torch
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
 from mmtune.training.checkpoint import CheckpointManager, intact_note, save_final
-from mmtune.training.config import SFTConfig
-from mmtune.training.engines import build_engine
+from mmtune.training.config import SFTConfig, run_engine
 from mmtune.training.layout import RankLayout
 from mmtune.training.logging import RunLogger, mfu, step_metrics
 from mmtune.training.loss import TrainingLoss
@@ -143,7 +142,7 @@ class SFTRecipe:
         from accelerate import Accelerator
 
         t = self.cfg.training
-        self.engine = build_engine(self.cfg)
+        self.engine = run_engine(self.cfg)
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -170,7 +169,7 @@ class SFTRecipe:
         This comes before :meth:`_choose_resume`, so that a resume compares the data's content too.
         """
         if self.cfg.synthetic.enabled:  # the demos' and the tiny runs' generated data (configs/synthetic/)
-            from mmtune.training.demo import generate_synthetic_data
+            from mmtune.training.synthetic_data import generate_synthetic_data
 
             generate_synthetic_data(self.cfg.synthetic, self.accelerator)
         self.data_identities = data_identities(self.accelerator, self.cfg.data.mixture.sources)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.models.base import ModuleGroups
-    from mmtune.training.config import SFTConfig
 
 __all__ = ["Engine", "EngineLaunchError", "StateMemory", "launch_file_engine", "launched_engine", "register_engine"]
 
@@ -69,6 +68,25 @@ def launch_file_engine(launch: dict[str, Any]) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class EngineContext:
+    """What an engine knows of the run beyond its own ``training.backend.<name>`` section.
+
+    An engine never sees the run's whole config: the training room makes this from it
+    (:func:`mmtune.training.config.engine_context`).
+    """
+
+    mixed_precision: str = "no"
+    """``training.mixed_precision``: ``no``, ``bf16`` or ``fp16``."""
+    max_grad_norm: Optional[float] = None
+    """``training.max_grad_norm`` (``None``: no clipping)."""
+    compile: bool = False
+    """``training.compile``: the model is compiled after the engine wraps it."""
+    trains_vision: bool = False
+    """The vision tower's module group trains (``training.vision.train``): some of its
+    parameters may get no gradient in a step (a text-only micro-batch)."""
+
+
+@dataclass(frozen=True)
 class StateMemory:
     """Bytes per GPU of the training state under an engine (what ``mmtune plan`` adds up).
 
@@ -91,7 +109,7 @@ class Engine(ABC):
 
     Lifecycle, as the loop calls it::
 
-        engine = build_engine(cfg)                      # typed config, no side effects
+        engine = build_engine(name, settings, context)  # its own section, no side effects
         acc = Accelerator(**engine.accelerator_kwargs(), ...)
         engine.start(acc)                               # a launch for another engine is refused
         model = engine.shard(model, groups)             # before the optimizer sees the parameters
@@ -115,15 +133,20 @@ class Engine(ABC):
     """Why ``training.sequence_parallel.size > 1`` is refused under this engine; empty for an
     engine it runs under (tested there against one process)."""
 
-    def __init__(self, cfg: "SFTConfig"):
-        self.cfg = cfg
-        self.config = getattr(cfg.training.backend, self.name)
+    def __init__(self, config: Any, context: EngineContext = EngineContext()):
+        """Args:
+            config: this engine's ``training.backend.<name>`` section (an instance of ``settings_class``).
+            context: what the engine needs to know of the rest of the run.
+        """
+        self.config = config
+        self.context = context
         self.accelerator: Optional["Accelerator"] = None
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        """What is wrong with ``cfg`` for this engine, each with its key (empty when fine).
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        """What is wrong with ``config`` (``training.backend.<name>``) and ``context`` for this engine,
+        each with its key (empty when fine).
 
         Called by :func:`mmtune.training.config.validate`, before anything is built.
         """

@@ -19,14 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from mmtune.training.engines.base import (Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine,
-                                          register_engine)
+from mmtune.training.engines.base import (Engine, EngineContext, EngineLaunchError, StateMemory, adamw_bytes,
+                                          launched_engine, register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
-
-    from mmtune.training.config import SFTConfig
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ZERO3_LIVE_PARAMETERS"]
 
@@ -79,9 +77,9 @@ class DeepSpeedEngine(Engine):
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        problems = super().config_problems(cfg)
-        c = cfg.training.backend.deepspeed
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        problems = super().config_problems(config, context)
+        c = config
         if c.stage not in (1, 2, 3):
             problems.append(f"training.backend.deepspeed.stage={c.stage}: use 1, 2 or 3")
         if c.offload_params and c.stage != 3:
@@ -168,7 +166,7 @@ class DeepSpeedEngine(Engine):
         if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             ds["train_micro_batch_size_per_gpu"] = 1
         if ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
+            ds["gradient_clipping"] = float(self.context.max_grad_norm or 0.0)
 
     @property
     def stage(self) -> int:

@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
+from mmtune.training.engines.base import Engine, EngineContext, StateMemory, adamw_bytes, rebuilt_model, register_engine
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.models.base import ModuleGroups
-    from mmtune.training.config import SFTConfig
 
 __all__ = ["FSDP2Engine", "FSDP2EngineConfig", "UNITS", "sharding_units"]
 
@@ -132,9 +131,9 @@ class FSDP2Engine(Engine):
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        problems = super().config_problems(cfg)
-        c = cfg.training.backend.fsdp2
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        problems = super().config_problems(config, context)
+        c = config
         unknown = [u for u in c.units if u not in UNITS]
         if unknown:
             problems.append(f"training.backend.fsdp2.units: {', '.join(map(repr, unknown))} unknown; use any of "
@@ -143,10 +142,10 @@ class FSDP2Engine(Engine):
             problems.append(f"training.backend.fsdp2.units={list(c.units)} names a unit twice")
         if c.mixed_precision not in ("auto", "bf16", "fp32"):
             problems.append(f"training.backend.fsdp2.mixed_precision={c.mixed_precision!r}: use auto, bf16 or fp32")
-        if cfg.training.mixed_precision == "fp16":
+        if context.mixed_precision == "fp16":
             problems.append("training.mixed_precision=fp16 with training.backend.engine=fsdp2: FSDP2 has no loss "
                             "scaler here; use bf16 (A100/H100) or ddp/deepspeed for fp16")
-        if cfg.training.compile:
+        if context.compile:
             problems.append("training.compile=true with training.backend.engine=fsdp2 is not supported yet: set "
                             "training.compile=false")
         return problems
@@ -165,7 +164,7 @@ class FSDP2Engine(Engine):
 
         wanted = self.config.mixed_precision
         if wanted == "auto":
-            wanted = "bf16" if self.cfg.training.mixed_precision == "bf16" else "fp32"
+            wanted = "bf16" if self.context.mixed_precision == "bf16" else "fp32"
         return torch.bfloat16 if wanted == "bf16" else None
 
     def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":

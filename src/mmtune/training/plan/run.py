@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
+from mmtune.training.layout import RankLayout
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES
 from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, resolve_launch_file
@@ -118,10 +119,9 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
     data-parallel groups, each training one micro-batch at a time, as the loop deals them.
     """
     col = cfg.collator
-    sp = max(1, cfg.training.sequence_parallel.size)
-    groups = max(1, num_gpus // sp)
+    layout = RankLayout.of_run(cfg.training, num_processes=num_gpus)
+    sp, groups, accum = layout.sequence_parallel, layout.data_ranks, layout.accumulation
     max_len = window
-    accum = cfg.training.gradient_accumulation_steps
     epochs = cfg.training.epochs
     if col.batching == "packing":
         tokens_per_micro = col.batch_size * max_len
@@ -135,7 +135,7 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
         tokens_per_micro = col.batch_size * max_len
         desc = f"{col.batching}: {col.batch_size} sample(s) per micro-batch, each <= {max_len} tokens"
         micro = math.ceil(data.samples_per_epoch / col.batch_size) if data else 0
-    per_step = accum * groups
+    per_step = layout.micro_batches_per_step
     steps = steps_per_epoch(micro, groups, accum) * epochs if data else 0  # the loop's own count
     if cfg.training.max_steps:
         steps = min(steps, cfg.training.max_steps) if steps else cfg.training.max_steps
@@ -247,9 +247,9 @@ def plan_run(
         loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
         train_tokens = data.tokens_per_epoch * cfg.training.epochs
         if cfg.training.max_steps and steps:
-            groups = max(1, num_gpus // max(1, cfg.training.sequence_parallel.size))
-            full = steps_per_epoch(batching["micro_batches_per_epoch"], groups,
-                                   cfg.training.gradient_accumulation_steps) * cfg.training.epochs
+            layout = RankLayout.of_run(cfg.training, num_processes=num_gpus)
+            full = steps_per_epoch(batching["micro_batches_per_epoch"], layout.data_ranks,
+                                   layout.accumulation) * cfg.training.epochs
             train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
         cost = estimate_cost(
             params,
