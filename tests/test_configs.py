@@ -143,3 +143,23 @@ def test_missing_model_path_names_the_key(tmp_path):
     not_a_dir.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"model\.path=.* is a file"):
         build_adapter(ModelConfig(family="llava", path=str(not_a_dir)))
+
+
+def test_an_experiment_whose_launcher_starts_another_engine_is_refused():
+    """One key chooses the engine: the experiment's `launcher` is checked against it when the config is
+    validated (mmtune.training.launch.launcher_problem), so the two cannot disagree."""
+    from mmtune.compose import compose_checked
+    from mmtune.training.config import ConfigError, to_sft_config
+
+    with pytest.raises(ConfigError, match=r"training.backend.engine=fsdp2 but launcher=launch/accelerate/"
+                                          r"single_node_8gpu_zero3.yaml launches deepspeed .* set launcher= to a "
+                                          r"launch file that starts training.backend.engine=fsdp2"):
+        to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"],
+                                      "sft", command="test"))
+    with pytest.raises(ConfigError, match=r"training.backend.deepspeed.stage=2 but launcher=.*zero3.yaml -> "
+                                          r"launch/deepspeed/zero3.json launches ZeRO-3"):
+        to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"],
+                                      "sft", command="test"))
+    # the engine and its launcher named together: accepted
+    to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2",
+                                   "launcher=launch/accelerate/single_node_8gpu_fsdp2.yaml"], "sft", command="test"))

@@ -122,6 +122,22 @@ def run_engine(cfg: "SFTConfig") -> Any:
     return build_engine(backend.engine, getattr(backend, backend.engine), engine_context(cfg))
 
 
+def _launcher_problems(cfg: "SFTConfig") -> list[str]:
+    """The experiment's ``launcher`` checked against the engine ``training.backend.engine`` chooses
+    (:func:`mmtune.training.launch.launcher_problem`, the one place the two are compared)."""
+    from mmtune.training.launch import LaunchFileError, launcher_problem
+
+    if not cfg.launcher:
+        return []
+    fix = ("; the engine decides: set launcher= to a launch file that starts training.backend.engine="
+           f"{cfg.training.backend.engine} (launch/accelerate/), or launcher=null")
+    try:
+        problem = launcher_problem(cfg.training.backend, cfg.launcher, origin=f"launcher={cfg.launcher}")
+    except LaunchFileError as err:
+        return [f"launcher={cfg.launcher}: {err}"]
+    return [problem + fix] if problem else []
+
+
 def backend_config_class() -> type:
     """:class:`BackendConfig` with one section per registered engine, named after it and typed
     by its ``settings_class`` (built once per set of registered engines).
@@ -474,6 +490,7 @@ def validate(cfg: SFTConfig) -> None:
     else:
         problems += engine_class(t.backend.engine).config_problems(getattr(t.backend, t.backend.engine),
                                                                    engine_context(cfg))
+        problems += _launcher_problems(cfg)
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.resume_config_changes:

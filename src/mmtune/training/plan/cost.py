@@ -28,17 +28,13 @@ Cost model (stated in the output as well):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional
 
-from mmtune.training.plan.common import PlanError
 from mmtune.training.plan.gpus import DTYPE_BYTES, OVERHEAD_GIB, GpuType
 from mmtune.training.engines.base import StateMemory
 from mmtune.training.plan.model import ParamCounts
 
-__all__ = ["CostEstimate", "estimate_cost", "resolve_launch_file", "launcher_processes", "launch_config"]
+__all__ = ["CostEstimate", "estimate_cost"]
 
 
 @dataclass
@@ -176,43 +172,3 @@ def _training_flops(params: ParamCounts, *, train_tokens: int, train_images: int
     patches = (params.image_tokens or 0) * train_images
     vision = (6 if vision_trains else 2) * params.vision * patches
     return train_tokens * (per_token + attn) + vision
-
-
-def resolve_launch_file(path: str, what: str = "accelerate config") -> str:
-    """A launch file as given when it exists from the current folder, else the same
-    relative path under the project (where ``launch/`` lives), as the README's commands
-    name them from the repository root.
-
-    Raises:
-        PlanError: neither exists (both places named).
-    """
-    from mmtune.data.config import configs_dir
-
-    if os.path.isfile(path):
-        return path
-    project = Path(configs_dir()).resolve().parent / path
-    if not os.path.isabs(path) and project.is_file():
-        return str(project)
-    tried = f"{os.path.abspath(path)}" + ("" if os.path.isabs(path) else f" or {project}")
-    raise PlanError(f"{what} {path!r} not found (tried {tried})")
-
-
-def launcher_processes(accelerate_config: str) -> Optional[int]:
-    """GPUs an accelerate config launches (``num_processes``; per machine x ``num_machines``
-    when it gives a per-node count), or None when it does not say."""
-    from omegaconf import OmegaConf
-
-    acc = OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config))) or {}
-    processes = acc.get("num_processes")
-    return int(processes) if isinstance(processes, int) and processes > 0 else None
-
-
-def launch_config(accelerate_config: str) -> dict[str, Any]:
-    """An accelerate config file as a dict, what an engine's ``launch_config_problem`` reads.
-
-    Raises:
-        PlanError: the file is not found.
-    """
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.load(resolve_launch_file(accelerate_config))) or {}

@@ -11,7 +11,8 @@ from mmtune.data.batching import steps_per_epoch
 from mmtune.training.layout import RankLayout
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES
-from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, resolve_launch_file
+from mmtune.training.launch import LaunchFileError, launcher_problem, launcher_processes
+from mmtune.training.plan.cost import estimate_cost
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
 from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
@@ -212,15 +213,13 @@ def plan_run(
         # The engine is the config's; a launcher that started another one (or other settings) is a
         # problem, as at start-up: the engine reads the launch file.
         if accelerate_config:
-            problem = engine_cls.launch_config_problem(
-                engine_cfg, launch_config(accelerate_config), str(accelerate_config),
-                resolve=lambda path: resolve_launch_file(path, f"file {accelerate_config} names"))
+            problem = launcher_problem(backend, str(accelerate_config))
             if problem:
                 problems.append(problem)
         if num_gpus is None:
             num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
             launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
-    except PlanError as err:
+    except LaunchFileError as err:
         problems.append(str(err))
         num_gpus = num_gpus or 8
     origin += launcher_note
