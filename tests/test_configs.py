@@ -163,3 +163,28 @@ def test_an_experiment_whose_launcher_starts_another_engine_is_refused():
     # the engine and its launcher named together: accepted
     to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2",
                                    "launcher=launch/accelerate/single_node_8gpu_fsdp2.yaml"], "sft", command="test"))
+
+
+def test_evaluations_name_their_training_run_through_its_own_key(tmp_path, monkeypatch):
+    """An experiment that reads a training run's final/ names it as ${mmtune.key_of:<experiment>,training.output_dir}:
+    the training experiment's own key, so moving that run's output moves every reader with it."""
+    import re
+
+    from mmtune.compose import compose_checked, experiment_key
+    from tests.support.experiments import declared_recipe
+
+    monkeypatch.setenv("MMTUNE_OUTPUT_ROOT", str(tmp_path))
+    readers = {}
+    for path in sorted((CONFIGS / "experiment").glob("*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        copied = re.search(r"^\s*path:[ \t]*(?![ \t]|\$\{mmtune\.key_of:).*/final\s*$", text, re.M)
+        assert copied is None, f"{path.name} copies a training run's final/ path: {copied.group(0).strip()}"
+        readers.update({path.stem: m for m in re.findall(r"\$\{mmtune\.key_of:([a-z0-9_]+),training\.output_dir\}",
+                                                         text)})
+    assert len(readers) == 8
+    for reader, trained in readers.items():
+        output_dir = to_sft_config(compose_checked([f"experiment={trained}"], "sft", command="test")).training.output_dir
+        assert output_dir == str(tmp_path / trained) == experiment_key(trained, "training.output_dir")
+        recipe = declared_recipe(reader)
+        composed = compose_checked([f"experiment={reader}"], recipe, command="test")
+        assert OmegaConf.select(composed, "model.path") == f"{output_dir}/final", reader
