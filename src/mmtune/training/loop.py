@@ -71,12 +71,13 @@ def seed_everything(seed: int) -> None:
 
 
 def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -> None:
-    """Refuse in-training evaluation where the engine cannot generate (sharded weights on several ranks).
+    """Refuse in-training evaluation where the engine says it cannot generate.
 
     Evaluation during training generates on every rank, each its own share of the
     dialogues (:mod:`mmtune.evaluation.generation.data_parallel`), so ranks make different
-    numbers of forward passes; an engine that gathers sharded weights in every forward
-    says why it cannot (:meth:`~mmtune.training.engines.base.Engine.evaluation_problem`).
+    numbers of forward passes; the shipped engines give each rank a model that computes
+    alone (:meth:`~mmtune.training.engines.base.Engine.evaluation_model`), and an engine
+    that cannot says why (:meth:`~mmtune.training.engines.base.Engine.evaluation_problem`).
 
     Raises:
         ValueError: naming the keys to change, at start-up rather than after training.

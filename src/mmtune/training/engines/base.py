@@ -203,6 +203,18 @@ class Engine(ABC):
         this engine on ``num_processes`` processes; empty when it can."""
         return ""
 
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """The model in-training evaluation generates with on this rank, for the block.
+
+        Evaluation is data-parallel: every rank answers its own share of the dialogues, with
+        its own number of forward passes, so the module it gets must compute without the
+        other ranks. Engines with full weights on every rank give the unwrapped model; an
+        engine that shards them gathers the full weights into a plain copy (a collective:
+        every rank enters the block), freed when the block ends.
+        """
+        yield self.unwrap(model)
+
     # -- model -----------------------------------------------------------------------------
     def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":
         """Split ``model`` into this engine's sharding units before the optimizer is built
@@ -349,6 +361,32 @@ class Engine(ABC):
 def adamw_bytes(trainable: int, weight_bytes: int) -> float:
     """AdamW's m and v in fp32, plus an fp32 master copy when the weights are 16-bit."""
     return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
+
+
+def computing_twin(model: "nn.Module", state_dict: dict[str, Any], original_class: Callable[["nn.Module"], type],
+                   *, device: Any, dtype: Any = None) -> "nn.Module":
+    """A plain copy of ``model`` holding the full ``state_dict`` that computes on its own, on ``device``.
+
+    :func:`rebuilt_model`, plus the buffers a state dict does not hold (rotary frequencies,
+    non-persistent) copied from ``model`` (an engine never shards buffers), floating weights
+    cast to ``dtype`` when given (the dtype the engine computes in), and generation's cache on.
+    """
+    twin = rebuilt_model(model, state_dict, original_class)
+    buffers = dict(model.named_buffers())
+    for name, buffer in list(twin.named_buffers()):
+        if buffer.is_meta and name in buffers:
+            owner, _, attr = name.rpartition(".")
+            twin.get_submodule(owner)._buffers[attr] = buffers[name].detach().clone()
+    twin.to(device)
+    if dtype is not None:
+        for p in twin.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    for config in (getattr(twin, "config", None), getattr(getattr(twin, "get_base_model", lambda: None)(), "config",
+                                                          None)):
+        if config is not None:
+            config.use_cache = True  # gradient checkpointing turned it off for training
+    return twin.eval()
 
 
 def rebuilt_model(model: "nn.Module", state_dict: dict[str, Any],

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from mmtune.training.engines.base import (Engine, EngineContext, EngineLaunchError, StateMemory, adamw_bytes,
-                                          launched_engine, register_engine)
+                                          computing_twin, launched_engine, register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -172,14 +172,37 @@ class DeepSpeedEngine(Engine):
     def stage(self) -> int:
         return int(self.config.stage)
 
-    def evaluation_problem(self, num_processes: int) -> str:
-        if self.stage == 3 and num_processes > 1:
-            return (f"DeepSpeed ZeRO-3 on {num_processes} processes: in-training evaluation generates on every "
-                    "rank, each its own dialogues, and ZeRO-3's per-layer gathers need every rank in the same "
-                    "forward pass (the job would hang). Evaluate the saved final/ checkpoint with recipes/evaluate.py "
-                    "(mmtune evaluate), or train with training.backend.deepspeed.stage=2 or "
-                    "training.backend.engine=fsdp2")
-        return ""
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """Under ZeRO-3 on several processes, a plain copy on every rank (:func:`computing_twin`) of the
+        full weights, gathered by ``deepspeed.zero.GatheredParameters``: ZeRO-3's per-layer gathers need
+        every rank in the same forward, while each rank generates its own dialogues. (Several ranks need
+        GPUs: DeepSpeed's collectives do not run on CPU ranks, so this path is not tested here.) ZeRO-1/2
+        and one process compute with the unwrapped model."""
+        assert self.accelerator is not None
+        unwrapped = self.unwrap(model)
+        if self.stage != 3 or self.accelerator.num_processes <= 1:
+            yield unwrapped
+            return
+        import deepspeed
+
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters()), modifier_rank=None):
+            full = {name: tensor.detach().clone() for name, tensor in unwrapped.state_dict().items()}
+        # transformers builds a model inside deepspeed.zero.Init (partitioned) while the run's ZeRO-3
+        # config is registered with it; the copy must be whole, so it is built with that unset.
+        registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+        hf_deepspeed.unset_hf_deepspeed_config()
+        try:
+            twin = computing_twin(unwrapped, full, self.original_class, device=self.accelerator.device)
+        finally:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+        del full
+        try:
+            yield twin
+        finally:
+            del twin
 
     # -- model -----------------------------------------------------------------------------
     def parameter_counts(self, model: "nn.Module") -> tuple[int, int]:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
-from mmtune.training.engines.base import Engine, EngineContext, StateMemory, adamw_bytes, rebuilt_model, register_engine
+from mmtune.training.engines.base import (Engine, EngineContext, StateMemory, adamw_bytes, computing_twin, rebuilt_model,
+                                          register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -150,13 +151,27 @@ class FSDP2Engine(Engine):
                             "training.compile=false")
         return problems
 
-    def evaluation_problem(self, num_processes: int) -> str:
-        if num_processes > 1:
-            return (f"FSDP2 on {num_processes} processes: in-training evaluation generates on every rank, each "
-                    "its own dialogues and number of forward passes, and every sharded unit's forward all-gathers "
-                    "from all ranks at once (the job would hang). Evaluate the saved final/ checkpoint with "
-                    "recipes/evaluate.py (mmtune evaluate), or train with training.backend.engine=ddp")
-        return ""
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """On several processes, an unsharded copy on every rank (:func:`computing_twin`) holding the full
+        weights gathered with ``torch.distributed.checkpoint``'s ``get_model_state_dict``: every sharded
+        unit's forward would all-gather from all ranks at once, while each rank generates its own
+        dialogues. It costs the model's full weights once more per GPU for the evaluation's length.
+        One process computes with the model itself."""
+        assert self.accelerator is not None
+        if self.accelerator.num_processes <= 1 or getattr(self, "quantized", False):
+            yield model
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+        twin = computing_twin(model, full, self.original_class, device=self.accelerator.device,
+                              dtype=self._param_dtype())
+        del full
+        try:
+            yield twin
+        finally:
+            del twin
 
     # -- model -----------------------------------------------------------------------------
     def _param_dtype(self) -> Optional["Any"]:
