@@ -153,7 +153,7 @@ def test_an_experiment_whose_launcher_starts_another_engine_is_refused():
 
     with pytest.raises(ConfigError, match=r"training.backend.engine=fsdp2 but launcher=launch/accelerate/"
                                           r"single_node_8gpu_zero3.yaml launches deepspeed .* set launcher= to a "
-                                          r"launch file that starts training.backend.engine=fsdp2"):
+                                          r"launch file for training.backend.engine=fsdp2"):
         to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"],
                                       "sft", command="test"))
     with pytest.raises(ConfigError, match=r"training.backend.deepspeed.stage=2 but launcher=.*zero3.yaml -> "

@@ -292,8 +292,8 @@ def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env,
     assert p.engine["settings"]["stage"] == 3
     mine = tmp_path / "my_zero2.yaml"  # a launcher of your own, next to you
     mine.write_text((REPO / "launch/accelerate/single_node_8gpu_zero2.yaml").read_text())
-    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=None,
-                 accelerate_config="my_zero2.yaml")
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2",
+                  "launcher=my_zero2.yaml"], num_gpus=None)
     assert p.engine["settings"]["stage"] == 2
     # the DeepSpeed JSON the launcher names is read from the project too, and checked by the engine
     with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=3 but my_zero2.yaml -> "
@@ -360,7 +360,7 @@ def test_a_launch_file_for_another_engine_or_another_zero_stage_is_refused_by_th
     with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=2 but .*zero3.yaml -> .*zero3.json launches ZeRO-3"):
         plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=8,
                  accelerate_config=zero3)
-    fsdp2 = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"], num_gpus=None,
-                     accelerate_config="launch/accelerate/single_node_8gpu_fsdp2.yaml")
+    fsdp2 = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2",
+                      "launcher=launch/accelerate/single_node_8gpu_fsdp2.yaml"], num_gpus=None)
     assert fsdp2.engine["name"] == "fsdp2" and fsdp2.engine["num_gpus"] == 8
     assert fsdp2.engine["description"].startswith("FSDP2")

@@ -115,25 +115,11 @@ def estimate_cost(
         loss_impl = choose_loss_impl(loss_impl, device_type="cuda").impl  # planned on GPUs; Liger as installed
     head_grad_fp32 = 4 * V * d if head_trains and wbytes < 4 else 0
     n = max(1, sequence_parallel)
-    gib = 1024**3
 
     def memory(s: int) -> dict[str, float]:
-        r = math.ceil(s / n)  # this GPU's tokens of the row
-        act = (2 * r * d * L + 34 * r * d) if gradient_checkpointing else 34 * r * d * L
-        if n > 1:
-            act += 2 * s * d  # the whole row's merged embeddings, before the shard is taken
-        if loss_impl == "chunked":
-            c = min(r, max(1, loss_chunk_size))
-            logits = 6 * c * V + 2 * r * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
-        elif loss_impl == "fused":
-            c = min(r, 2 ** math.ceil(math.log2(max(1.0, r / math.ceil(V / d)))))
-            logits = 2 * c * V + 2 * r * d + (4 * V * d if head_trains else 0)
-        else:
-            logits = 14 * r * V
-        out = {"weights": state.weights / gib, "gathered": state.gathered / gib,
-               "gradients": state.gradients / gib, "optimizer": state.optimizer / gib, "activations": act / gib, "logits": logits / gib, "overhead": OVERHEAD_GIB}
-        out["total"] = sum(out.values())
-        return out
+        return _memory_gib(s, state=state, d=d, L=L, V=V, sequence_parallel=n,
+                           gradient_checkpointing=gradient_checkpointing, loss_impl=loss_impl,
+                           loss_chunk_size=loss_chunk_size, head_trains=head_trains, head_grad_fp32=head_grad_fp32)
 
     s = micro_batch_tokens
     mem = memory(s)
@@ -142,7 +128,42 @@ def estimate_cost(
     low, high = memory(first)["total"], memory(2 * first)["total"]
     longest = int(first + (gpu.memory_gib - low) * first / max(high - low, 1e-12)) if high > low else 0
     longest = max(0, longest // n * n)
-    formula = (
+    formula = _formula(engine, loss_impl)
+    return CostEstimate(
+        gpu=gpu.name, num_gpus=G, utilization=utilization, engine=engine, optimizer_steps=optimizer_steps,
+        train_tokens=train_tokens, micro_batch_tokens=s, flops=flops, gpu_hours=gpu_hours,
+        wall_hours=gpu_hours / G, memory_gib=mem, fits=mem["total"] <= gpu.memory_gib, formula=formula,
+        sequence_parallel=n, longest_row_tokens=longest,
+    )
+
+
+def _memory_gib(s: int, *, state: StateMemory, d: int, L: int, V: int, sequence_parallel: int,
+                gradient_checkpointing: bool, loss_impl: str, loss_chunk_size: int, head_trains: bool,
+                head_grad_fp32: float) -> dict[str, float]:
+    """GiB per GPU for rows of ``s`` tokens: the engine's state, activations, the loss term, overhead."""
+    gib, n = 1024**3, sequence_parallel
+    r = math.ceil(s / n)  # this GPU's tokens of the row
+    act = (2 * r * d * L + 34 * r * d) if gradient_checkpointing else 34 * r * d * L
+    if n > 1:
+        act += 2 * s * d  # the whole row's merged embeddings, before the shard is taken
+    if loss_impl == "chunked":
+        c = min(r, max(1, loss_chunk_size))
+        logits = 6 * c * V + 2 * r * d + ((2 * V * d + head_grad_fp32) if head_trains else 0)
+    elif loss_impl == "fused":
+        c = min(r, 2 ** math.ceil(math.log2(max(1.0, r / math.ceil(V / d)))))
+        logits = 2 * c * V + 2 * r * d + (4 * V * d if head_trains else 0)
+    else:
+        logits = 14 * r * V
+    out = {"weights": state.weights / gib, "gathered": state.gathered / gib, "gradients": state.gradients / gib,
+           "optimizer": state.optimizer / gib, "activations": act / gib, "logits": logits / gib,
+           "overhead": OVERHEAD_GIB}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _formula(engine: str, loss_impl: str) -> str:
+    """The cost model in one paragraph, as the plan's JSON records it."""
+    return (
         "FLOPs = tokens·(4·N_lm + 2·N_trainable_lm [+2·N_lm ckpt] + 6·L·d·s̄ [×4/3 ckpt]) + "
         "(2|6)·N_vision·patches; GPU-h = FLOPs / (peak·utilization) / 3600. "
         f"Memory = weights + grads + AdamW (8 or 12 B/param) as {engine} holds them + activations "
@@ -150,12 +171,6 @@ def estimate_cost(
         "+ 2·row·d B for the whole row's embeddings when it is > 1) + logits/loss term (training.loss_impl=" + loss_impl + ": "
         + {"chunked": "6·c·V + 2·s·d [+2·V·d +4·V·d fp32 head grad] B, c = loss_chunk_size rows",
            "fused": "2·c·V + 2·s·d + 4·V·d B, c = Liger's chunk"}.get(loss_impl, "14·s·V B") + ") + 1.5 GiB."
-    )
-    return CostEstimate(
-        gpu=gpu.name, num_gpus=G, utilization=utilization, engine=engine, optimizer_steps=optimizer_steps,
-        train_tokens=train_tokens, micro_batch_tokens=s, flops=flops, gpu_hours=gpu_hours,
-        wall_hours=gpu_hours / G, memory_gib=mem, fits=mem["total"] <= gpu.memory_gib, formula=formula,
-        sequence_parallel=n, longest_row_tokens=longest,
     )
 
 
