@@ -169,6 +169,14 @@ def test_in_training_evaluation_runs_under_every_engine_and_an_engine_can_still_
                                          r"training.eval_after=false"):
         check_evaluation_layout(both, refusing, num_processes=8)
     check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), refusing, num_processes=8)
+    # a 4-bit (QLoRA) base cannot be rebuilt into a full copy: refused on several FSDP2 processes
+    from mmtune.training.engines import EngineContext, build_engine, engine_class
+
+    qlora = build_engine("fsdp2", engine_class("fsdp2").settings_class(), EngineContext(quantized_base=True))
+    with pytest.raises(ValueError, match=r"training.eval_after=true cannot run under FSDP2 on 2 processes with a "
+                                         r"4-bit \(QLoRA\) base"):
+        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), qlora, num_processes=2)
+    check_evaluation_layout(both, qlora, num_processes=1)
 
 
 def _saved_on(ranks, accumulation, consumed=2):

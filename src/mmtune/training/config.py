@@ -111,7 +111,7 @@ def engine_context(cfg: "SFTConfig") -> Any:
 
     t = cfg.training
     return EngineContext(mixed_precision=t.mixed_precision, max_grad_norm=t.max_grad_norm, compile=t.compile,
-                         trains_vision=t.vision.train)
+                         trains_vision=t.vision.train, quantized_base=cfg.peft.method == "qlora")
 
 
 def run_engine(cfg: "SFTConfig") -> Any:

@@ -84,6 +84,8 @@ class EngineContext:
     trains_vision: bool = False
     """The vision tower's module group trains (``training.vision.train``): some of its
     parameters may get no gradient in a step (a text-only micro-batch)."""
+    quantized_base: bool = False
+    """The model's base weights are loaded in 4 bits (``peft.method=qlora``): a config cannot rebuild them."""
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,13 @@ class FSDP2Engine(Engine):
                             "training.compile=false")
         return problems
 
+    def evaluation_problem(self, num_processes: int) -> str:
+        if num_processes > 1 and self.context.quantized_base:
+            return (f"FSDP2 on {num_processes} processes with a 4-bit (QLoRA) base: each rank generates on a copy "
+                    "of the full weights, which a 4-bit base cannot be rebuilt into. Evaluate the saved final/ "
+                    "adapter with recipes/evaluate.py (mmtune evaluate)")
+        return ""
+
     @contextlib.contextmanager
     def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
         """On several processes, an unsharded copy on every rank (:func:`computing_twin`) holding the full
