@@ -53,13 +53,13 @@ import torch
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
+from mmtune.training import resume as resume_policy
 from mmtune.training.checkpoint import CheckpointManager, intact_note, save_final
 from mmtune.training.config import SFTConfig, run_engine
 from mmtune.training.layout import RankLayout
 from mmtune.training.logging import RunLogger, mfu, step_metrics
 from mmtune.training.loss import TrainingLoss
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
-from mmtune.training import resume as resume_policy
 
 __all__ = ["SFTRecipe", "seed_everything", "check_evaluation_layout"]
 
