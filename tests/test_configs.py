@@ -143,3 +143,48 @@ def test_missing_model_path_names_the_key(tmp_path):
     not_a_dir.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"model\.path=.* is a file"):
         build_adapter(ModelConfig(family="llava", path=str(not_a_dir)))
+
+
+def test_an_experiment_whose_launcher_starts_another_engine_is_refused():
+    """One key chooses the engine: the experiment's `launcher` is checked against it when the config is
+    validated (mmtune.training.launch.launcher_problem), so the two cannot disagree."""
+    from mmtune.compose import compose_checked
+    from mmtune.training.config import ConfigError, to_sft_config
+
+    with pytest.raises(ConfigError, match=r"training.backend.engine=fsdp2 but launcher=launch/accelerate/"
+                                          r"single_node_8gpu_zero3.yaml launches deepspeed .* set launcher= to a "
+                                          r"launch file for training.backend.engine=fsdp2"):
+        to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"],
+                                      "sft", command="test"))
+    with pytest.raises(ConfigError, match=r"training.backend.deepspeed.stage=2 but launcher=.*zero3.yaml -> "
+                                          r"launch/deepspeed/zero3.json launches ZeRO-3"):
+        to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"],
+                                      "sft", command="test"))
+    # the engine and its launcher named together: accepted
+    to_sft_config(compose_checked(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2",
+                                   "launcher=launch/accelerate/single_node_8gpu_fsdp2.yaml"], "sft", command="test"))
+
+
+def test_evaluations_name_their_training_run_through_its_own_key(tmp_path, monkeypatch):
+    """An experiment that reads a training run's final/ names it as ${mmtune.key_of:<experiment>,training.output_dir}:
+    the training experiment's own key, so moving that run's output moves every reader with it."""
+    import re
+
+    from mmtune.compose import compose_checked, experiment_key
+    from tests.support.experiments import declared_recipe
+
+    monkeypatch.setenv("MMTUNE_OUTPUT_ROOT", str(tmp_path))
+    readers = {}
+    for path in sorted((CONFIGS / "experiment").glob("*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        copied = re.search(r"^\s*path:[ \t]*(?![ \t]|\$\{mmtune\.key_of:).*/final\s*$", text, re.M)
+        assert copied is None, f"{path.name} copies a training run's final/ path: {copied.group(0).strip()}"
+        readers.update({path.stem: m for m in re.findall(r"\$\{mmtune\.key_of:([a-z0-9_]+),training\.output_dir\}",
+                                                         text)})
+    assert len(readers) == 8
+    for reader, trained in readers.items():
+        output_dir = to_sft_config(compose_checked([f"experiment={trained}"], "sft", command="test")).training.output_dir
+        assert output_dir == str(tmp_path / trained) == experiment_key(trained, "training.output_dir")
+        recipe = declared_recipe(reader)
+        composed = compose_checked([f"experiment={reader}"], recipe, command="test")
+        assert OmegaConf.select(composed, "model.path") == f"{output_dir}/final", reader

@@ -175,7 +175,7 @@ def test_the_8_gpu_commands_plan_and_parse(shell, monkeypatch):
 
     planned = shell(plan)
     assert "model       llava  path=llava-hf/llava-1.5-7b-hf" in planned
-    assert "8 GPU(s), ZeRO stage 3  [launch/accelerate/single_node_8gpu_zero3.yaml" in planned
+    assert "8 GPU(s), DeepSpeed ZeRO-3  [training.backend.engine=deepspeed (launch/accelerate/single_node_8gpu_zero3.yaml)" in planned
 
     words = shlex.split(launch)
     assert words[:4] == ["accelerate", "launch", "--config_file", "launch/accelerate/single_node_8gpu_zero3.yaml"]

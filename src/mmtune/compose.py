@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 __all__ = ["RECIPES", "COMMANDS", "OverrideError", "compose_config", "compose_checked", "normalize_overrides",
-           "experiment_name", "experiment_recipe", "explain_compose_error", "check_recipe_overrides"]
+           "experiment_name", "experiment_recipe", "explain_compose_error", "check_recipe_overrides",
+           "experiment_key", "register_resolvers"]
 
 #: recipe name -> its script; the name is also the primary config under configs/
 RECIPES = {"sft": "recipes/sft.py", "evaluate": "recipes/evaluate.py"}
@@ -220,3 +221,44 @@ def _schema_check(cfg: Any, config_name: str) -> None:
         from mmtune.training.config import to_sft_config
 
         to_sft_config(cfg)
+
+
+def experiment_key(experiment: str, key: str) -> Any:
+    """The value experiment ``experiment`` gives ``key`` (dotted, e.g. ``training.output_dir``), resolved:
+    what the resolver ``${mmtune.key_of:<experiment>,<key>}`` returns, so that an evaluation experiment
+    names its training experiment's output through that experiment's own key, never a copy of the path.
+
+    The experiment's file (``configs/experiment/<name>.yaml``) states the key or inherits it from
+    the parent experiment its ``defaults`` names (as Hydra merges them: the file's own value
+    wins); interpolations resolve within that file (``${oc.env:...}``).
+
+    Raises:
+        ValueError: the experiment does not exist or neither it nor its parents set ``key``.
+    """
+    from omegaconf import OmegaConf
+
+    from mmtune.data.config import configs_dir
+
+    path = Path(configs_dir()) / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        raise ValueError(f"${{mmtune.key_of:{experiment},{key}}}: no experiment {experiment!r} ({path} not found)")
+    cfg = OmegaConf.load(path)
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is not None:
+        return value
+    parents = [e for e in cfg.get("defaults") or [] if isinstance(e, str) and e != "_self_"]
+    if not parents:
+        raise ValueError(f"${{mmtune.key_of:{experiment},{key}}}: {path} sets no {key} and has no parent experiment")
+    return experiment_key(parents[-1], key)
+
+
+def register_resolvers() -> None:
+    """Register mmtune's OmegaConf resolvers (idempotent): ``mmtune.key_of`` (:func:`experiment_key`)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mmtune.key_of"):
+        OmegaConf.register_new_resolver("mmtune.key_of", lambda experiment, key: experiment_key(str(experiment), str(key)))
+
+
+# Every entry point (recipes/*.py, the mmtune commands, mmtune plan) imports this module before composing.
+register_resolvers()

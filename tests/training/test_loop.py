@@ -149,35 +149,34 @@ def test_a_partial_last_group_is_weighted_by_its_own_loss_tokens(make_recipe, tm
 
 
 def _engine(name, **settings):
-    from mmtune.training.config import SFTConfig
-    from mmtune.training.engines import build_engine
+    from mmtune.training.engines import build_engine, engine_class
 
-    cfg = SFTConfig()
-    cfg.training.backend.engine = name
-    for key, value in settings.items():
-        setattr(getattr(cfg.training.backend, name), key, value)
-    return build_engine(cfg)
+    return build_engine(name, engine_class(name).settings_class(**settings))
 
 
-def test_in_training_evaluation_is_refused_where_weights_are_sharded_on_several_ranks():
+def test_in_training_evaluation_runs_under_every_engine_and_an_engine_can_still_refuse_it():
     from types import SimpleNamespace
 
     from mmtune.training.loop import check_evaluation_layout
 
     both = SimpleNamespace(eval_before=True, eval_after=True)
-    zero3, fsdp2 = _engine("deepspeed", stage=3), _engine("fsdp2")
-    with pytest.raises(ValueError, match=r"training.eval_before and training.eval_after=true cannot run under "
-                                         r"DeepSpeed ZeRO-3 on 8 processes.*training.eval_before=false "
+    # Sharded weights on several ranks: each rank generates on the full weights its engine gathers.
+    for engine in (_engine("deepspeed", stage=3), _engine("fsdp2"), _engine("deepspeed", stage=2), _engine("ddp")):
+        check_evaluation_layout(both, engine, num_processes=8)
+    refusing = SimpleNamespace(evaluation_problem=lambda n: f"an engine that cannot on {n} processes")
+    with pytest.raises(ValueError, match=r"training.eval_before and training.eval_after=true cannot run under an "
+                                         r"engine that cannot on 8 processes.*training.eval_before=false "
                                          r"training.eval_after=false"):
-        check_evaluation_layout(both, zero3, num_processes=8)
-    with pytest.raises(ValueError, match="training.eval_after=true cannot run under FSDP2 on 2 processes"):
-        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), fsdp2, num_processes=2)
-    # Full weights on every rank (DDP, ZeRO-2), a single sharded process, or no evaluation: allowed.
-    check_evaluation_layout(both, _engine("deepspeed", stage=2), num_processes=8)
-    check_evaluation_layout(both, _engine("ddp"), num_processes=8)
-    check_evaluation_layout(both, zero3, num_processes=1)
-    check_evaluation_layout(both, fsdp2, num_processes=1)
-    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), zero3, num_processes=8)
+        check_evaluation_layout(both, refusing, num_processes=8)
+    check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=False), refusing, num_processes=8)
+    # a 4-bit (QLoRA) base cannot be rebuilt into a full copy: refused on several FSDP2 processes
+    from mmtune.training.engines import EngineContext, build_engine, engine_class
+
+    qlora = build_engine("fsdp2", engine_class("fsdp2").settings_class(), EngineContext(quantized_base=True))
+    with pytest.raises(ValueError, match=r"training.eval_after=true cannot run under FSDP2 on 2 processes with a "
+                                         r"4-bit \(QLoRA\) base"):
+        check_evaluation_layout(SimpleNamespace(eval_before=False, eval_after=True), qlora, num_processes=2)
+    check_evaluation_layout(both, qlora, num_processes=1)
 
 
 def _saved_on(ranks, accumulation, consumed=2):
@@ -189,26 +188,28 @@ def _saved_on(ranks, accumulation, consumed=2):
 
 def test_a_resume_on_another_number_of_ranks_is_checked_by_the_engine_and_the_global_batch():
     from mmtune.training.checkpoint import ResumeConfigError
-    from mmtune.training.loop import check_resume_layout
+    from mmtune.training.layout import RankLayout
+    from mmtune.training.resume import check_resume_layout
 
-    layout = {"processes_per_rank": 1}
+    def on(num_processes, accumulation):
+        return RankLayout(num_processes=num_processes, accumulation=accumulation)
+
     # DDP and FSDP2 load on any number of processes: only the global batch must stay.
     for name in ("ddp", "fsdp2"):
         assert _engine(name).reshard_problem(2, 1) == ""
-        said = check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=1, accumulation=2, **layout)
+        said = check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), on(1, 2))
         assert said.startswith("resuming on 1 rank(s) x 2 micro-batch(es) per step, saved on 2 x 1: the same 2 ")
-        assert check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), num_processes=2, accumulation=1,
-                                   **layout) == ""
+        assert check_resume_layout("ckpt", _saved_on(2, 1), _engine(name), on(2, 1)) == ""
     with pytest.raises(ResumeConfigError, match=r"cannot resume from ckpt \(step 2\) on 1 process\(es\): it was "
                                                 r"saved on 2 ranks x training.gradient_accumulation_steps=1 .* Set "
                                                 r"training.gradient_accumulation_steps=2 to keep 2 micro-batches"):
-        check_resume_layout("ckpt", _saved_on(2, 1), _engine("fsdp2"), num_processes=1, accumulation=1, **layout)
+        check_resume_layout("ckpt", _saved_on(2, 1), _engine("fsdp2"), on(1, 1))
     # DeepSpeed's ZeRO partitions load on their own number of processes only: refused, checked without
     # launching DeepSpeed, with the data's problem in the same message.
     zero = _engine("deepspeed", stage=2)
     assert zero.reshard_problem(2, 2) == ""
     with pytest.raises(ResumeConfigError) as refused:
-        check_resume_layout("ckpt", _saved_on(2, 1), zero, num_processes=1, accumulation=1, **layout)
+        check_resume_layout("ckpt", _saved_on(2, 1), zero, on(1, 1))
     said = str(refused.value)
     assert ("DeepSpeed ZeRO-2 saved its optimizer states in 2 per-rank partitions, which its load_checkpoint "
             "restores onto 2 processes only (this run has 1)") in said

@@ -104,6 +104,41 @@ class BackendConfig(Sectioned):
         return backend_config_class()
 
 
+def engine_context(cfg: "SFTConfig") -> Any:
+    """What the run's engine is told of the run beyond its own section
+    (:class:`~mmtune.training.engines.base.EngineContext`)."""
+    from mmtune.training.engines import EngineContext
+
+    t = cfg.training
+    return EngineContext(mixed_precision=t.mixed_precision, max_grad_norm=t.max_grad_norm, compile=t.compile,
+                         trains_vision=t.vision.train, quantized_base=cfg.peft.method == "qlora",
+                         sequence_parallel=t.sequence_parallel.size)
+
+
+def run_engine(cfg: "SFTConfig") -> Any:
+    """The engine ``training.backend.engine`` names, built from its own section and :func:`engine_context`."""
+    from mmtune.training.engines import build_engine
+
+    backend = cfg.training.backend
+    return build_engine(backend.engine, getattr(backend, backend.engine), engine_context(cfg))
+
+
+def _launcher_problems(cfg: "SFTConfig") -> list[str]:
+    """The experiment's ``launcher`` checked against the engine ``training.backend.engine`` chooses
+    (:func:`mmtune.training.launch.launcher_problem`, the one place the two are compared)."""
+    from mmtune.training.launch import LaunchFileError, launcher_problem
+
+    if not cfg.launcher:
+        return []
+    fix = (f"; or set launcher= to a launch file for training.backend.engine={cfg.training.backend.engine} "
+           "(launch/accelerate/), or launcher=null")
+    try:
+        problem = launcher_problem(cfg.training.backend, cfg.launcher, origin=f"launcher={cfg.launcher}")
+    except LaunchFileError as err:
+        return [f"launcher={cfg.launcher}: {err}"]
+    return [problem + fix] if problem else []
+
+
 def backend_config_class() -> type:
     """:class:`BackendConfig` with one section per registered engine, named after it and typed
     by its ``settings_class`` (built once per set of registered engines).
@@ -399,8 +434,8 @@ def to_sft_config(cfg: Any) -> SFTConfig:
     return config
 
 
-def validate(cfg: SFTConfig) -> None:
-    """Check what OmegaConf's typing cannot; raise one :class:`ConfigError` listing every problem."""
+def _schedule_problems(cfg: SFTConfig) -> list[str]:
+    """``training``'s precision, schedule, lengths and loss."""
     problems: list[str] = []
     t = cfg.training
     if t.mixed_precision not in MIXED_PRECISION:
@@ -424,6 +459,15 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.loss_impl={t.loss_impl!r}: use one of {', '.join(LOSS_IMPLS)}")
     if t.loss_chunk_size < 1:
         problems.append(f"training.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+    return problems
+
+
+def _parallel_problems(cfg: SFTConfig) -> list[str]:
+    """Packed attention and sequence parallelism against the model and the engine."""
+    from mmtune.training.engines import engine_class, engine_names
+
+    problems: list[str] = []
+    t = cfg.training
     try:
         resolve_attention(t.packed_attention, batching=cfg.collator.batching,
                           attn_implementation=cfg.model.attn_implementation)
@@ -436,12 +480,17 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.sequence_parallel.size={sp} cannot split model.attn_implementation="
                         f"{cfg.model.attn_implementation}: set model.attn_implementation=sdpa (on a GPU, sdpa's "
                         "causal kernel is FlashAttention) or eager")
-    from mmtune.training.engines import engine_class, engine_names
-
     if sp > 1 and t.backend.engine in engine_names() and engine_class(t.backend.engine).sequence_parallel_problem:
         able = [name for name in engine_names() if not engine_class(name).sequence_parallel_problem]
         problems.append(engine_problem(sp, t.backend.engine, engine_class(t.backend.engine).sequence_parallel_problem,
                                        able))
+    return problems
+
+
+def _optimizer_problems(cfg: SFTConfig) -> list[str]:
+    """The optimizer's settings, the loaders and what trains."""
+    problems: list[str] = []
+    t = cfg.training
     # NaN passes every comparison, so "x <= 0" alone lets it through to the first step.
     if not (math.isfinite(t.lr) and t.lr > 0):
         problems.append(f"training.lr={t.lr} must be a finite number > 0")
@@ -466,10 +515,28 @@ def validate(cfg: SFTConfig) -> None:
         problems.append(f"training.num_workers={t.num_workers} must be >= 0 (0: load in the main process)")
     if not any(getattr(t, g).train for g in ("vision", "projector", "language_model")):
         problems.append("training.{vision,projector,language_model}.train are all false: nothing would train")
+    return problems
+
+
+def _engine_problems(cfg: SFTConfig) -> list[str]:
+    """The engine ``training.backend.engine`` names: its own checks and the experiment's launcher."""
+    from mmtune.training.engines import engine_class, engine_names
+
+    problems: list[str] = []
+    t = cfg.training
     if t.backend.engine not in engine_names():
         problems.append(f"training.backend.engine={t.backend.engine!r}: use one of {', '.join(engine_names())}")
     else:
-        problems += engine_class(t.backend.engine).config_problems(cfg)
+        problems += engine_class(t.backend.engine).config_problems(getattr(t.backend, t.backend.engine),
+                                                                   engine_context(cfg))
+        problems += _launcher_problems(cfg)
+    return problems
+
+
+def _resume_problems(cfg: SFTConfig) -> list[str]:
+    """``training.resume`` and the config changes a resume may make."""
+    problems: list[str] = []
+    t = cfg.training
     if t.resume not in (None, "auto") and not os.path.isdir(t.resume):
         problems.append(f"training.resume={t.resume!r} is neither 'auto' nor an existing checkpoint directory")
     if t.overwrite_output_dir and t.resume is not None:
@@ -485,6 +552,12 @@ def validate(cfg: SFTConfig) -> None:
             if not any(key_covers(entry, key) for key in keys):
                 problems.append(f"training.resume_config_changes: {entry!r} names no config key (write dotted keys "
                                 "such as training.lr or data.mixture.sources[0].path)")
+    return problems
+
+
+def _peft_problems(cfg: SFTConfig) -> list[str]:
+    """The ``peft`` section."""
+    problems: list[str] = []
     p = cfg.peft
     if p.method not in PEFT_METHODS:
         problems.append(f"peft.method={p.method!r}: use one of {', '.join(PEFT_METHODS)}")
@@ -498,6 +571,12 @@ def validate(cfg: SFTConfig) -> None:
     if p.method == "qlora" and cfg.model.path is None:
         problems.append("peft.method=qlora needs model.path (a checkpoint to quantize); random-weight models "
                         "train with peft.method=lora or none")
+    return problems
+
+
+def _context_problems(cfg: SFTConfig) -> list[str]:
+    """The ``context`` section."""
+    problems: list[str] = []
     c = cfg.context
     if c.rope_scaling not in ROPE_SCALINGS:
         problems.append(f"context.rope_scaling={c.rope_scaling!r}: use one of {', '.join(ROPE_SCALINGS)}")
@@ -509,6 +588,13 @@ def validate(cfg: SFTConfig) -> None:
         value = getattr(c, key)
         if value is not None and not (math.isfinite(value) and value > 0):
             problems.append(f"context.{key}={value} must be a finite number > 0 (or null for the default)")
+    return problems
+
+
+def _section_problems(cfg: SFTConfig) -> list[str]:
+    """Logging, and the sections that validate themselves (model, data, collator, eval)."""
+    problems: list[str] = []
+    t = cfg.training
     if cfg.logging.mode not in (None, "online", "offline", "disabled"):
         problems.append(f"logging.mode={cfg.logging.mode!r}: use online, offline, disabled or null")
     if cfg.logging.every_steps < 1:
@@ -523,5 +609,14 @@ def validate(cfg: SFTConfig) -> None:
             check()
         except ValueError as err:
             problems.append(str(err))
+    return problems
+
+
+def validate(cfg: SFTConfig) -> None:
+    """Check what OmegaConf's typing cannot; raise one :class:`ConfigError` listing every problem."""
+    problems: list[str] = []
+    for check in (_schedule_problems, _parallel_problems, _optimizer_problems, _engine_problems, _resume_problems,
+                  _peft_problems, _context_problems, _section_problems):
+        problems += check(cfg)
     if problems:
         raise ConfigError("invalid SFT config:\n  - " + "\n  - ".join(problems))

@@ -4,7 +4,9 @@ A thin bridge to the evaluator (:func:`mmtune.evaluation.runner.evaluate_model`)
 in-memory model, so the demo scores the model it just trained without reloading it.
 Result files (``<output_dir>/eval/<before|after>/``) use the evaluator's schema. Under
 DDP or ZeRO-1/2 every rank calls it: each generates its share of the dialogues, the main
-process scores and gets the results (the others get ``{}``).
+process scores and gets the results (the others get ``{}``). Under an engine that shards the
+weights (FSDP2, ZeRO-3) on several processes each rank generates with the full weights the
+engine gathers for it (:meth:`~mmtune.training.engines.base.Engine.evaluation_model`).
 
 Those folders belong to the run: when one holds generations of other weights or data
 (a re-run of the demo in the same folder, a resumed run whose model changed), they are
@@ -22,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.models.base import ModelAdapter
     from mmtune.training.config import SFTConfig
 
-__all__ = ["evaluate_in_training"]
+__all__ = ["evaluate_in_training", "evaluate_and_log"]
 
 
 def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTConfig", *, tag: str, run: str,
@@ -56,6 +58,25 @@ def evaluate_in_training(model: "nn.Module", adapter: "ModelAdapter", cfg: "SFTC
         else:  # pragma: no cover - every benchmark's file was moved once
             raise RuntimeError(f"generations under {output_dir} stayed stale after moving them aside")
     return {name: dict(result.metrics) for name, result in results.items()}
+
+
+def evaluate_and_log(recipe: Any, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, dict[str, float]]:
+    """Evaluate a running recipe's current model (``before`` / ``after``) and log the scores: every rank
+    generates its share of the dialogues, the main process scores, logs and prints them."""
+    acc = recipe.accelerator
+    # the engine's model for generating alone on each rank (a gathered copy where it shards the weights)
+    with recipe.engine.evaluation_model(recipe.model) as model:
+        results = evaluate_in_training(model, recipe.adapter, recipe.cfg, tag=tag, run=recipe.run_name,
+                                       output_dir=str(recipe.output_dir / "eval" / tag), checkpoint=checkpoint,
+                                       wandb_run=recipe.logger.wandb_run if acc.is_main_process else None)
+    if acc.is_main_process:
+        flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
+                for name, value in metrics.items()}
+        recipe.logger.summary(flat)
+        acc.print(f"eval ({tag}): " + ", ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in flat.items()
+                                                if isinstance(v, (int, float))))
+    acc.wait_for_everyone()
+    return results
 
 
 def _move_aside(path):

@@ -27,7 +27,7 @@ from mmtune.io.secrets import is_secret_key, redact
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.training.config import LoggingConfig
 
-__all__ = ["is_secret_key", "redact", "peak_flops", "mfu", "cut_jsonl_after", "RunLogger"]
+__all__ = ["is_secret_key", "redact", "peak_flops", "mfu", "step_metrics", "cut_jsonl_after", "RunLogger"]
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
 _PEAK_BF16 = (
@@ -159,3 +159,31 @@ class RunLogger:
             self.bar.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def step_metrics(stats: Any, *, elapsed: float, loss: float, loss_tokens: int, epoch: float,
+                 lrs: list[tuple[str, float]], grad_norm: Any, mfu: Optional[float]) -> dict[str, float]:
+    """One logged optimizer step's metrics.
+
+    Args:
+        stats: the step's all-reduced ``[loss sum, tokens, images]`` over every rank.
+        lrs: ``(parameter group name, learning rate)``, the first one the run's ``train/lr``.
+        mfu: model FLOPs utilisation, or ``None`` where the device's peak is unknown.
+    """
+    tokens_per_s = float(stats[1]) / elapsed
+    metrics = {
+        "train/loss": loss,
+        "train/lr": lrs[0][1],
+        "train/loss_tokens": loss_tokens,
+        "train/epoch": epoch,
+        "perf/tokens_per_s": tokens_per_s,
+        "perf/images_per_s": float(stats[2]) / elapsed,
+        "perf/step_time_s": elapsed,
+    }
+    for name, lr in lrs:
+        metrics[f"train/lr/{name}"] = lr
+    if grad_norm is not None:
+        metrics["train/grad_norm"] = float(grad_norm)
+    if mfu is not None:
+        metrics["perf/mfu"] = mfu
+    return metrics

@@ -53,19 +53,16 @@ import torch
 
 from mmtune.io.disk import disk_full_guard
 from mmtune.io.nofollow import open_output
-from mmtune.training.checkpoint import (TRAINER_STATE, CheckpointManager, ResumeConfigError, check_output_dir,
-                                       complete_checkpoints, earlier_run, intact_note, read_trainer_state,
-                                       recover_interrupted_saves, save_final)
-from mmtune.training.config import SFTConfig
-from mmtune.training.engines import build_engine
-from mmtune.training.logging import RunLogger, cut_jsonl_after, mfu
+from mmtune.training import resume as resume_policy
+from mmtune.training.checkpoint import CheckpointManager, intact_note, save_final
+from mmtune.training.config import SFTConfig, run_engine
+from mmtune.training.layout import RankLayout
+from mmtune.training.logging import RunLogger, mfu, step_metrics
 from mmtune.training.loss import TrainingLoss
-from mmtune.training.manifest import choose_resume_checkpoint_once
 from mmtune.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 from mmtune.training.objective import TokenWeightedCrossEntropy, VisionOnEveryRank
 
-__all__ = ["SFTRecipe", "seed_everything", "generate_synthetic_data", "check_evaluation_layout",
-           "check_resume_layout"]
+__all__ = ["SFTRecipe", "seed_everything", "check_evaluation_layout"]
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
@@ -74,23 +71,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def generate_synthetic_data(syn: Any) -> None:
-    """Write the synthetic dataset into ``syn.out_dir`` unless it is already there."""
-    from mmtune.data.synthetic import generate_synthetic
-
-    if all((Path(syn.out_dir) / name).is_file() for name in ("train.json", "test.json", "llava.json")):
-        return
-    generate_synthetic(syn.out_dir, n_train=syn.n_train, n_test=syn.n_test, n_llava=syn.n_llava, seed=syn.seed,
-                       image_size=syn.image_size, **dict(syn.options))
-
-
 def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -> None:
-    """Refuse in-training evaluation where the engine cannot generate (sharded weights on several ranks).
+    """Refuse in-training evaluation where the engine says it cannot generate.
 
     Evaluation during training generates on every rank, each its own share of the
     dialogues (:mod:`mmtune.evaluation.generation.data_parallel`), so ranks make different
-    numbers of forward passes; an engine that gathers sharded weights in every forward
-    says why it cannot (:meth:`~mmtune.training.engines.base.Engine.evaluation_problem`).
+    numbers of forward passes; the shipped engines give each rank a model that computes
+    alone (:meth:`~mmtune.training.engines.base.Engine.evaluation_model`), and an engine
+    that cannot says why (:meth:`~mmtune.training.engines.base.Engine.evaluation_problem`).
 
     Raises:
         ValueError: naming the keys to change, at start-up rather than after training.
@@ -101,57 +89,6 @@ def check_evaluation_layout(training: Any, engine: Any, *, num_processes: int) -
         raise ValueError(
             f"training.{' and training.'.join(asked)}=true cannot run under {problem}. Or set "
             + " ".join(f"training.{k}=false" for k in asked) + " to train without it")
-
-
-def check_resume_layout(checkpoint: Any, state: dict[str, Any], engine: Any, *, num_processes: int,
-                        processes_per_rank: int, accumulation: int) -> str:
-    """Refuse a resume whose rank layout cannot continue the checkpoint's exactly, before anything loads.
-
-    A checkpoint continues on another number of processes when the engine can load its
-    state there (:meth:`~mmtune.training.engines.base.Engine.reshard_problem`) and the
-    data position keeps its global batch, ranks x gradient accumulation
-    (:func:`~mmtune.data.datamodule.layout_problem`).
-
-    Args:
-        state: the checkpoint's ``trainer_state.json``.
-        processes_per_rank: processes sharing one data rank (``training.sequence_parallel.size``).
-
-    Returns:
-        A line saying how the layout changed (empty when it did not).
-
-    Raises:
-        ResumeConfigError: one message with every problem and its fix.
-    """
-    from mmtune.data.datamodule import layout_problem
-
-    data = state.get("data")
-    if data is None:  # nothing recorded to compare with
-        return ""
-    saved_ranks = int(data.get("world_size", num_processes // processes_per_rank))
-    saved_processes = int(state.get("num_processes", saved_ranks * processes_per_rank))
-    ranks = num_processes // processes_per_rank
-    problems = [problem for problem in (
-        engine.reshard_problem(saved_processes, num_processes),
-        layout_problem(data, ranks, accumulation, processes_per_rank=processes_per_rank)) if problem]
-    if problems:
-        raise ResumeConfigError(f"cannot resume from {checkpoint} (step {state.get('step')}) on {num_processes} "
-                                f"process(es): " + "; ".join(problems))
-    saved_accumulation = data.get("accumulation", accumulation)
-    if (saved_ranks, saved_accumulation) == (ranks, accumulation):
-        return ""
-    return (f"resuming on {ranks} rank(s) x {accumulation} micro-batch(es) per step, saved on {saved_ranks} x "
-            f"{saved_accumulation}: the same {ranks * accumulation} micro-batches per optimizer step, so every step "
-            "trains the samples of the uninterrupted run")
-
-
-def _refuse_sequence_parallel_heads(model_cfg: Any, adapter: Any, size: int) -> None:
-    """Refuse a sequence-parallel size the model's heads do not divide by, before its weights load."""
-    from mmtune.training.sequence_parallel.groups import planned_head_problems
-
-    problems = planned_head_problems(model_cfg, adapter, size)
-    if problems:
-        raise ValueError("training.sequence_parallel cannot run: " + "; ".join(problems) + "; choose a size that "
-                         "divides them")
 
 
 class SFTRecipe:
@@ -176,9 +113,7 @@ class SFTRecipe:
         self.context_extension = None
         self.eval_results: dict[str, Any] = {}
         self.output_lock = None  # held by the main process from setup() to cleanup()
-        self.resume_from: Optional[Path] = None
-        self.config_changes: list[dict[str, Any]] = []  # allowed changes on every resume so far
-        self.resume_changes: dict[str, Any] = {}  # those of this resume
+        self.resume = resume_policy.Resume()  # the checkpoint continued and its recorded config changes
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -209,7 +144,7 @@ class SFTRecipe:
         from accelerate import Accelerator
 
         t = self.cfg.training
-        self.engine = build_engine(self.cfg)
+        self.engine = run_engine(self.cfg)
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -221,100 +156,51 @@ class SFTRecipe:
             **self.engine.accelerator_kwargs(),
         )
         acc = self.accelerator
+        self.layout = RankLayout.of_run(t, num_processes=acc.num_processes, process_index=acc.process_index)
         self.engine.start(acc)  # a launch for another engine stops here, naming both
         check_evaluation_layout(t, self.engine, num_processes=acc.num_processes)
         acc.print(f"engine: {self.engine.describe(self.engine.config)} on {acc.num_processes} process(es)")
 
     def _claim_output_dir(self) -> None:
-        """Lock ``training.output_dir``, finish saves an earlier attempt left half-renamed, and refuse
-        a folder with checkpoints unless resuming."""
-        acc = self.accelerator
-        self._lock_output_dir()
-        if acc.is_main_process:
-            recover_interrupted_saves(self.output_dir)  # a save killed between its renames
-        acc.wait_for_everyone()
-        self._check_output_dir()
+        """Lock ``training.output_dir``, finish half-renamed saves, refuse a used folder unless resuming."""
+        t = self.cfg.training
+        self.output_lock = resume_policy.claim_output_dir(self.accelerator, self.output_dir, t.resume,
+                                                          overwrite=t.overwrite_output_dir)
 
     def _prepare_data_files(self) -> None:
         """The data files (generated when synthetic) and their content identities.
 
         This comes before :meth:`_choose_resume`, so that a resume compares the data's content too.
         """
-        acc = self.accelerator
-        if self.cfg.synthetic.enabled:
-            if acc.is_main_process:
-                generate_synthetic_data(self.cfg.synthetic)
-            acc.wait_for_everyone()
-        self.data_identities = self._data_identities()
+        if self.cfg.synthetic.enabled:  # the demos' and the tiny runs' generated data (configs/synthetic/)
+            from mmtune.training.synthetic_data import generate_synthetic_data
+
+            generate_synthetic_data(self.cfg.synthetic, self.accelerator)
+        self.data_identities = data_identities(self.accelerator, self.cfg.data.mixture.sources)
 
     def _choose_resume(self) -> None:
-        """Pick the checkpoint to resume from and check this run's config against its own.
+        """Pick the checkpoint to resume from and check this run against it (:mod:`mmtune.training.resume`).
 
-        Before building anything: a resume with a changed config is refused at once. The
-        checkpoint is the newest whose files are all there (:mod:`mmtune.training.manifest`).
+        Before building anything: a resume with a changed config is refused at once.
         """
-        t = self.cfg.training
-        self.resume_from, passed_over = choose_resume_checkpoint_once(  # verified by the main process
-            self.accelerator, t.resume, lambda: complete_checkpoints(self.output_dir),
-            lambda c: read_trainer_state(c).get("step"))
-        if passed_over:
-            self.accelerator.print(passed_over)
-        self.config_changes = self._check_resume_config() if self.resume_from is not None else []
+        self.resume = resume_policy.plan_resume(self.cfg.training, self.output_dir, engine=self.engine,
+                                                layout=self.layout, config_record=self.config_record,
+                                                accelerator=self.accelerator)
 
     def _build_model(self) -> tuple[torch.nn.Module, Any]:
-        """Load the model through the adapter, extend its context, apply LoRA, freeze, choose attention.
+        """The model through the adapter, with its window, LoRA, freezing, attention and sequence
+        parallelism (:func:`~mmtune.training.model_setup.build_model`).
 
         Returns:
             The model (unwrapped) and its module groups (the adapter's ``module_groups``).
-
-        Raises:
-            ValueError: when the training window exceeds the model's context window.
         """
-        from mmtune.models.registry import build_adapter
-        from mmtune.models.rope import apply_context_extension
-        from mmtune.training.optim import apply_freezing
-        from mmtune.training.peft_setup import apply_lora, qlora_load_kwargs
+        from mmtune.training.model_setup import build_model
 
-        cfg, t = self.cfg, self.cfg.training
-        # Random-weight models are seeded identically on every rank.
-        self.adapter = build_adapter(cfg.model)
-        if t.sequence_parallel.size > 1:  # the heads split over the group, from the config alone
-            _refuse_sequence_parallel_heads(cfg.model, self.adapter, t.sequence_parallel.size)
-        load_kwargs: dict[str, Any] = {"seed": t.seed} if cfg.model.path is None else {}
-        if cfg.peft.method == "qlora":
-            load_kwargs.update(qlora_load_kwargs(cfg.peft, torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16,
-                                                  skip_modules=self.adapter.quantization_skip_modules()))
-        model = self.adapter.load_model(**load_kwargs)
-        text_config = self.adapter.text_config(model.config)
-        self.context_extension = apply_context_extension(
-            model, text_config, cfg.context,
-            model_max_position_embeddings=cfg.model.max_position_embeddings, tokenizer=self.adapter.tokenizer)
-        # The training window: the context group's target when it extends the model,
-        # otherwise the collator's sample budget.
-        self.max_length = cfg.context.max_length or cfg.collator.max_length
-        window = max(int(text_config.max_position_embeddings),
-                     self.context_extension.target if self.context_extension else 0)  # dynamic NTK keeps the original
-        if self.max_length > window:
-            raise ValueError(
-                f"samples of up to {self.max_length} tokens (collator.max_length / context.max_length) exceed the "
-                f"model's {window}-token window: lower collator.max_length or extend the window with context=8k")
-        if t.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
-        lora = cfg.peft.method in ("lora", "qlora")
-        if lora:
-            model = apply_lora(model, self.adapter.module_groups(model), cfg.peft, self.adapter.default_lora_targets,
-                               gradient_checkpointing=t.gradient_checkpointing)
-        groups = self.adapter.module_groups(model)
-        apply_freezing(model, groups, t, lora=lora)
-        self._choose_attention(model, text_config)
-        self.sequence_parallel = None
-        if t.sequence_parallel.size > 1:
-            from mmtune.training.sequence_parallel import SequenceParallel
-
-            self.sequence_parallel = SequenceParallel.create(t.sequence_parallel.size, self.adapter, model,
-                                                             attn_implementation=text_config._attn_implementation)
-        return model, groups
+        built = build_model(self.cfg, self.layout)
+        self.adapter, self.context_extension, self.max_length = built.adapter, built.context_extension, built.max_length
+        self.attention, self._language_model = built.attention, built.language_model
+        self.sequence_parallel = built.sequence_parallel
+        return built.model, built.groups
 
     def _build_optimizer(self, model: torch.nn.Module, groups: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Count the parameters, let the engine shard the model, then build the optimizer over its groups.
@@ -341,11 +227,10 @@ class SFTRecipe:
 
         cfg, t, acc = self.cfg, self.cfg.training, self.accelerator
         # The data module plans for the data-parallel ranks: every rank of a sequence-parallel group gets one plan.
-        sp_size = t.sequence_parallel.size
+        layout = self.layout
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
-        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=acc.process_index // sp_size,
-                          world_size=acc.num_processes // sp_size,
-                          gradient_accumulation_steps=t.gradient_accumulation_steps)
+        self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=layout.data_rank,
+                          world_size=layout.data_ranks, gradient_accumulation_steps=layout.accumulation)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +238,7 @@ class SFTRecipe:
             with disk_full_guard(report, "data_report.json", intact=lambda: intact_note(self.output_dir)):
                 self.data.loss_report.write(str(report))
         acc.print(self.data.loss_report.render())
-        self.total_steps = self._count_steps()
+        self.steps_per_epoch, self.total_steps = count_steps(self.data, self.cfg.training)
 
     def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
         """The learning-rate schedule over the run's optimizer steps (so after :meth:`_build_data`)."""
@@ -372,7 +257,7 @@ class SFTRecipe:
         self.vision = VisionOnEveryRank(self.adapter, self.model, groups.language_model)
         self.objective = TokenWeightedCrossEntropy(
             self.batch_loss, reduce_sum=lambda x: acc.reduce(x, reduction="sum"), world_size=acc.num_processes,
-            accumulation=t.gradient_accumulation_steps, device=acc.device, row_replicas=t.sequence_parallel.size)
+            accumulation=self.layout.accumulation, device=acc.device, row_replicas=self.layout.sequence_parallel)
         acc.print(f"loss: {self.loss.description}")
         acc.print(f"attention: {self.attention.description}")
         if self.sequence_parallel is not None:
@@ -390,57 +275,23 @@ class SFTRecipe:
         self.checkpoints = CheckpointManager(self.output_dir, keep_last=self.cfg.training.keep_last)
         self.nonfinite = NonFiniteGuard(self.cfg.training.max_nonfinite_steps,
                                         loss_scaled=self.cfg.training.mixed_precision == "fp16")
-        resume_from = self.resume_from
-        if resume_from is None and acc.is_main_process:
-            # A fresh run: per-step logs from an earlier attempt in this directory would mix in.
-            for stale in ("metrics.jsonl", "sample_ids.jsonl"):
-                (self.output_dir / stale).unlink(missing_ok=True)
-        if resume_from is not None:
-            saved = read_trainer_state(resume_from)
-            try:  # before anything loads
-                self.data.check_state(saved["data"], processes_per_rank=self.cfg.training.sequence_parallel.size)
-            except ValueError as err:  # a resume refusal like a changed config: one message, no traceback
-                raise ResumeConfigError(f"cannot resume from {resume_from} (step {saved['step']}): {err}") from None
-            # This run's optimizer settings, before the checkpoint's replace them (see _apply_allowed_changes).
-            fresh = ([{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                     list(self.scheduler.scheduler.base_lrs))
-            state = self.checkpoints.load(acc, resume_from, engine=self.engine)
-            if self.resume_changes:
-                self._apply_allowed_changes(*fresh)
-            self.step, self.epoch = int(state["step"]), int(state["epoch"])
-            # The saved position dealt out to this run's ranks (the same when the layout is the checkpoint's).
-            self.micro_batches_done = self.data.resume_position(state["data"])
-            # accelerate finds each step's last micro-batch by counting micro-batches; it restored
-            # the saved rank's count, which under another accumulation falls elsewhere in a step.
-            acc.step = self.step * self.cfg.training.gradient_accumulation_steps
-            self._note_random_states(state)
+        if self.resume.checkpoint is None:
             if acc.is_main_process:
-                # Steps after the checkpoint were logged by the interrupted attempt and are
-                # about to be trained again: drop their rows so each step appears once.
-                for log in ("metrics.jsonl", "sample_ids.jsonl"):
-                    cut_jsonl_after(self.output_dir / log, self.step)
-            acc.print(f"resumed from {resume_from}: step {self.step}, epoch {self.epoch}, "
-                      f"micro-batch {self.micro_batches_done} of the epoch")
-
-    def _note_random_states(self, state: dict[str, Any]) -> None:
-        """Say which processes did not get their own random state back from a checkpoint saved on another number.
-
-        accelerate's ``load_state`` restores ``random_states_<i>.pkl`` on process ``i`` and, for
-        a process without that file, logs and goes on: its Python, NumPy and torch generators
-        keep the state they reached at start-up, seeded with ``training.seed`` like every
-        process of a fresh run. Files of processes this run does not have are not read.
-        """
-        acc = self.accelerator
-        ranks = state.get("data", {}).get("world_size", acc.num_processes // self.cfg.training.sequence_parallel.size)
-        saved = int(state.get("num_processes", ranks * self.cfg.training.sequence_parallel.size))
-        if saved == acc.num_processes:
+                resume_policy.reset_step_logs(self.output_dir, None)
             return
-        if acc.num_processes > saved:
-            acc.print(f"random state: the checkpoint holds those of {saved} process(es); processes {saved}.."
-                      f"{acc.num_processes - 1} have none and continue from their start-up state (training.seed)")
-        else:
-            acc.print(f"random state: processes 0..{acc.num_processes - 1} restored their own; those of processes "
-                      f"{acc.num_processes}..{saved - 1} are not used")
+        state = resume_policy.restore(self.resume, accelerator=acc, checkpoints=self.checkpoints, engine=self.engine,
+                                      data=self.data, optimizer=self.optimizer, scheduler=self.scheduler,
+                                      layout=self.layout)
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        # The saved position dealt out to this run's ranks (the same when the layout is the checkpoint's).
+        self.micro_batches_done = self.data.resume_position(state["data"])
+        # accelerate finds each step's last micro-batch by counting micro-batches; it restored
+        # the saved rank's count, which under another accumulation falls elsewhere in a step.
+        acc.step = self.step * self.layout.accumulation
+        if acc.is_main_process:
+            resume_policy.reset_step_logs(self.output_dir, self.step)
+        acc.print(f"resumed from {self.resume.checkpoint}: step {self.step}, epoch {self.epoch}, "
+                  f"micro-batch {self.micro_batches_done} of the epoch")
 
     def _start_logger(self) -> None:
         """The run logger, from the step the run starts at, and the run's one-line summary."""
@@ -457,128 +308,6 @@ class SFTRecipe:
                if self.context_extension else "")
         )
 
-    def _choose_attention(self, model: torch.nn.Module, text_config: Any) -> None:
-        """Resolve ``training.packed_attention`` against the loaded model (see
-        :mod:`mmtune.training.packed_attention`); ``auto`` falls back, saying why, where the
-        language model cannot switch, ``per_sample`` fails."""
-        from mmtune.training.packed_attention import fallback, language_model, model_support_problem, resolve_attention
-
-        mode = self.cfg.training.packed_attention
-        self.attention = resolve_attention(mode, batching=self.cfg.collator.batching,
-                                           attn_implementation=text_config._attn_implementation)
-        self._language_model = language_model(model, text_config)
-        if self.attention.per_sample:
-            problem = model_support_problem(model, text_config)
-            if problem and mode == "per_sample":
-                raise ValueError(f"training.packed_attention=per_sample cannot work with this model: {problem}; "
-                                 "set training.packed_attention=auto (transformers' block mask) or off")
-            if problem:
-                self.attention = fallback(self.attention, problem)
-
-    def _count_steps(self) -> int:
-        """Optimizer steps of the run: the sum over every epoch's own plan, capped by max_steps."""
-        t = self.cfg.training
-        self.steps_per_epoch: list[int] = []
-        for epoch in range(t.epochs):
-            if t.max_steps is not None and sum(self.steps_per_epoch) >= t.max_steps:
-                break  # later epochs are never reached; no need to plan them
-            self.steps_per_epoch.append(self.data.steps_in_epoch(epoch))
-        total = sum(self.steps_per_epoch)
-        if total == 0:
-            raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
-                             "(see the truncation stats) or the sources have no records")
-        return min(total, t.max_steps) if t.max_steps is not None else total
-
-    def _lock_output_dir(self) -> None:
-        """Refuse a second job writing into this run's folder (every rank stops with the holder's details).
-
-        Only the main process takes the lock: every rank of this job writes into the folder
-        (its RNG state, its engine's shards), which is legitimate. Another job's main process
-        then finds it held; the refusal is broadcast so that its other ranks stop at once
-        with the same message instead of waiting at the next barrier.
-        """
-        from accelerate.utils import broadcast_object_list
-
-        from mmtune.io.locks import DirectoryLockedError, lock_directory
-
-        acc, refusal = self.accelerator, None
-        if acc.is_main_process:
-            try:
-                self.output_lock = lock_directory(
-                    self.output_dir, purpose="training",
-                    hint="set training.output_dir to another folder (to continue that run once it has stopped, "
-                         "rerun with training.resume=auto)")
-            except DirectoryLockedError as err:
-                refusal = str(err)
-        if acc.num_processes > 1:
-            refusal = broadcast_object_list([refusal])[0]
-        if refusal is not None:
-            raise DirectoryLockedError(refusal)
-
-    def _check_resume_config(self) -> list[dict[str, Any]]:
-        """The config changes of the run so far, this resume's included; refuses one not allowed.
-
-        First the rank layout (:func:`check_resume_layout`: the engine loads the state on this
-        number of processes, and ranks x gradient accumulation is the checkpoint's), then this
-        run's config against the one the checkpoint was saved with (see
-        :func:`~mmtune.training.checkpoint.check_resume_config`). Returns the checkpoint's
-        record of earlier changes plus this resume's, if any: ``{"effective_from_step",
-        "resumed_from", "changes": {key: {"old", "new"}}}``.
-        """
-        from mmtune.data.datamodule import saved_global_batch
-        from mmtune.data.identity import comparable_record
-        from mmtune.training.checkpoint import check_resume_config
-
-        if not (Path(self.resume_from) / TRAINER_STATE).is_file():
-            raise FileNotFoundError(
-                f"training.resume: {self.resume_from} has no {TRAINER_STATE}, so it is not a complete mmtune "
-                "checkpoint; name a <output_dir>/checkpoints/step-N folder, or use training.resume=auto")
-        state = read_trainer_state(self.resume_from)
-        t, acc = self.cfg.training, self.accelerator
-        layout_change = check_resume_layout(self.resume_from, state, self.engine, num_processes=acc.num_processes,
-                                            processes_per_rank=t.sequence_parallel.size,
-                                            accumulation=t.gradient_accumulation_steps)
-        if layout_change:
-            acc.print(layout_change)
-        # The layout check compared ranks x accumulation, so the accumulation alone may differ.
-        free = ({"training.gradient_accumulation_steps": "the same global batch on another number of ranks"}
-                if saved_global_batch(state.get("data", {})) is not None else {})
-        history = list(state.get("config_changes", []))
-        if "config" not in state:
-            self.accelerator.print(f"note: {self.resume_from} does not record its run's config (saved by an older "
-                                   "mmtune), so changes to it cannot be checked")
-            return history
-        current, unchecked = comparable_record(state["config"], self.config_record())
-        if unchecked:
-            self.accelerator.print(f"{self.resume_from}: {unchecked}")
-        changes = check_resume_config(self.resume_from, state, current, list(t.resume_config_changes), free=free)
-        self.resume_changes = changes
-        if changes:
-            step = int(state["step"])
-            history.append({"effective_from_step": step + 1, "resumed_from": str(self.resume_from), "changes": changes})
-            self.accelerator.print(
-                f"resuming with config changes allowed by training.resume_config_changes, from step {step + 1}: "
-                + "; ".join(f"{key}: {c['old']!r} -> {c['new']!r}" for key, c in changes.items()))
-        return history
-
-    def _apply_allowed_changes(self, fresh_groups: list[dict[str, Any]], fresh_base_lrs: list[float]) -> None:
-        """Make allowed changes of the optimizer and schedule take effect after a checkpoint load.
-
-        Loading restores the optimizer's param-group settings (lr, weight decay, betas,
-        epsilon) and the scheduler's base learning rates from the checkpoint, so without
-        this a changed ``training.lr`` would be recorded but never used. The moments and
-        the step count stay the checkpoint's; the schedule's shape (type, warm-up, length)
-        is already this run's, since the scheduler was built from this config.
-        """
-        scheduler = self.scheduler.scheduler  # transformers' schedulers are LambdaLR
-        scheduler.base_lrs = list(fresh_base_lrs)
-        for group, fresh, base, factor in zip(self.optimizer.param_groups, fresh_groups, scheduler.base_lrs,
-                                              scheduler.lr_lambdas):
-            for key in ("weight_decay", "betas", "eps", "initial_lr"):
-                if key in fresh:
-                    group[key] = fresh[key]
-            group["lr"] = base * factor(scheduler.last_epoch)
-
     @property
     def secret_names(self) -> list[str]:
         """Environment variables holding secrets whatever their names (the judge's key variable)."""
@@ -591,29 +320,6 @@ class SFTRecipe:
 
         record = json.loads(json.dumps(redact(_to_dict(self.cfg), names=self.secret_names), default=str))
         return with_identities(record, getattr(self, "data_identities", None))
-
-    def _data_identities(self) -> list[str]:
-        """Each data source's content identity (:mod:`mmtune.data.identity`): read once, by the main
-        process, and given to every rank."""
-        from accelerate.utils import broadcast_object_list
-
-        from mmtune.data.identity import source_identities
-
-        acc = self.accelerator
-        identities = source_identities(self.cfg.data.mixture.sources) if acc.is_main_process else None
-        if acc.num_processes > 1:
-            identities = broadcast_object_list([identities])[0]
-        return identities
-
-    def _check_output_dir(self) -> None:
-        """A fresh run into a used folder is refused, or clears it with training.overwrite_output_dir."""
-        t, acc = self.cfg.training, self.accelerator
-        earlier = earlier_run(self.output_dir) if t.resume is None else []  # every rank: each raises alike
-        if earlier and acc.is_main_process:
-            acc.print(check_output_dir(self.output_dir, resume=t.resume, overwrite=t.overwrite_output_dir))
-        elif earlier and not t.overwrite_output_dir:
-            check_output_dir(self.output_dir, resume=t.resume, overwrite=False)
-        acc.wait_for_everyone()
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -638,7 +344,7 @@ class SFTRecipe:
         self.model.train()
         with self._training_attention():
             self._train_steps()
-        self._report_skipped()
+        report_skipped(self.accelerator, self.data, self.output_dir)
 
     def _training_attention(self) -> contextlib.AbstractContextManager:
         """The training steps' attention (per sample over packed rows when chosen); evaluation
@@ -651,7 +357,8 @@ class SFTRecipe:
 
     def _train_steps(self) -> None:
         acc, t, cfg, engine = self.accelerator, self.cfg.training, self.cfg, self.engine
-        accum = t.gradient_accumulation_steps
+        accum = self.layout.accumulation
+        sp_size = self.layout.sequence_parallel  # ranks holding each micro-batch: its tokens and images count once
         batches = self._micro_batches()
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         while self.step < self.total_steps:
@@ -659,7 +366,6 @@ class SFTRecipe:
             micro = [next(batches) for _ in range(accum)]
             # Global loss-token count of this step, before any backward (see module docstring).
             global_tokens = self.objective.begin_step([b for b, _ in micro])
-            sp_size = t.sequence_parallel.size  # ranks holding each micro-batch: its tokens and images count once
             loss_sum = torch.zeros((), device=acc.device)
             seq_tokens = images = 0
             for batch, meta in micro:
@@ -683,27 +389,16 @@ class SFTRecipe:
                                             device=acc.device), reduction="sum")
             elapsed = time.perf_counter() - started
             if t.log_sample_ids:
-                self._log_sample_ids([meta["ids"] for _, meta in micro], epoch=self.epoch)
+                log_sample_ids(self.accelerator, self.output_dir, [meta["ids"] for _, meta in micro], step=self.step,
+                               epoch=self.epoch)
             self._check_finite(float(stats[0]), [meta["ids"] for _, meta in micro])
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
-                tokens_per_s = float(stats[1]) / elapsed
-                metrics = {
-                    "train/loss": self.objective.step_loss(float(stats[0])),
-                    "train/lr": self.scheduler.get_last_lr()[0],
-                    "train/loss_tokens": global_tokens,
-                    "train/epoch": self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
-                    "perf/tokens_per_s": tokens_per_s,
-                    "perf/images_per_s": float(stats[2]) / elapsed,
-                    "perf/step_time_s": elapsed,
-                }
-                for group, lr in zip(self.optim_groups, self.scheduler.get_last_lr()):
-                    metrics[f"train/lr/{group['name']}"] = lr
-                if self.grad_norm is not None:
-                    metrics["train/grad_norm"] = float(self.grad_norm)
-                util = mfu(self.num_params, tokens_per_s, device_name, acc.num_processes)
-                if util is not None:
-                    metrics["perf/mfu"] = util
-                self.logger.log(self.step, metrics)
+                self.logger.log(self.step, step_metrics(
+                    stats, elapsed=elapsed, loss=self.objective.step_loss(float(stats[0])), loss_tokens=global_tokens,
+                    epoch=self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
+                    lrs=[(g["name"], lr) for g, lr in zip(self.optim_groups, self.scheduler.get_last_lr())],
+                    grad_norm=self.grad_norm, mfu=mfu(self.num_params, float(stats[1]) / elapsed, device_name,
+                                                      acc.num_processes)))
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
@@ -742,30 +437,6 @@ class SFTRecipe:
                 summed = self.loss(self.model, inputs, batch["labels"])
         return summed + self.vision.take()
 
-    def _report_skipped(self) -> None:
-        """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
-        from accelerate.utils import gather_object
-
-        acc = self.accelerator
-        items = self.data.skipped_items
-        if acc.num_processes > 1:
-            items = gather_object(items)
-        if acc.is_main_process and items:
-            self.data.merge_skipped(items)
-            self.data.loss_report.write(str(self.output_dir / "data_report.json"))
-            acc.print(self.data.loss_report.render_skipped())
-
-    def _log_sample_ids(self, ids_per_micro_batch: list[list[str]], *, epoch: int) -> None:
-        from accelerate.utils import gather_object
-
-        gathered = gather_object([{"rank": self.accelerator.process_index, "ids": ids_per_micro_batch}])
-        if self.accelerator.is_main_process:
-            path = self.output_dir / "sample_ids.jsonl"
-            with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(self.output_dir)):
-                with open_output(path, "a") as f:
-                    f.write(json.dumps({"step": self.step, "epoch": epoch,
-                                        "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")
-
     # ------------------------------------------------------------------ save
     def save_checkpoint(self) -> Optional[Path]:
         """A resumable checkpoint of the current step (atomic; keeps the last N); none after a
@@ -778,7 +449,7 @@ class SFTRecipe:
             "data": self.data.state_dict(self.epoch, self.micro_batches_done),
             "num_processes": self.accelerator.num_processes,  # what the engine's state was saved on
             # What a resume compares its own config with, and the changes made so far.
-            "config": self.config_record(), "config_changes": self.config_changes,
+            "config": self.config_record(), "config_changes": self.resume.history,
         })
 
     def save(self) -> Optional[Path]:
@@ -798,8 +469,8 @@ class SFTRecipe:
             "max_length": self.max_length,
             "config": self.logger_config(),
         }
-        if self.config_changes:  # the values above hold from these steps on; the old ones before
-            metadata["config_changes"] = self.config_changes
+        if self.resume.history:  # the values above hold from these steps on; the old ones before
+            metadata["config_changes"] = self.resume.history
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
                                     save_pretrained_extras=extras, metadata=metadata,
@@ -821,23 +492,10 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, *, tag: str, checkpoint: Optional[str] = None) -> dict[str, Any]:
-        """Run the ``eval`` benchmarks on the current model and log them: every rank generates
-        its share of the dialogues, the main process scores (see ``check_evaluation_layout``)."""
-        from mmtune.training.evaluation import evaluate_in_training
+        """Run the ``eval`` benchmarks on the current model and log them (:mod:`mmtune.training.evaluation`)."""
+        from mmtune.training.evaluation import evaluate_and_log
 
-        acc = self.accelerator
-        model = self.engine.unwrap(self.model)
-        results = evaluate_in_training(model, self.adapter, self.cfg, tag=tag, run=self.run_name,
-                                       output_dir=str(self.output_dir / "eval" / tag), checkpoint=checkpoint,
-                                       wandb_run=self.logger.wandb_run if acc.is_main_process else None)
-        if acc.is_main_process:
-            flat = {f"eval_{tag}/{bench}/{name}": value for bench, metrics in results.items()
-                    for name, value in metrics.items()}
-            self.logger.summary(flat)
-            acc.print(f"eval ({tag}): " + ", ".join(f"{k.split('/', 1)[1]}={v:.2f}" for k, v in flat.items()
-                                                    if isinstance(v, (int, float))))
-        acc.wait_for_everyone()
-        return results
+        return evaluate_and_log(self, tag=tag, checkpoint=checkpoint)
 
     # ------------------------------------------------------------------ cleanup
     def cleanup(self) -> None:
@@ -858,3 +516,62 @@ def _to_dict(cfg: SFTConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def count_steps(data: Any, training: Any) -> tuple[list[int], int]:
+    """``(steps of each epoch planned, optimizer steps of the run)``: the sum over every epoch's own
+    plan, capped by ``training.max_steps``.
+
+    Raises:
+        ValueError: when the batch plan is empty.
+    """
+    per_epoch: list[int] = []
+    for epoch in range(training.epochs):
+        if training.max_steps is not None and sum(per_epoch) >= training.max_steps:
+            break  # later epochs are never reached; no need to plan them
+        per_epoch.append(data.steps_in_epoch(epoch))
+    total = sum(per_epoch)
+    if total == 0:
+        raise ValueError("the batch plan is empty: no sample of data.mixture fits collator.max_length "
+                         "(see the truncation stats) or the sources have no records")
+    return per_epoch, (min(total, training.max_steps) if training.max_steps is not None else total)
+
+
+def data_identities(accelerator: Any, sources: Any) -> list[str]:
+    """Each data source's content identity (:mod:`mmtune.data.identity`): read once, by the main
+    process, and given to every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    from mmtune.data.identity import source_identities
+
+    identities = source_identities(sources) if accelerator.is_main_process else None
+    if accelerator.num_processes > 1:
+        identities = broadcast_object_list([identities])[0]
+    return identities
+
+
+def report_skipped(accelerator: Any, data: Any, output_dir: Path) -> None:
+    """Samples dropped while loading (images that failed to decode, skip mode): printed and in data_report.json."""
+    from accelerate.utils import gather_object
+
+    items = data.skipped_items
+    if accelerator.num_processes > 1:
+        items = gather_object(items)
+    if accelerator.is_main_process and items:
+        data.merge_skipped(items)
+        data.loss_report.write(str(output_dir / "data_report.json"))
+        accelerator.print(data.loss_report.render_skipped())
+
+
+def log_sample_ids(accelerator: Any, output_dir: Path, ids_per_micro_batch: list[list[str]], *, step: int,
+                   epoch: int) -> None:
+    """Append one step's sample ids of every rank to ``sample_ids.jsonl`` (``training.log_sample_ids``)."""
+    from accelerate.utils import gather_object
+
+    gathered = gather_object([{"rank": accelerator.process_index, "ids": ids_per_micro_batch}])
+    if accelerator.is_main_process:
+        path = output_dir / "sample_ids.jsonl"
+        with disk_full_guard(path, "sample_ids.jsonl", intact=lambda: intact_note(output_dir)):
+            with open_output(path, "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch,
+                                    "ranks": sorted(gathered, key=lambda r: r["rank"])}) + "\n")

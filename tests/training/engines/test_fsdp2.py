@@ -268,9 +268,9 @@ def test_an_unknown_sharding_unit_is_refused_at_start_up_naming_the_key():
 
 def test_a_unit_the_model_does_not_have_is_refused_naming_the_key_and_what_it_has():
     from mmtune.models.base import ModuleGroups
-    from mmtune.training.engines import build_engine
+    from mmtune.training.config import run_engine
 
-    engine = build_engine(_config("training.backend.engine=fsdp2", "training.backend.fsdp2.units=[vision_layers]"))
+    engine = run_engine(_config("training.backend.engine=fsdp2", "training.backend.fsdp2.units=[vision_layers]"))
     engine.accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
     layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
     groups = ModuleGroups(vision=[torch.nn.Linear(4, 4)], projector=[], language_model=[layers])
@@ -280,10 +280,11 @@ def test_a_unit_the_model_does_not_have_is_refused_naming_the_key_and_what_it_ha
 
 
 def test_a_launch_for_another_engine_is_refused_with_both_names(monkeypatch):
-    from mmtune.training.engines import EngineLaunchError, build_engine
+    from mmtune.training.config import run_engine
+    from mmtune.training.engines import EngineLaunchError
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with a DeepSpeed config sets
-    engine = build_engine(_config("training.backend.engine=fsdp2"))
+    engine = run_engine(_config("training.backend.engine=fsdp2"))
     with pytest.raises(EngineLaunchError, match=r"training.backend.engine=fsdp2 but the launcher started this "
                                                 r"process for deepspeed.*or set training.backend.engine=deepspeed"):
         engine.start(SimpleNamespace())

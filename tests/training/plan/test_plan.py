@@ -45,7 +45,7 @@ def test_plan_every_experiment(env, experiment: str):
         assert p.data["samples_per_epoch"] > 0 and p.data["tokens_per_epoch"] > 0
         assert all(s["kept"] == s["records"] > 0 for s in p.data["sources"])
         assert p.cost["optimizer_steps"] >= 1 and p.cost["gpu_hours"] > 0
-        assert p.zero["stage"] == 3
+        assert p.engine["name"] == "deepspeed" and p.engine["settings"]["stage"] == 3
         assert p.peft["method"] == "lora" and p.params["lora"] > 0
         assert p.params["trainable"] < 0.1 * p.params["total"]
         if "xc2" in experiment:
@@ -55,7 +55,7 @@ def test_plan_every_experiment(env, experiment: str):
             assert 7.0e9 < p.params["total"] - p.params["lora"] < 7.1e9  # LLaVA-1.5-7B: 7.06B
             assert p.context["factor"] == 2.0 and p.context["rope_scaling"] == "linear"
         text = p.render()
-        assert "optimizer steps" in text and "GiB" in text and "ZeRO stage 3" in text
+        assert "optimizer steps" in text and "GiB" in text and "DeepSpeed ZeRO-3" in text
     else:
         p = plan_evaluation([f"experiment={experiment}"], gpu="a100-80g")
         assert p.run_name == experiment
@@ -73,11 +73,25 @@ def _lm_only(n: float, *, trainable: float | None = None, vision: float = 0, ima
                        num_layers=32, vocab_size=32000, image_tokens=image_tokens, source="test")
 
 
-def _cost(params: ParamCounts, **settings):
+def _zero(stage: int, params: ParamCounts, *, num_gpus: int = 8, weight_bytes: int = 2) -> dict:
+    """``state`` and ``engine`` of :func:`estimate_cost` for DeepSpeed ZeRO-``stage`` (0: plain DDP)."""
+    from mmtune.training.engines import engine_class
+    from mmtune.training.engines.ddp import DDPEngineConfig
+    from mmtune.training.engines.deepspeed import DeepSpeedEngineConfig
+
+    name, config = ("deepspeed", DeepSpeedEngineConfig(stage=stage)) if stage else ("ddp", DDPEngineConfig())
+    engine = engine_class(name)
+    return {"state": engine.state_memory(config, total=params.total, trainable=params.trainable,
+                                         weight_bytes=weight_bytes, num_gpus=num_gpus),
+            "engine": engine.describe(config)}
+
+
+def _cost(params: ParamCounts, zero_stage: int = 2, **settings):
     base = dict(train_tokens=10**6, train_images=0, mean_sample_tokens=0, micro_batch_tokens=64, optimizer_steps=1,
-                weight_dtype="bfloat16", gradient_checkpointing=False, zero_stage=2, offload_optimizer=False,
-                offload_params=False, num_gpus=8, gpu=GPU_TYPES["h100"], utilization=0.5)
-    return estimate_cost(params, **{**base, **settings})
+                weight_dtype="bfloat16", gradient_checkpointing=False, num_gpus=8, gpu=GPU_TYPES["h100"],
+                utilization=0.5)
+    state = _zero(zero_stage, params, num_gpus=settings.get("num_gpus", 8))
+    return estimate_cost(params, **{**base, **state, **settings})
 
 
 def test_training_compute_follows_the_published_counts():
@@ -173,7 +187,7 @@ def test_sweep_list_and_plan(env, capsys, tmp_path):
     plans = json.loads(out_json.read_text())
     assert [p["run_name"] for p in plans] == ["table5_mmdu45k_8k", "table5_sft_continue", "table5_sft_pool"]
     # The sweep's accelerate config decides the ZeRO stage.
-    assert all(p["zero"]["stage"] == 3 for p in plans)
+    assert all(p["engine"]["settings"]["stage"] == 3 for p in plans)
     assert main(["--sweep", "launch/sweeps/table5_eval.yaml"]) == 0
     assert capsys.readouterr().out.count("== evaluation ") == 7
 
@@ -225,9 +239,8 @@ def test_logits_term_follows_the_loss_implementation():
                          trainable=6_700_000_000, trainable_language_model=6_700_000_000, lora=0, hidden_size=4096,
                          num_layers=32, vocab_size=92544, image_tokens=576, source="test")
     common = dict(train_tokens=10**6, train_images=10, mean_sample_tokens=4000, micro_batch_tokens=8192,
-                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, zero_stage=3,
-                  offload_optimizer=False, offload_params=False, num_gpus=8, gpu=GPU_TYPES["a100-80g"],
-                  utilization=0.35)
+                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, num_gpus=8, gpu=GPU_TYPES["a100-80g"],
+                  utilization=0.35, **_zero(3, params))
     gib = 1024**3
     s, V, d = 8192, 92544, 4096
     terms = {impl: estimate_cost(params, loss_impl=impl, loss_chunk_size=1024, **common)
@@ -263,25 +276,29 @@ def test_a_run_is_planned_for_its_experiments_own_launcher(env):
     own = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None)
     given = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=8,
                      accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
-    assert own.zero["stage"] == 3 and own.zero["num_gpus"] == 8  # num_processes of the launcher
-    assert "the experiment's launcher (its `launcher` key)" in own.zero["origin"]
+    assert own.engine["settings"]["stage"] == 3 and own.engine["num_gpus"] == 8  # num_processes of the launcher
+    assert "the experiment's launcher (its `launcher` key)" in own.engine["origin"]
     assert own.cost["memory_gib"] == given.cost["memory_gib"]
     # an experiment without a launcher: the engine of its config (training.backend), DDP
     bare = plan_run(["experiment=tiny_table5_baseline"], num_gpus=None, skip_data=True)
-    assert bare.zero["stage"] == 0 and bare.zero["engine"] == "ddp" and bare.zero["num_gpus"] == 8
-    assert "training.backend.engine=ddp" in bare.zero["origin"]
+    assert bare.engine["name"] == "ddp" and bare.engine["num_gpus"] == 8
+    assert "training.backend.engine=ddp" in bare.engine["origin"]
 
 
 def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the repository root
     p = plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=8,
                  accelerate_config="launch/accelerate/single_node_8gpu_zero3.yaml")
-    assert p.zero["stage"] == 3
+    assert p.engine["settings"]["stage"] == 3
     mine = tmp_path / "my_zero2.yaml"  # a launcher of your own, next to you
     mine.write_text((REPO / "launch/accelerate/single_node_8gpu_zero2.yaml").read_text())
-    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=None,
-                 accelerate_config="my_zero2.yaml")
-    assert p.zero["stage"] == 2
+    p = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2",
+                  "launcher=my_zero2.yaml"], num_gpus=None)
+    assert p.engine["settings"]["stage"] == 2
+    # the DeepSpeed JSON the launcher names is read from the project too, and checked by the engine
+    with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=3 but my_zero2.yaml -> "
+                                        r"launch/deepspeed/zero2.json launches ZeRO-2"):
+        plan_run(["experiment=table3_llava15_7b_mmdu45k"], num_gpus=None, accelerate_config="my_zero2.yaml")
     with pytest.raises(PlanError, match=r"accelerate config 'nope.yaml' not found \(tried .*nope.yaml or "):
         plan_run(["experiment=table3_llava15_7b_mmdu45k"], accelerate_config="nope.yaml")
 
@@ -289,7 +306,7 @@ def test_launch_files_resolve_from_the_current_folder_then_from_the_project(env,
 def test_overrides_may_come_after_the_flags_and_the_help_is_plain_text(env, capsys):
     assert main(["--gpu", "h100", "experiment=table3_llava15_7b_mmdu45k", "--gpus", "4", "training.epochs=2"]) == 0
     out = capsys.readouterr().out
-    assert "4 GPU(s), ZeRO stage 3" in out and "training.epochs=2" in out and "H100" in out
+    assert "4 GPU(s), DeepSpeed ZeRO-3" in out and "training.epochs=2" in out and "H100" in out
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
@@ -317,9 +334,8 @@ def test_sequence_parallel_divides_activations_and_lengthens_the_longest_row():
                          trainable=7_300_000_000, trainable_language_model=7_300_000_000, lora=0, hidden_size=3584,
                          num_layers=28, vocab_size=152064, image_tokens=64, source="test")
     common = dict(train_tokens=10**6, train_images=10, mean_sample_tokens=5000, micro_batch_tokens=32768,
-                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, zero_stage=3,
-                  offload_optimizer=False, offload_params=False, num_gpus=8, gpu=GPU_TYPES["h100"],
-                  utilization=0.35, loss_impl="chunked")
+                  optimizer_steps=10, weight_dtype="bfloat16", gradient_checkpointing=True, num_gpus=8, gpu=GPU_TYPES["h100"],
+                  utilization=0.35, loss_impl="chunked", **_zero(3, params))
     gib, s, d, L = 1024**3, 32768, 3584, 28
     one = estimate_cost(params, sequence_parallel=1, **common)
     four = estimate_cost(params, sequence_parallel=4, **common)
@@ -341,10 +357,10 @@ def test_a_launch_file_for_another_engine_or_another_zero_stage_is_refused_by_th
                                         r"\(distributed_type DEEPSPEED\): set training.backend.engine=deepspeed"):
         plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"], num_gpus=8,
                  accelerate_config=zero3)
-    with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=2 but .*zero3.yaml launches ZeRO-3"):
+    with pytest.raises(PlanError, match=r"training.backend.deepspeed.stage=2 but .*zero3.yaml -> .*zero3.json launches ZeRO-3"):
         plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.deepspeed.stage=2"], num_gpus=8,
                  accelerate_config=zero3)
-    fsdp2 = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2"], num_gpus=None,
-                     accelerate_config="launch/accelerate/single_node_8gpu_fsdp2.yaml")
-    assert fsdp2.zero["stage"] == 0 and fsdp2.zero["num_gpus"] == 8
-    assert fsdp2.zero["description"].startswith("FSDP2")
+    fsdp2 = plan_run(["experiment=table3_llava15_7b_mmdu45k", "training.backend.engine=fsdp2",
+                      "launcher=launch/accelerate/single_node_8gpu_fsdp2.yaml"], num_gpus=None)
+    assert fsdp2.engine["name"] == "fsdp2" and fsdp2.engine["num_gpus"] == 8
+    assert fsdp2.engine["description"].startswith("FSDP2")

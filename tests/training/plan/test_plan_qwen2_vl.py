@@ -17,7 +17,7 @@ def test_plan_sizes_the_qwen2_5_vl_7b_experiment(env, capsys):
     assert 30e6 < params["projector"] < 60e6 and params["vision"] > 10 * params["projector"]  # merger vs tower
     assert params["trainable"] == params["projector"] + params["language_model"]  # vision frozen, full FT
     assert params["image_tokens"] == 64  # max_pixels 50176 / 28^2
-    assert p.zero["stage"] == 3 and p.peft["method"] == "none"
+    assert p.engine["settings"]["stage"] == 3 and p.peft["method"] == "none"
     assert p.data["samples_per_epoch"] > 0 and p.cost["optimizer_steps"] >= 1
     assert "packing 1 row(s) of 8192 tokens" in p.render()
     assert main(["experiment=mmdu45k_qwen2_5_vl_7b"]) == 0
@@ -37,7 +37,7 @@ def test_plan_of_the_32k_experiment_splits_each_row_over_4_gpus(env):
     p = plan_run(["experiment=mmdu45k_qwen2_5_vl_7b_32k"], num_gpus=None, gpu="h100")
     one = plan_run(["experiment=mmdu45k_qwen2_5_vl_7b_32k", "training.sequence_parallel.size=1"], num_gpus=None,
                    gpu="h100")
-    assert p.zero["engine"] == "fsdp2" and p.zero["num_gpus"] == 8 and "single_node_8gpu_fsdp2" in p.zero["origin"]
+    assert p.engine["name"] == "fsdp2" and p.engine["num_gpus"] == 8 and "single_node_8gpu_fsdp2" in p.engine["origin"]
     accum = 4  # the 8k experiment's, inherited
     assert p.batching["per_step"] == 2 * accum and one.batching["per_step"] == 8 * accum
     assert "x 4 accumulation x 2 data-parallel group(s) of 4 GPUs (sequence parallel) = 8 micro-batches" \

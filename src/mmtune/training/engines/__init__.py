@@ -16,19 +16,21 @@ fsdp2      :class:`~mmtune.training.engines.fsdp2.FSDP2Engine`   torchrun / acce
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from pathlib import Path
+from typing import Any
 
-from mmtune.training.engines.base import _ENGINES, Engine, EngineLaunchError, StateMemory, launched_engine, register_engine  # noqa: F401
+from mmtune.core.plugins import import_package_modules
+from mmtune.training.engines.base import (_ENGINES, Engine, EngineContext, EngineLaunchError, StateMemory,  # noqa: F401
+                                          launched_engine, register_engine)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from mmtune.training.config import SFTConfig
+__all__ = ["Engine", "EngineContext", "EngineLaunchError", "StateMemory", "build_engine", "engine_class",
+           "engine_names", "launched_engine", "register_engine", "settings_classes"]
 
-__all__ = ["Engine", "EngineLaunchError", "StateMemory", "build_engine", "engine_class", "engine_names",
-           "launched_engine", "register_engine", "settings_classes"]
 
 def _load_builtin() -> None:
-    # Imported on first use: the modules import torch, the config module must not.
-    from mmtune.training.engines import ddp, deepspeed, fsdp2  # noqa: F401
+    # Every module of this package registers its engine when imported (core/plugins, as the
+    # families and formats); imported on first use: the modules import torch, the config module must not.
+    import_package_modules(__package__, str(Path(__file__).parent))
 
 
 def engine_names() -> list[str]:
@@ -55,7 +57,7 @@ def engine_class(name: str) -> type[Engine]:
     return _ENGINES[name]
 
 
-def build_engine(cfg: "SFTConfig") -> Engine:
-    """The engine ``cfg.training.backend.engine`` names, with its settings."""
-    factory: Callable[["SFTConfig"], Engine] = engine_class(cfg.training.backend.engine)
-    return factory(cfg)
+def build_engine(name: str, settings: Any, context: EngineContext = EngineContext()) -> Engine:
+    """The engine registered as ``name`` with its ``training.backend.<name>`` section ``settings``
+    and what it needs to know of the run (``context``)."""
+    return engine_class(name)(settings, context)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.models.base import ModuleGroups
-    from mmtune.training.config import SFTConfig
 
 __all__ = ["Engine", "EngineLaunchError", "StateMemory", "launch_file_engine", "launched_engine", "register_engine"]
 
@@ -69,6 +68,29 @@ def launch_file_engine(launch: dict[str, Any]) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class EngineContext:
+    """What an engine knows of the run beyond its own ``training.backend.<name>`` section.
+
+    An engine never sees the run's whole config: the training room makes this from it
+    (:func:`mmtune.training.config.engine_context`).
+    """
+
+    mixed_precision: str = "no"
+    """``training.mixed_precision``: ``no``, ``bf16`` or ``fp16``."""
+    max_grad_norm: Optional[float] = None
+    """``training.max_grad_norm`` (``None``: no clipping)."""
+    compile: bool = False
+    """``training.compile``: the model is compiled after the engine wraps it."""
+    trains_vision: bool = False
+    """The vision tower's module group trains (``training.vision.train``): some of its
+    parameters may get no gradient in a step (a text-only micro-batch)."""
+    quantized_base: bool = False
+    """The model's base weights are loaded in 4 bits (``peft.method=qlora``): a config cannot rebuild them."""
+    sequence_parallel: int = 1
+    """``training.sequence_parallel.size``: processes sharing one row."""
+
+
+@dataclass(frozen=True)
 class StateMemory:
     """Bytes per GPU of the training state under an engine (what ``mmtune plan`` adds up).
 
@@ -101,7 +123,7 @@ class Engine(ABC):
 
     Lifecycle, as the loop calls it::
 
-        engine = build_engine(cfg)                      # typed config, no side effects
+        engine = build_engine(name, settings, context)  # its own section, no side effects
         acc = Accelerator(**engine.accelerator_kwargs(), ...)
         engine.start(acc)                               # a launch for another engine is refused
         model = engine.shard(model, groups)             # before the optimizer sees the parameters
@@ -125,15 +147,20 @@ class Engine(ABC):
     """Why ``training.sequence_parallel.size > 1`` is refused under this engine; empty for an
     engine it runs under (tested there against one process)."""
 
-    def __init__(self, cfg: "SFTConfig"):
-        self.cfg = cfg
-        self.config = getattr(cfg.training.backend, self.name)
+    def __init__(self, config: Any, context: EngineContext = EngineContext()):
+        """Args:
+            config: this engine's ``training.backend.<name>`` section (an instance of ``settings_class``).
+            context: what the engine needs to know of the rest of the run.
+        """
+        self.config = config
+        self.context = context
         self.accelerator: Optional["Accelerator"] = None
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        """What is wrong with ``cfg`` for this engine, each with its key (empty when fine).
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        """What is wrong with ``config`` (``training.backend.<name>``) and ``context`` for this engine,
+        each with its key (empty when fine).
 
         Called by :func:`mmtune.training.config.validate`, before anything is built.
         """
@@ -164,7 +191,7 @@ class Engine(ABC):
                 f"(accelerate launch --config_file with distributed_type "
                 f"{'DEEPSPEED' if launched == 'deepspeed' else 'FSDP'}): launch with "
                 f"{self.launch_hint} or set training.backend.engine={launched.replace('accelerate-', '')}")
-        problem = self.launch_problem(self.cfg, num_processes=accelerator.num_processes, distributed=_distributed())
+        problem = self.launch_problem(self.context, num_processes=accelerator.num_processes, distributed=_distributed())
         if problem:
             raise EngineLaunchError(problem)
 
@@ -173,16 +200,17 @@ class Engine(ABC):
     plain ``python`` start does not create."""
 
     @classmethod
-    def launch_problem(cls, cfg: "SFTConfig", *, num_processes: int, distributed: bool) -> str:
+    def launch_problem(cls, context: EngineContext, *, num_processes: int, distributed: bool) -> str:
         """Why this launch (``num_processes`` processes; ``distributed``: started by a distributed
-        launcher) cannot run ``cfg`` under this engine, with the command that can; empty when it can.
+        launcher) cannot run the run ``context`` describes under this engine, with the command that
+        can; empty when it can.
 
         Asked by :meth:`start`, before any model is loaded: the engine's own need of a process
         group, and ``training.sequence_parallel.size`` against the launched ranks.
         """
         from mmtune.training.sequence_parallel.groups import size_problems
 
-        sp = cfg.training.sequence_parallel.size
+        sp = context.sequence_parallel
         problems = []
         if cls.needs_distributed_launch and not distributed:
             problems.append(f"training.backend.engine={cls.name} shards the model over a process group, which a "
@@ -198,9 +226,11 @@ class Engine(ABC):
                 "training.backend.engine=ddp training.sequence_parallel.size=1")
 
     @classmethod
-    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str,
+                              resolve: Callable[[str], str] = str) -> str:
         """Why the accelerate config file ``origin`` (parsed: ``launch``) cannot start this engine
-        with ``config``, its ``training.backend.<name>`` section; empty when it can.
+        with ``config``, its ``training.backend.<name>`` section; empty when it can. ``resolve``
+        finds a file the launch file names (relative paths: from the current folder, then the project).
 
         ``mmtune plan`` asks before a job is submitted; at start-up :meth:`start` refuses the
         same launch from what the launcher passed to the process.
@@ -219,6 +249,18 @@ class Engine(ABC):
         """Why in-training generation (``training.eval_before/eval_after``) cannot run under
         this engine on ``num_processes`` processes; empty when it can."""
         return ""
+
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """The model in-training evaluation generates with on this rank, for the block.
+
+        Evaluation is data-parallel: every rank answers its own share of the dialogues, with
+        its own number of forward passes, so the module it gets must compute without the
+        other ranks. Engines with full weights on every rank give the unwrapped model; an
+        engine that shards them gathers the full weights into a plain copy (a collective:
+        every rank enters the block), freed when the block ends.
+        """
+        yield self.unwrap(model)
 
     # -- model -----------------------------------------------------------------------------
     def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":
@@ -366,6 +408,32 @@ class Engine(ABC):
 def adamw_bytes(trainable: int, weight_bytes: int) -> float:
     """AdamW's m and v in fp32, plus an fp32 master copy when the weights are 16-bit."""
     return float((8 + (4 if weight_bytes < 4 else 0)) * trainable)
+
+
+def computing_twin(model: "nn.Module", state_dict: dict[str, Any], original_class: Callable[["nn.Module"], type],
+                   *, device: Any, dtype: Any = None) -> "nn.Module":
+    """A plain copy of ``model`` holding the full ``state_dict`` that computes on its own, on ``device``.
+
+    :func:`rebuilt_model`, plus the buffers a state dict does not hold (rotary frequencies,
+    non-persistent) copied from ``model`` (an engine never shards buffers), floating weights
+    cast to ``dtype`` when given (the dtype the engine computes in), and generation's cache on.
+    """
+    twin = rebuilt_model(model, state_dict, original_class)
+    buffers = dict(model.named_buffers())
+    for name, buffer in list(twin.named_buffers()):
+        if buffer.is_meta and name in buffers:
+            owner, _, attr = name.rpartition(".")
+            twin.get_submodule(owner)._buffers[attr] = buffers[name].detach().clone()
+    twin.to(device)
+    if dtype is not None:
+        for p in twin.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    for config in (getattr(twin, "config", None), getattr(getattr(twin, "get_base_model", lambda: None)(), "config",
+                                                          None)):
+        if config is not None:
+            config.use_cache = True  # gradient checkpointing turned it off for training
+    return twin.eval()
 
 
 def rebuilt_model(model: "nn.Module", state_dict: dict[str, Any],

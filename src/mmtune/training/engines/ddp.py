@@ -36,7 +36,7 @@ class DDPEngine(Engine):
 
         find_unused = self.config.find_unused_parameters
         if find_unused is None:
-            find_unused = self.cfg.training.vision.train
+            find_unused = self.context.trains_vision
         return {**super().accelerator_kwargs(),
                 "kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=find_unused)]}
 

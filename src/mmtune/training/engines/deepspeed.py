@@ -17,21 +17,25 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from mmtune.training.engines.base import (Engine, EngineLaunchError, StateMemory, adamw_bytes, launched_engine,
-                                          register_engine)
+from mmtune.training.engines.base import (Engine, EngineContext, EngineLaunchError, StateMemory, adamw_bytes,
+                                          computing_twin, launched_engine, register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
     from torch import nn
 
-    from mmtune.training.config import SFTConfig
-
 __all__ = ["DeepSpeedEngine", "DeepSpeedEngineConfig", "ZERO3_LIVE_PARAMETERS"]
 
 ZERO3_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's ``stage3_max_live_parameters`` default: parameters gathered at once under ZeRO-3."""
+
+
+def read_ds_json(path: str) -> dict[str, Any]:
+    """A DeepSpeed JSON config as a dict: the one place mmtune parses DeepSpeed's file."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _offload_device(zero: dict[str, Any], key: str) -> bool:
@@ -73,9 +77,9 @@ class DeepSpeedEngine(Engine):
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        problems = super().config_problems(cfg)
-        c = cfg.training.backend.deepspeed
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        problems = super().config_problems(config, context)
+        c = config
         if c.stage not in (1, 2, 3):
             problems.append(f"training.backend.deepspeed.stage={c.stage}: use 1, 2 or 3")
         if c.offload_params and c.stage != 3:
@@ -85,7 +89,7 @@ class DeepSpeedEngine(Engine):
             if not os.path.isfile(c.config_file):
                 problems.append(f"training.backend.deepspeed.config_file={c.config_file!r} does not exist")
             else:
-                problems += cls._file_problems(c, json.loads(open(c.config_file).read()), c.config_file)
+                problems += cls._file_problems(c, read_ds_json(c.config_file), c.config_file)
         return problems
 
     @staticmethod
@@ -99,21 +103,32 @@ class DeepSpeedEngine(Engine):
                 for key, value in found.items() if getattr(c, key) != value]
 
     @classmethod
-    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str) -> str:
-        problem = super().launch_config_problem(config, launch, origin)
+    def launch_config_problem(cls, config: Any, launch: dict[str, Any], origin: str,
+                              resolve: Callable[[str], str] = str) -> str:
+        """Also: the ZeRO stage and offloads the launch file starts (inline, or in the DeepSpeed JSON it
+        names) against ``training.backend.deepspeed``, as :meth:`start` checks them."""
+        problem = super().launch_config_problem(config, launch, origin, resolve)
         ds = launch.get("deepspeed_config") or {}
         if problem or not ds:
             return problem
-        stage = int(ds.get("zero_stage", 0))
+        if ds.get("deepspeed_config_file"):
+            path = ds["deepspeed_config_file"]
+            zero = read_ds_json(resolve(path)).get("zero_optimization", {})
+            origin = f"{origin} -> {path}"
+        else:
+            zero = {"stage": ds.get("zero_stage", 0),
+                    "offload_optimizer": {"device": ds.get("offload_optimizer_device") or "none"},
+                    "offload_param": {"device": ds.get("offload_param_device") or "none"}}
+        stage = int(zero.get("stage", 0))
         if stage != config.stage:
             return (f"training.backend.deepspeed.stage={config.stage} but {origin} launches ZeRO-{stage}: make them "
                     "agree (the config decides; the launch file must match it)")
-        return ""
+        return "\n".join(cls._file_problems(config, {"zero_optimization": zero}, origin))
 
     def ds_config(self) -> dict[str, Any]:
         """The DeepSpeed config this engine runs with when it builds the plugin itself."""
         c = self.config
-        ds: dict[str, Any] = json.loads(open(c.config_file).read()) if c.config_file else {}
+        ds: dict[str, Any] = read_ds_json(c.config_file) if c.config_file else {}
         zero = ds.setdefault("zero_optimization", {})
         zero["stage"] = c.stage
         if c.offload_optimizer:
@@ -151,20 +166,43 @@ class DeepSpeedEngine(Engine):
         if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
             ds["train_micro_batch_size_per_gpu"] = 1
         if ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = float(self.cfg.training.max_grad_norm or 0.0)
+            ds["gradient_clipping"] = float(self.context.max_grad_norm or 0.0)
 
     @property
     def stage(self) -> int:
         return int(self.config.stage)
 
-    def evaluation_problem(self, num_processes: int) -> str:
-        if self.stage == 3 and num_processes > 1:
-            return (f"DeepSpeed ZeRO-3 on {num_processes} processes: in-training evaluation generates on every "
-                    "rank, each its own dialogues, and ZeRO-3's per-layer gathers need every rank in the same "
-                    "forward pass (the job would hang). Evaluate the saved final/ checkpoint with recipes/evaluate.py "
-                    "(mmtune evaluate), or train with training.backend.deepspeed.stage=2 or "
-                    "training.backend.engine=fsdp2")
-        return ""
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """Under ZeRO-3 on several processes, a plain copy on every rank (:func:`computing_twin`) of the
+        full weights, gathered by ``deepspeed.zero.GatheredParameters``: ZeRO-3's per-layer gathers need
+        every rank in the same forward, while each rank generates its own dialogues. (Several ranks need
+        GPUs: DeepSpeed's collectives do not run on CPU ranks, so this path is not tested here.) ZeRO-1/2
+        and one process compute with the unwrapped model."""
+        assert self.accelerator is not None
+        unwrapped = self.unwrap(model)
+        if self.stage != 3 or self.accelerator.num_processes <= 1:
+            yield unwrapped
+            return
+        import deepspeed
+
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters()), modifier_rank=None):
+            full = {name: tensor.detach().clone() for name, tensor in unwrapped.state_dict().items()}
+        # transformers builds a model inside deepspeed.zero.Init (partitioned) while the run's ZeRO-3
+        # config is registered with it; the copy must be whole, so it is built with that unset.
+        registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+        hf_deepspeed.unset_hf_deepspeed_config()
+        try:
+            twin = computing_twin(unwrapped, full, self.original_class, device=self.accelerator.device)
+        finally:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+        del full
+        try:
+            yield twin
+        finally:
+            del twin
 
     # -- model -----------------------------------------------------------------------------
     def parameter_counts(self, model: "nn.Module") -> tuple[int, int]:

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
-from mmtune.training.engines.base import Engine, StateMemory, adamw_bytes, rebuilt_model, register_engine
+from mmtune.training.engines.base import (Engine, EngineContext, StateMemory, adamw_bytes, computing_twin, rebuilt_model,
+                                          register_engine)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from mmtune.models.base import ModuleGroups
-    from mmtune.training.config import SFTConfig
 
 __all__ = ["FSDP2Engine", "FSDP2EngineConfig", "UNITS", "sharding_units"]
 
@@ -133,9 +133,9 @@ class FSDP2Engine(Engine):
 
     # -- start-up --------------------------------------------------------------------------
     @classmethod
-    def config_problems(cls, cfg: "SFTConfig") -> list[str]:
-        problems = super().config_problems(cfg)
-        c = cfg.training.backend.fsdp2
+    def config_problems(cls, config: Any, context: EngineContext) -> list[str]:
+        problems = super().config_problems(config, context)
+        c = config
         unknown = [u for u in c.units if u not in UNITS]
         if unknown:
             problems.append(f"training.backend.fsdp2.units: {', '.join(map(repr, unknown))} unknown; use any of "
@@ -144,21 +144,42 @@ class FSDP2Engine(Engine):
             problems.append(f"training.backend.fsdp2.units={list(c.units)} names a unit twice")
         if c.mixed_precision not in ("auto", "bf16", "fp32"):
             problems.append(f"training.backend.fsdp2.mixed_precision={c.mixed_precision!r}: use auto, bf16 or fp32")
-        if cfg.training.mixed_precision == "fp16":
+        if context.mixed_precision == "fp16":
             problems.append("training.mixed_precision=fp16 with training.backend.engine=fsdp2: FSDP2 has no loss "
                             "scaler here; use bf16 (A100/H100) or ddp/deepspeed for fp16")
-        if cfg.training.compile:
+        if context.compile:
             problems.append("training.compile=true with training.backend.engine=fsdp2 is not supported yet: set "
                             "training.compile=false")
         return problems
 
     def evaluation_problem(self, num_processes: int) -> str:
-        if num_processes > 1:
-            return (f"FSDP2 on {num_processes} processes: in-training evaluation generates on every rank, each "
-                    "its own dialogues and number of forward passes, and every sharded unit's forward all-gathers "
-                    "from all ranks at once (the job would hang). Evaluate the saved final/ checkpoint with "
-                    "recipes/evaluate.py (mmtune evaluate), or train with training.backend.engine=ddp")
+        if num_processes > 1 and self.context.quantized_base:
+            return (f"FSDP2 on {num_processes} processes with a 4-bit (QLoRA) base: each rank generates on a copy "
+                    "of the full weights, which a 4-bit base cannot be rebuilt into. Evaluate the saved final/ "
+                    "adapter with recipes/evaluate.py (mmtune evaluate)")
         return ""
+
+    @contextlib.contextmanager
+    def evaluation_model(self, model: "nn.Module") -> Iterator["nn.Module"]:
+        """On several processes, an unsharded copy on every rank (:func:`computing_twin`) holding the full
+        weights gathered with ``torch.distributed.checkpoint``'s ``get_model_state_dict``: every sharded
+        unit's forward would all-gather from all ranks at once, while each rank generates its own
+        dialogues. It costs the model's full weights once more per GPU for the evaluation's length.
+        One process computes with the model itself."""
+        assert self.accelerator is not None
+        if self.accelerator.num_processes <= 1 or getattr(self, "quantized", False):
+            yield model
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # on every rank
+        twin = computing_twin(model, full, self.original_class, device=self.accelerator.device,
+                              dtype=self._param_dtype())
+        del full
+        try:
+            yield twin
+        finally:
+            del twin
 
     # -- model -----------------------------------------------------------------------------
     def _param_dtype(self) -> Optional["Any"]:
@@ -166,7 +187,7 @@ class FSDP2Engine(Engine):
 
         wanted = self.config.mixed_precision
         if wanted == "auto":
-            wanted = "bf16" if self.cfg.training.mixed_precision == "bf16" else "fp32"
+            wanted = "bf16" if self.context.mixed_precision == "bf16" else "fp32"
         return torch.bfloat16 if wanted == "bf16" else None
 
     def shard(self, model: "nn.Module", groups: "ModuleGroups") -> "nn.Module":

@@ -3,7 +3,7 @@
 For each run it prints the model and its parameter counts (the model is built on the
 ``meta`` device from its config, so no weight is read and no memory is used), the data
 sources with their record counts and validation report, the mixture, the context
-window and RoPE scaling, LoRA or full fine-tuning, the ZeRO stage, the number of
+window and RoPE scaling, LoRA or full fine-tuning, the distributed engine, the number of
 optimizer steps, the estimated training tokens, and GPU-hours and memory per GPU for a
 chosen GPU type. It fails early (exit code 1, with the data layer's report) when a data
 file is missing or records would be skipped for missing or broken images.

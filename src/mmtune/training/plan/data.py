@@ -43,18 +43,13 @@ class DataPlan:
     """Caveats of the estimate and sources with skipped records (with their reports)."""
 
 
-def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Optional[int] = None,
-              allow_skipped: bool = False, image_limits: Any = None) -> DataPlan:
-    """Load every source through the data layer (validated, cached) and size one epoch.
+def _loaded_sources(data_cfg: Any, *, allow_skipped: bool, image_limits: Any) -> list[Any]:
+    """Every source through the data layer (validated, cached).
 
-    Tokens come from the data layer's estimate (characters / 4 + tokens per image),
-    capped at ``max_length`` per sample (the collator drops whole trailing turns past
-    it); records per source and epoch come from the data layer's
-    :func:`~mmtune.data.mixture.mixture_counts`, as the training sampler draws them.
-    ``image_limits``: the model's ``model.image_limits``, as training checks them.
+    Raises:
+        PlanError: a source does not load, or records would be skipped for their images
+            (unless ``allow_skipped``); every problem in one message.
     """
-    import numpy as np
-
     from mmtune.data.readers import load_training_source
     from mmtune.data.validation import DataValidationError
 
@@ -77,7 +72,42 @@ def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Opt
             )
     if problems:
         raise PlanError("\n".join(problems) + "\n(fix the paths, or pass --allow-skipped to plan anyway)")
+    return loaded
 
+
+def _notes(data_cfg: Any, loaded: list[Any], used: dict[str, int]) -> list[str]:
+    """What the plan says about the data beyond its counts: stacking, skipped records, repeated sources."""
+    mix = data_cfg.mixture
+    notes = []
+    if data_cfg.stacking.enabled:
+        notes.append("data.stacking is enabled: counts are before stacking (fewer, longer samples in training)")
+    notes += [f"source {sd.name!r} skips {sd.report.records_skipped} record(s):\n{sd.report.render()}"
+              for sd in loaded if sd.report.records_skipped]
+    if mix.weights:
+        for sd in loaded:
+            times = used[sd.name] / len(sd) if len(sd) else 0.0
+            if times >= REPEAT_WARNING:
+                notes.append(
+                    f"WARNING: source {sd.name!r} has {len(sd):,} record(s) but its ratio draws {used[sd.name]:,} "
+                    f"samples per epoch: each record is repeated {times:.1f} times an epoch, which a model "
+                    f"memorises. Lower its ratio (data.ratios / data.mixture.weights), set "
+                    f"data.mixture.epoch_size, or add data to it")
+    return notes
+
+
+def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Optional[int] = None,
+              allow_skipped: bool = False, image_limits: Any = None) -> DataPlan:
+    """Load every source through the data layer (validated, cached) and size one epoch.
+
+    Tokens come from the data layer's estimate (characters / 4 + tokens per image),
+    capped at ``max_length`` per sample (the collator drops whole trailing turns past
+    it); records per source and epoch come from the data layer's
+    :func:`~mmtune.data.mixture.mixture_counts`, as the training sampler draws them.
+    ``image_limits``: the model's ``model.image_limits``, as training checks them.
+    """
+    import numpy as np
+
+    loaded = _loaded_sources(data_cfg, allow_skipped=allow_skipped, image_limits=image_limits)
     from mmtune.data.mixture import mixture_counts
 
     mix = data_cfg.mixture
@@ -96,20 +126,7 @@ def plan_data(data_cfg: Any, tokens_per_image: Optional[int], *, max_length: Opt
         raise PlanError(f"data.mixture: {err}") from err
     used = {sd.name: c for (sd, *_), c in zip(per_source, counts)}
 
-    notes = []
-    if data_cfg.stacking.enabled:
-        notes.append("data.stacking is enabled: counts are before stacking (fewer, longer samples in training)")
-    notes += [f"source {sd.name!r} skips {sd.report.records_skipped} record(s):\n{sd.report.render()}"
-              for sd in loaded if sd.report.records_skipped]
-    if mix.weights:
-        for sd in loaded:
-            times = used[sd.name] / len(sd) if len(sd) else 0.0
-            if times >= REPEAT_WARNING:
-                notes.append(
-                    f"WARNING: source {sd.name!r} has {len(sd):,} record(s) but its ratio draws {used[sd.name]:,} "
-                    f"samples per epoch: each record is repeated {times:.1f} times an epoch, which a model "
-                    f"memorises. Lower its ratio (data.ratios / data.mixture.weights), set "
-                    f"data.mixture.epoch_size, or add data to it")
+    notes = _notes(data_cfg, loaded, used)
     sources = []
     tokens_epoch = 0
     images_epoch = 0

@@ -1,4 +1,4 @@
-"""One training run planned: model, data, context, LoRA, ZeRO, steps, tokens, GPU-hours, memory."""
+"""One training run planned: model, data, context, LoRA, engine, steps, tokens, GPU-hours, memory."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Any, Optional, Sequence
 
 from mmtune.compose import compose_checked
 from mmtune.data.batching import steps_per_epoch
+from mmtune.training.layout import RankLayout
 from mmtune.training.plan.common import PlanError, human
 from mmtune.training.plan.gpus import DTYPE_BYTES
-from mmtune.training.plan.cost import estimate_cost, launch_config, launcher_processes, zero_settings
+from mmtune.training.launch import LaunchFileError, launcher_problem, launcher_processes
+from mmtune.training.plan.cost import estimate_cost
 from mmtune.training.plan.data import DataPlan, plan_data
 from mmtune.training.plan.gpus import GPU_TYPES
-from mmtune.training.plan.model import checkpoint_config, count_parameters, meta_model
+from mmtune.training.plan.model import ParamCounts, checkpoint_config, count_parameters, meta_model
 
 __all__ = ["RunPlan", "plan_run"]
 
@@ -34,7 +36,9 @@ class RunPlan:
     loss: str
     """The loss the loop will run (``training.loss_impl`` resolved as the loop resolves it, for
     CUDA GPUs) and, for a fallback, why."""
-    zero: dict[str, Any]
+    engine: dict[str, Any]
+    """The distributed engine as it describes itself (``description``), its settings section
+    (``settings``: ``training.backend.<name>``), GPUs and where they come from (``origin``)."""
     cost: Optional[dict[str, Any]]
     evaluation: dict[str, Any]
 
@@ -76,13 +80,8 @@ class RunPlan:
         lines.append(f"  batching    {b['description']}")
         lines.append(f"  attention   {self.attention}")
         lines.append(f"  loss        {self.loss}")
-        z = self.zero
-        if z["stage"]:  # the ZeRO accounting of plan/cost.py; other engines describe themselves
-            lines.append(f"  distributed {z['num_gpus']} GPU(s), ZeRO stage {z['stage']}"
-                         + (" + optimizer offload" if z["offload_optimizer"] else "")
-                         + (" + parameter offload" if z["offload_params"] else "") + f"  [{z['origin']}]")
-        else:
-            lines.append(f"  distributed {z['num_gpus']} GPU(s), {z['description']}  [{z['origin']}]")
+        e = self.engine  # what the engine says of itself
+        lines.append(f"  distributed {e['num_gpus']} GPU(s), {e['description']}  [{e['origin']}]")
         if self.cost:
             k = self.cost
             lines.append(f"  steps       {k['optimizer_steps']:,} optimizer steps, "
@@ -121,10 +120,9 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
     data-parallel groups, each training one micro-batch at a time, as the loop deals them.
     """
     col = cfg.collator
-    sp = max(1, cfg.training.sequence_parallel.size)
-    groups = max(1, num_gpus // sp)
+    layout = RankLayout.of_run(cfg.training, num_processes=num_gpus)
+    sp, groups, accum = layout.sequence_parallel, layout.data_ranks, layout.accumulation
     max_len = window
-    accum = cfg.training.gradient_accumulation_steps
     epochs = cfg.training.epochs
     if col.batching == "packing":
         tokens_per_micro = col.batch_size * max_len
@@ -138,13 +136,112 @@ def _batching(cfg: Any, data: Optional[DataPlan], num_gpus: int, window: int) ->
         tokens_per_micro = col.batch_size * max_len
         desc = f"{col.batching}: {col.batch_size} sample(s) per micro-batch, each <= {max_len} tokens"
         micro = math.ceil(data.samples_per_epoch / col.batch_size) if data else 0
-    per_step = accum * groups
+    per_step = layout.micro_batches_per_step
     steps = steps_per_epoch(micro, groups, accum) * epochs if data else 0  # the loop's own count
     if cfg.training.max_steps:
         steps = min(steps, cfg.training.max_steps) if steps else cfg.training.max_steps
     ranks = f"{num_gpus} GPU(s)" if sp == 1 else f"{groups} data-parallel group(s) of {sp} GPUs (sequence parallel)"
     desc += f" x {accum} accumulation x {ranks} = {per_step} micro-batches per step, {epochs} epoch(s)"
     return {"description": desc, "micro_batches_per_epoch": micro, "per_step": per_step}, steps, tokens_per_micro
+
+
+def _composed(overrides: Sequence[str]) -> Any:
+    """The run's typed config; a bad override is one line naming the key and the closest known one."""
+    from mmtune.training.config import ConfigError, to_sft_config
+
+    try:
+        return to_sft_config(compose_checked(overrides, "sft", command="mmtune plan --recipe sft"))
+    except (ConfigError, ValueError) as err:
+        raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
+    except Exception as err:  # OmegaConf errors name the key; pass them on with the run
+        raise PlanError(f"config [{' '.join(overrides)}] does not resolve: {err}") from err
+
+
+def _original_window(cfg: Any) -> Optional[int]:
+    """The model's own position window (before any context extension), from the config or the checkpoint."""
+    original = cfg.context.original_max_position_embeddings or cfg.model.max_position_embeddings
+    if original is None:
+        model_dict = checkpoint_config(cfg.model)[0]
+        if model_dict:
+            original = (model_dict.get("text_config") or model_dict).get("max_position_embeddings")
+        elif cfg.model.path is None:
+            original = ((cfg.model.architecture or {}).get("text_config") or {}).get("max_position_embeddings")
+    return original
+
+
+def _distributed(cfg: Any, accelerate_config: Optional[str], num_gpus: Optional[int],
+                 problems: list[str]) -> tuple[int, str]:
+    """``(GPUs, origin)`` of the run's engine: the launcher (``accelerate_config``, else the experiment's
+    ``launcher`` key) checked against the engine, its process count when ``num_gpus`` is None; problems
+    are appended to ``problems``."""
+    launcher_note = ""
+    if accelerate_config is None:
+        accelerate_config = cfg.launcher
+        if accelerate_config:
+            launcher_note = ", the experiment's launcher (its `launcher` key)"
+    backend = cfg.training.backend
+    origin = f"training.backend.engine={backend.engine}" + (f" ({accelerate_config})" if accelerate_config else "")
+    try:
+        # The engine is the config's; a launcher that started another one (or other settings) is a
+        # problem, as at start-up: the engine reads the launch file.
+        problem = launcher_problem(backend, str(accelerate_config)) if accelerate_config else ""
+        if problem:
+            problems.append(problem)
+        if num_gpus is None:
+            num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
+            launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
+    except LaunchFileError as err:
+        problems.append(str(err))
+        num_gpus = num_gpus or 8
+    return num_gpus, origin + launcher_note
+
+
+def _cost(cfg: Any, params: ParamCounts, data: DataPlan, batching: dict[str, Any], *, steps: int,
+          micro_tokens: int, num_gpus: int, gpu: str, utilization: float, loss_impl: str) -> Any:
+    """The cost estimate, memory per GPU as the run's engine holds its state (its ``state_memory``)."""
+    from mmtune.training.engines import engine_class
+
+    t, backend = cfg.training, cfg.training.backend
+    engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
+    train_tokens = data.tokens_per_epoch * t.epochs
+    if t.max_steps and steps:
+        layout = RankLayout.of_run(t, num_processes=num_gpus)
+        full = steps_per_epoch(batching["micro_batches_per_epoch"], layout.data_ranks, layout.accumulation) * t.epochs
+        train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
+    state = engine_cls.state_memory(engine_cfg, total=params.total, trainable=params.trainable,
+                                    weight_bytes=DTYPE_BYTES.get(cfg.model.torch_dtype, 4), num_gpus=num_gpus,
+                                    num_layers=params.num_layers,
+                                    # input embeddings and output head (a tied pair counted twice: an upper bound)
+                                    root_params=2 * params.hidden_size * params.vocab_size)
+    return estimate_cost(
+        params, train_tokens=train_tokens,
+        train_images=int(data.images_per_epoch * t.epochs * (train_tokens / max(1, data.tokens_per_epoch * t.epochs))),
+        mean_sample_tokens=min(data.mean_tokens_per_sample, micro_tokens), micro_batch_tokens=micro_tokens,
+        optimizer_steps=steps, weight_dtype=cfg.model.torch_dtype, gradient_checkpointing=t.gradient_checkpointing,
+        num_gpus=num_gpus, state=state, engine=engine_cls.describe(engine_cfg), gpu=GPU_TYPES[gpu],
+        utilization=utilization, vision_trains=t.vision.train, loss_impl=loss_impl,
+        loss_chunk_size=t.loss_chunk_size, head_trains=t.language_model.train and cfg.peft.method == "none",
+        sequence_parallel=t.sequence_parallel.size)
+
+
+def _sections(cfg: Any) -> dict[str, Any]:
+    """The plan's sections read straight off the config: model, LoRA, attention, engine, evaluation."""
+    from mmtune.training.engines import engine_class
+    from mmtune.training.packed_attention import resolve_attention
+
+    t, backend, ev = cfg.training, cfg.training.backend, cfg.eval
+    engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
+    return dict(
+        model={k: getattr(cfg.model, k) for k in ("family", "path", "torch_dtype", "attn_implementation")},
+        peft={"method": cfg.peft.method, "r": cfg.peft.r, "alpha": cfg.peft.alpha, "dropout": cfg.peft.dropout,
+              "train_vision": t.vision.train, "train_projector": t.projector.train,
+              "train_language_model": t.language_model.train},
+        attention=resolve_attention(t.packed_attention, batching=cfg.collator.batching,
+                                    attn_implementation=cfg.model.attn_implementation).description,
+        engine={"name": backend.engine, "description": engine_cls.describe(engine_cfg), "settings": asdict(engine_cfg)},
+        evaluation={"benchmarks": list(ev.benchmarks) if (t.eval_before or t.eval_after) else [],
+                    "context_length": ev.generation.context_length, "before": t.eval_before, "after": t.eval_after},
+    )
 
 
 def plan_run(
@@ -164,36 +261,23 @@ def plan_run(
     is the one of the command that runs it; the plan says which launcher it used or assumed.
     ``num_gpus=None`` takes the launcher's process count (8 when it gives none).
     """
-    from mmtune.training.config import ConfigError, to_sft_config
-    from mmtune.training.packed_attention import resolve_attention
+    from mmtune.training.loss import describe, planned_loss_impl
+    from mmtune.training.sequence_parallel.groups import size_problems
 
     if gpu not in GPU_TYPES:
         raise PlanError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_TYPES)}")
-    try:  # a bad override is one line naming the key and the closest known one
-        cfg = to_sft_config(compose_checked(overrides, "sft", command="mmtune plan --recipe sft"))
-    except (ConfigError, ValueError) as err:
-        raise PlanError(f"config [{' '.join(overrides)}] is invalid:\n{err}") from err
-    except Exception as err:  # OmegaConf errors name the key; pass them on with the run
-        raise PlanError(f"config [{' '.join(overrides)}] does not resolve: {err}") from err
-
+    cfg = _composed(overrides)
     problems: list[str] = []
-    params = None
+    params = data = None
     try:
         params = count_parameters(cfg.model, cfg.peft, cfg.training)
     except PlanError as err:
         problems.append(str(err))
-    original = cfg.context.original_max_position_embeddings or cfg.model.max_position_embeddings
-    if original is None:
-        model_dict = checkpoint_config(cfg.model)[0]
-        if model_dict:
-            original = (model_dict.get("text_config") or model_dict).get("max_position_embeddings")
-        elif cfg.model.path is None:
-            original = ((cfg.model.architecture or {}).get("text_config") or {}).get("max_position_embeddings")
+    original = _original_window(cfg)
     # The trainer's sample budget: the context window when the context group sets one (it
     # overrides collator.max_length when the trainer connects the data module), else the
     # collator's own budget, as SFTRecipe.setup takes it.
     window = int(cfg.context.max_length or cfg.collator.max_length)
-    data = None
     if not skip_data:
         try:
             tpi = params.image_tokens if params and params.image_tokens else None
@@ -201,33 +285,7 @@ def plan_run(
                              image_limits=cfg.model.image_limits)
         except PlanError as err:
             problems.append(str(err))
-    launcher_note = ""
-    if accelerate_config is None:
-        accelerate_config = cfg.launcher
-        if accelerate_config:
-            launcher_note = ", the experiment's launcher (its `launcher` key)"
-    from mmtune.training.engines import engine_class
-
-    backend = cfg.training.backend
-    engine_cls, engine_cfg = engine_class(backend.engine), getattr(backend, backend.engine)
-    try:
-        # The engine is the config's; a launcher that started another one is a problem, as at start-up.
-        if accelerate_config:
-            problem = engine_cls.launch_config_problem(engine_cfg, launch_config(accelerate_config),
-                                                       str(accelerate_config))
-            if problem:
-                problems.append(problem)
-        stage, off_opt, off_par, origin = zero_settings(cfg.training, accelerate_config)
-        if num_gpus is None:
-            num_gpus = (launcher_processes(accelerate_config) if accelerate_config else None) or 8
-            launcher_note += f"; {num_gpus} GPU(s) from {'the launcher' if accelerate_config else 'the default'}"
-    except PlanError as err:
-        problems.append(str(err))
-        stage, off_opt, off_par, origin = 0, False, False, "?"
-        num_gpus = num_gpus or 8
-    origin += launcher_note
-    from mmtune.training.sequence_parallel.groups import size_problems
-
+    num_gpus, origin = _distributed(cfg, accelerate_config, num_gpus, problems)
     problems += size_problems(cfg.training.sequence_parallel.size, num_gpus)
     if problems:
         raise PlanError(f"run [{' '.join(overrides)}]:\n" + "\n".join(problems))
@@ -236,9 +294,6 @@ def plan_run(
     factor = None
     if cfg.context.max_length and original and cfg.context.rope_scaling != "none":
         factor = max(1.0, cfg.context.max_length / original)
-
-    from mmtune.training.loss import describe, planned_loss_impl
-
     loss_line = f"training.loss_impl={cfg.training.loss_impl} (not resolved: the model could not be planned)"
     cost = None
     if params is not None and data is not None:
@@ -247,60 +302,13 @@ def plan_run(
         except ValueError as err:
             raise PlanError(f"run [{' '.join(overrides)}]:\n{err}") from err
         loss_line = describe(loss.impl, cfg.training.loss_chunk_size) + (f"; {loss.reason}" if loss.reason else "")
-        train_tokens = data.tokens_per_epoch * cfg.training.epochs
-        if cfg.training.max_steps and steps:
-            groups = max(1, num_gpus // max(1, cfg.training.sequence_parallel.size))
-            full = steps_per_epoch(batching["micro_batches_per_epoch"], groups,
-                                   cfg.training.gradient_accumulation_steps) * cfg.training.epochs
-            train_tokens = int(train_tokens * min(1.0, steps / max(1, full)))
-        cost = estimate_cost(
-            params,
-            train_tokens=train_tokens,
-            train_images=int(data.images_per_epoch * cfg.training.epochs * (train_tokens / max(1, data.tokens_per_epoch * cfg.training.epochs))),
-            mean_sample_tokens=min(data.mean_tokens_per_sample, micro_tokens),
-            micro_batch_tokens=micro_tokens,
-            optimizer_steps=steps,
-            weight_dtype=cfg.model.torch_dtype,
-            gradient_checkpointing=cfg.training.gradient_checkpointing,
-            zero_stage=stage,
-            offload_optimizer=off_opt,
-            offload_params=off_par,
-            num_gpus=num_gpus,
-            state=engine_cls.state_memory(engine_cfg, total=params.total, trainable=params.trainable,
-                                          weight_bytes=DTYPE_BYTES.get(cfg.model.torch_dtype, 4),
-                                          num_gpus=num_gpus, num_layers=params.num_layers,
-                                          # input embeddings and output head (a tied pair counted twice: an upper bound)
-                                          root_params=2 * params.hidden_size * params.vocab_size),
-            engine=engine_cls.describe(engine_cfg),
-            gpu=GPU_TYPES[gpu],
-            utilization=utilization,
-            vision_trains=cfg.training.vision.train,
-            loss_impl=loss.impl,
-            loss_chunk_size=cfg.training.loss_chunk_size,
-            head_trains=cfg.training.language_model.train and cfg.peft.method == "none",
-            sequence_parallel=cfg.training.sequence_parallel.size,
-        )
-    ev = cfg.eval
+        cost = _cost(cfg, params, data, batching, steps=steps, micro_tokens=micro_tokens, num_gpus=num_gpus, gpu=gpu,
+                     utilization=utilization, loss_impl=loss.impl)
+    sections = _sections(cfg)
+    sections["engine"].update(num_gpus=num_gpus, origin=origin)
     return RunPlan(
-        overrides=list(overrides),
-        run_name=cfg.run_name,
-        output_dir=cfg.training.output_dir,
-        model={k: getattr(cfg.model, k) for k in ("family", "path", "torch_dtype", "attn_implementation")},
-        params=asdict(params) if params else None,
-        data=asdict(data) if data else None,
+        overrides=list(overrides), run_name=cfg.run_name, output_dir=cfg.training.output_dir,
+        params=asdict(params) if params else None, data=asdict(data) if data else None,
         context={"max_length": cfg.context.max_length, "rope_scaling": cfg.context.rope_scaling,
                  "original": original, "factor": factor},
-        peft={"method": cfg.peft.method, "r": cfg.peft.r, "alpha": cfg.peft.alpha, "dropout": cfg.peft.dropout,
-              "train_vision": cfg.training.vision.train, "train_projector": cfg.training.projector.train,
-              "train_language_model": cfg.training.language_model.train},
-        batching=batching,
-        loss=loss_line,
-        attention=resolve_attention(cfg.training.packed_attention, batching=cfg.collator.batching,
-                                    attn_implementation=cfg.model.attn_implementation).description,
-        zero={"stage": stage, "offload_optimizer": off_opt, "offload_params": off_par, "origin": origin,
-              "num_gpus": num_gpus, "engine": backend.engine, "description": engine_cls.describe(engine_cfg)},
-        cost=asdict(cost) if cost else None,
-        evaluation={"benchmarks": list(ev.benchmarks) if (cfg.training.eval_before or cfg.training.eval_after) else [],
-                    "context_length": ev.generation.context_length, "before": cfg.training.eval_before,
-                    "after": cfg.training.eval_after},
-    )
+        batching=batching, loss=loss_line, cost=asdict(cost) if cost else None, **sections)
