@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, TextIO
 
 from mmtune.data.validation import DataValidationError, Problem
 
@@ -128,6 +128,147 @@ def _element_extent(text: str, pos: int) -> tuple[str, int, str | None]:
     return "more", len(text), rid
 
 
+class _ArrayText:
+    """The unparsed tail ``buf[pos:]`` of a JSON list file read in chunks, with what is
+    needed to name a spot in it (``line N, column M``) and to read on when an element
+    crosses the chunk's end.
+
+    ``dirty`` / ``escaped`` say whether the buffer may hold undecodable bytes / a
+    ``\\uD800``-style escape: searching every record for them costs more than parsing
+    it, while searching each chunk once and records only in such a buffer costs almost
+    nothing.
+    """
+
+    def __init__(self, f: TextIO, path: str, chunk_chars: int, max_record_bytes: int) -> None:
+        self.f, self.path = f, path
+        self.chunk_chars, self.max_record_bytes = chunk_chars, max_record_bytes
+        self.buf, self.pos, self.eof, self.lines_before = f.read(chunk_chars), 0, False, 0
+        self.dirty = _SURROGATE.search(self.buf) is not None
+        self.escaped = _SURROGATE_ESCAPE.search(self.buf) is not None
+
+    def refill(self) -> bool:
+        """Append the next chunk to the unparsed tail (``pos`` becomes 0); ``False`` at the end."""
+        if self.eof:
+            return False
+        more = self.f.read(self.chunk_chars)
+        if not more:
+            self.eof = True
+            return False
+        buf, pos = self.buf, self.pos
+        self.lines_before += buf.count("\n", 0, pos)
+        self.dirty = _SURROGATE.search(buf, pos) is not None or _SURROGATE.search(more) is not None
+        self.buf, self.pos = buf[pos:] + more, 0
+        # searched again whole: an escape may straddle the old chunk's end
+        self.escaped = _SURROGATE_ESCAPE.search(self.buf) is not None
+        return True
+
+    def skip_ws(self) -> None:
+        """Move ``pos`` past white space, reading on until something else or the end."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf) or not self.refill():
+                return
+
+    def where(self, at: int) -> str:
+        """``line N, column M`` of ``buf[at]`` in the file."""
+        line = self.lines_before + self.buf.count("\n", 0, at) + 1
+        col = at - (self.buf.rfind("\n", 0, at) + 1) + 1
+        return f"line {line}, column {col}"
+
+    def fail(self, at: int, what: str, index: int) -> DataValidationError:
+        """The error for a break in the list's own structure at ``buf[at]``."""
+        return DataValidationError(
+            f"{self.path}: invalid JSON at {self.where(at)} (array element #{index}): {what}. "
+            "How to fix: repair the file (e.g. `python -m json.tool FILE` shows the spot). A break in the "
+            "list's own structure leaves no safe way to tell where the next record starts, so it fails the "
+            "whole file; a record broken inside its own brackets is skipped alone."
+        )
+
+    def extent(self, index: int) -> tuple[int, str | None]:
+        """End and id of the element at ``pos``, reading on as needed; fatal when none is safe."""
+        while True:
+            status, end, rid = _element_extent(self.buf, self.pos)
+            if status == "complete":
+                return end, rid
+            if status == "more" and len(self.buf) - self.pos <= self.max_record_bytes and self.refill():
+                continue
+            raise self.fail(end, "an element nested too deeply to parse, whose end cannot be found"
+                            if status == "broken" else "file ends inside a deeply nested element", index)
+
+
+def _open_list(text: _ArrayText) -> bool:
+    """Move past the BOM, white space and the list's ``[``; ``False`` when the list is empty.
+
+    Raises:
+        DataValidationError: the file does not start with ``[``.
+    """
+    if text.buf.startswith("\ufeff"):
+        text.pos = 1
+    text.skip_ws()
+    if text.pos >= len(text.buf) or text.buf[text.pos] != "[":
+        raise text.fail(text.pos, "expected '[' at the start of a JSON list", 0)
+    text.pos += 1
+    text.skip_ws()
+    return not (text.pos < len(text.buf) and text.buf[text.pos] == "]")
+
+
+def _decode_element(text: _ArrayText, decoder: json.JSONDecoder, index: int) -> tuple[Any, int, Problem | None]:
+    """``(value, end, problem)`` of the element at ``text.pos``, reading on while it is cut by
+    the chunk's end; ``end`` is just past it in ``text.buf``. An element too deep to parse,
+    or broken inside its own brackets, is ``(None, end, problem)``.
+
+    Raises:
+        DataValidationError: the element's end cannot be found safely.
+    """
+    while True:
+        try:
+            value, end = decoder.raw_decode(text.buf, text.pos)
+            # A number ending exactly at the chunk end may continue in the next one.
+            if end < len(text.buf) or not text.refill():
+                return value, end, None
+        except RecursionError:
+            start = text.where(text.pos)
+            end, rid = text.extent(index)
+            return None, end, Problem("too_deep", rid or f"#{index}", index, None, f"element starting at {start}")
+        except json.JSONDecodeError as e:
+            # Usually the element continues in the next chunk (the scan says "more"); a
+            # complete element that does not parse is broken itself.
+            status, end, rid = _element_extent(text.buf, text.pos)
+            if status == "complete":
+                return None, end, Problem(
+                    "invalid_json", rid or f"#{index}", index, None,
+                    f"{e.msg} at {text.where(e.pos)} (element spans {text.where(text.pos)} to {text.where(end - 1)})")
+            if status == "broken" or len(text.buf) - text.pos > text.max_record_bytes or not text.refill():
+                raise text.fail(e.pos, e.msg, index) from None
+
+
+def _text_problem(text: _ArrayText, value: Any, index: int, end: int) -> Problem | None:
+    """A ``non_utf8`` or ``lone_surrogate`` problem of the parsed element ``buf[pos:end]``, or ``None``."""
+    if text.dirty and _SURROGATE.search(text.buf, text.pos, end):
+        return Problem("non_utf8", _value_id(value, f"#{index}"), index, None,
+                       "bytes that are not UTF-8 inside the record")
+    if text.escaped and _SURROGATE_ESCAPE.search(text.buf, text.pos, end):
+        return _surrogate_problem(value, index, _value_id(value, f"#{index}"))
+    return None
+
+
+def _list_closed(text: _ArrayText, index: int) -> bool:
+    """Move past the separator after an element: ``False`` after ``,``, ``True`` at the closing ``]``.
+
+    Raises:
+        DataValidationError: the file ends, or something else follows the element.
+    """
+    text.skip_ws()
+    if text.pos >= len(text.buf):
+        raise text.fail(text.pos, "file ends inside the list (missing ']')", index)
+    if text.buf[text.pos] == ",":
+        text.pos += 1
+        return False
+    if text.buf[text.pos] == "]":
+        return True
+    raise text.fail(text.pos, "expected ',' or ']' between elements", index)
+
+
 def iter_json_array(path: str, chunk_chars: int = 1 << 22,
                     max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
     """Yield ``(index, value, problem)`` for each element of a top-level JSON array.
@@ -152,111 +293,20 @@ def iter_json_array(path: str, chunk_chars: int = 1 << 22,
     """
     decoder = json.JSONDecoder()
     with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
-        buf, pos, eof, lines_before = f.read(chunk_chars), 0, False, 0
-        # Searching every record for escaped bytes costs more than parsing it; searching
-        # each chunk once and records only in a "dirty" buffer costs almost nothing.
-        dirty = _SURROGATE.search(buf) is not None
-        escaped = _SURROGATE_ESCAPE.search(buf) is not None
-
-        def refill() -> bool:
-            nonlocal buf, pos, eof, lines_before, dirty, escaped
-            if eof:
-                return False
-            more = f.read(chunk_chars)
-            if not more:
-                eof = True
-                return False
-            lines_before += buf.count("\n", 0, pos)
-            dirty = _SURROGATE.search(buf, pos) is not None or _SURROGATE.search(more) is not None
-            buf, pos = buf[pos:] + more, 0
-            escaped = _SURROGATE_ESCAPE.search(buf) is not None  # also one straddling the old chunk's end
-            return True
-
-        def skip_ws() -> None:
-            nonlocal pos
-            while True:
-                pos = _WS.match(buf, pos).end()
-                if pos < len(buf) or not refill():
-                    return
-
-        def where(at: int) -> str:
-            line = lines_before + buf.count("\n", 0, at) + 1
-            col = at - (buf.rfind("\n", 0, at) + 1) + 1
-            return f"line {line}, column {col}"
-
-        def fail(at: int, what: str, index: int) -> DataValidationError:
-            return DataValidationError(
-                f"{path}: invalid JSON at {where(at)} (array element #{index}): {what}. "
-                "How to fix: repair the file (e.g. `python -m json.tool FILE` shows the spot). A break in the "
-                "list's own structure leaves no safe way to tell where the next record starts, so it fails the "
-                "whole file; a record broken inside its own brackets is skipped alone."
-            )
-
-        def extent(index: int) -> tuple[int, str | None]:
-            """End and id of the element at ``pos``, reading on as needed; fatal when none is safe."""
-            while True:
-                status, end, rid = _element_extent(buf, pos)
-                if status == "complete":
-                    return end, rid
-                if status == "more" and len(buf) - pos <= max_record_bytes and refill():
-                    continue
-                raise fail(end, "an element nested too deeply to parse, whose end cannot be found"
-                           if status == "broken" else "file ends inside a deeply nested element", index)
-
-        if buf.startswith("\ufeff"):
-            pos = 1
-        skip_ws()
-        if pos >= len(buf) or buf[pos] != "[":
-            raise fail(pos, "expected '[' at the start of a JSON list", 0)
-        pos += 1
-        skip_ws()
-        if pos < len(buf) and buf[pos] == "]":
+        text = _ArrayText(f, path, chunk_chars, max_record_bytes)
+        if not _open_list(text):
             return
         index = 0
         while True:
-            skip_ws()
-            problem = None
-            while True:
-                try:
-                    value, end = decoder.raw_decode(buf, pos)
-                    # A number ending exactly at the chunk end may continue in the next one.
-                    if end < len(buf) or not refill():
-                        break
-                    continue
-                except RecursionError:
-                    start = where(pos)
-                    end, rid = extent(index)
-                    value, problem = None, Problem("too_deep", rid or f"#{index}", index, None,
-                                                   f"element starting at {start}")
-                    break
-                except json.JSONDecodeError as e:
-                    # Usually the element continues in the next chunk (the scan says
-                    # "more"); a complete element that does not parse is broken itself.
-                    status, end, rid = _element_extent(buf, pos)
-                    if status == "complete":
-                        value, problem = None, Problem(
-                            "invalid_json", rid or f"#{index}", index, None,
-                            f"{e.msg} at {where(e.pos)} (element spans {where(pos)} to {where(end - 1)})")
-                        break
-                    if status == "broken" or len(buf) - pos > max_record_bytes or not refill():
-                        raise fail(e.pos, e.msg, index) from None
-            if problem is None and dirty and _SURROGATE.search(buf, pos, end):
-                problem = Problem("non_utf8", _value_id(value, f"#{index}"), index, None,
-                                  "bytes that are not UTF-8 inside the record")
-            if problem is None and escaped and _SURROGATE_ESCAPE.search(buf, pos, end):
-                problem = _surrogate_problem(value, index, _value_id(value, f"#{index}"))
+            text.skip_ws()
+            value, end, problem = _decode_element(text, decoder, index)
+            if problem is None:
+                problem = _text_problem(text, value, index, end)
             yield index, value, problem
             index += 1
-            pos = end
-            skip_ws()
-            if pos >= len(buf):
-                raise fail(pos, "file ends inside the list (missing ']')", index)
-            if buf[pos] == ",":
-                pos += 1
-            elif buf[pos] == "]":
+            text.pos = end
+            if _list_closed(text, index):
                 return
-            else:
-                raise fail(pos, "expected ',' or ']' between elements", index)
 
 
 def _read_line(f: BinaryIO, limit: int) -> tuple[bytes | bytearray | None, int, str | None]:

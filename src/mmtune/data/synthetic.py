@@ -33,6 +33,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from mmtune.io.nofollow import open_output
 
@@ -273,6 +274,95 @@ def _write(path: Path, records: list) -> None:
         json.dump(records, f, ensure_ascii=False, indent=1)
 
 
+def _check_options(min_images: int, max_images: int, allowed: tuple[str, ...], style: str, layout: str) -> None:
+    """Raise one ``ValueError`` naming every bad option of :func:`generate_synthetic`."""
+    problems = []
+    if not 1 <= min_images <= max_images:
+        problems.append(f"need 1 <= min_images <= max_images, got {min_images}, {max_images}")
+    unknown = [k for k in allowed if k not in QUESTION_KINDS]
+    if unknown or not allowed:
+        problems.append(
+            f"question_kinds={list(allowed)!r}: use a non-empty subset of {list(QUESTION_KINDS)} "
+            f"(unknown: {unknown})"
+        )
+    if style not in STYLES:
+        problems.append(f"style={style!r}: use one of {list(STYLES)}")
+    elif style == "solid" and {"shape", "same_shape"} & set(allowed):
+        problems.append("style='solid' images have no shape: drop 'shape' / 'same_shape' from question_kinds")
+    if layout not in LAYOUTS:
+        problems.append(f"layout={layout!r}: use one of {list(LAYOUTS)}")
+    if problems:
+        raise ValueError("generate_synthetic: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class _DialogueOptions:
+    """The options of :func:`generate_synthetic` that shape one MMDU-format dialogue and its images."""
+
+    min_images: int
+    max_images: int
+    max_turns: int
+    allowed: tuple[str, ...]
+    style: str
+    layout: str
+    repeat_questions: bool
+    image_size: int
+
+
+def _mmdu_split(n: int, split: str, rng: random.Random, name_of: Callable[[str], str],
+                images: Path, opts: _DialogueOptions) -> list[dict]:
+    """``n`` MMDU-format records of ``split``, their PNG images written under ``images``.
+
+    ``name_of`` turns an image's file name into the path the record holds (relative to
+    ``images``; the test split's names start with ``/mmdu_pics/`` as benchmark.json's do).
+    """
+    records = []
+    for i in range(n):
+        pics, conversations = _dialogue(
+            rng, opts.min_images, opts.max_images, opts.max_turns, opts.allowed, opts.style, opts.layout,
+            opts.repeat_questions,
+        )
+        paths = []
+        for k, pic in enumerate(pics, 1):
+            rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
+            with open_output(images / rel.lstrip("/"), "wb") as handle:
+                draw_image(pic, opts.image_size, style=opts.style).save(handle, format="PNG")
+            paths.append(rel)
+        records.append({"id": f"syn-{split}-{i:06d}", "image": paths, "conversations": conversations})
+    return records
+
+
+def _llava_split(n: int, rng: random.Random, images: Path, image_size: int, text_only_fraction: float) -> list[dict]:
+    """``n`` llava-665k-shaped records (single JPEG image, or text only), images under ``images/synthetic``."""
+    llava = []
+    for i in range(n):
+        rid = f"syn-llava-{i:06d}"
+        if rng.random() < text_only_fraction:
+            word = rng.choice(list(COLORS) + list(SHAPES))
+            llava.append(
+                {"id": rid, "conversations": [
+                    {"from": "human", "value": f"Repeat the word {word}."},
+                    {"from": "gpt", "value": word},
+                ]}
+            )
+            continue
+        pic = _new_picture(rng, [])
+        rel = f"synthetic/{rid}.jpg"
+        draw_image(pic, image_size).save(images / rel, quality=95)
+        conv = []
+        for t in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                q, a = "What color is the shape?", pic.color
+            else:
+                q, a = "What shape is in the image?", pic.shape
+            if t == 0:
+                # Both placements seen in llava-665k: at the start with a newline, or at the end.
+                q = f"<image>\n{q}" if rng.random() < 0.5 else f"{q}\n<image>"
+            conv += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+        llava.append({"id": rid, "image": rel, "conversations": conv})
+    return llava
+
+
 def generate_synthetic(
     out_dir: str | os.PathLike,
     *,
@@ -319,78 +409,17 @@ def generate_synthetic(
     Returns:
         The written paths.
     """
-    problems = []
-    if not 1 <= min_images <= max_images:
-        problems.append(f"need 1 <= min_images <= max_images, got {min_images}, {max_images}")
     allowed = tuple(question_kinds)
-    unknown = [k for k in allowed if k not in QUESTION_KINDS]
-    if unknown or not allowed:
-        problems.append(
-            f"question_kinds={list(allowed)!r}: use a non-empty subset of {list(QUESTION_KINDS)} "
-            f"(unknown: {unknown})"
-        )
-    if style not in STYLES:
-        problems.append(f"style={style!r}: use one of {list(STYLES)}")
-    elif style == "solid" and {"shape", "same_shape"} & set(allowed):
-        problems.append("style='solid' images have no shape: drop 'shape' / 'same_shape' from question_kinds")
-    if layout not in LAYOUTS:
-        problems.append(f"layout={layout!r}: use one of {list(LAYOUTS)}")
-    if problems:
-        raise ValueError("generate_synthetic: " + "; ".join(problems))
+    _check_options(min_images, max_images, allowed, style, layout)
+    opts = _DialogueOptions(min_images, max_images, max_turns, allowed, style, layout, repeat_questions, image_size)
     out = Path(out_dir)
     images = out / "images"
     (images / "mmdu_pics").mkdir(parents=True, exist_ok=True)
     (images / "synthetic").mkdir(parents=True, exist_ok=True)
-
-    def save(pic: _Picture, rel: str) -> None:
-        with open_output(images / rel.lstrip("/"), "wb") as handle:
-            draw_image(pic, image_size, style=style).save(handle, format="PNG")
-
-    def mmdu_split(n: int, split: str, rng: random.Random, name_of) -> list:
-        records = []
-        for i in range(n):
-            pics, conversations = _dialogue(
-                rng, min_images, max_images, max_turns, allowed, style, layout, repeat_questions
-            )
-            paths = []
-            for k, pic in enumerate(pics, 1):
-                rel = name_of(f"syn-{split}-{i:06d}-{k}.png")
-                save(pic, rel)
-                paths.append(rel)
-            records.append({"id": f"syn-{split}-{i:06d}", "image": paths, "conversations": conversations})
-        return records
-
     # Separate random streams per split: changing n_test does not change the train split.
-    train = mmdu_split(n_train, "train", random.Random(f"{seed}-train"), lambda name: name)
-    test = mmdu_split(n_test, "test", random.Random(f"{seed}-test"), lambda name: f"/mmdu_pics/{name}")
-
-    rng = random.Random(f"{seed}-llava")
-    llava = []
-    for i in range(n_llava):
-        rid = f"syn-llava-{i:06d}"
-        if rng.random() < text_only_fraction:
-            word = rng.choice(list(COLORS) + list(SHAPES))
-            llava.append(
-                {"id": rid, "conversations": [
-                    {"from": "human", "value": f"Repeat the word {word}."},
-                    {"from": "gpt", "value": word},
-                ]}
-            )
-            continue
-        pic = _new_picture(rng, [])
-        rel = f"synthetic/{rid}.jpg"
-        draw_image(pic, image_size).save(images / rel, quality=95)
-        conv = []
-        for t in range(rng.randint(1, 3)):
-            if rng.random() < 0.5:
-                q, a = "What color is the shape?", pic.color
-            else:
-                q, a = "What shape is in the image?", pic.shape
-            if t == 0:
-                # Both placements seen in llava-665k: at the start with a newline, or at the end.
-                q = f"<image>\n{q}" if rng.random() < 0.5 else f"{q}\n<image>"
-            conv += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
-        llava.append({"id": rid, "image": rel, "conversations": conv})
+    train = _mmdu_split(n_train, "train", random.Random(f"{seed}-train"), lambda name: name, images, opts)
+    test = _mmdu_split(n_test, "test", random.Random(f"{seed}-test"), lambda name: f"/mmdu_pics/{name}", images, opts)
+    llava = _llava_split(n_llava, random.Random(f"{seed}-llava"), images, image_size, text_only_fraction)
 
     paths = SyntheticPaths(
         train_json=str(out / "train.json"),

@@ -97,28 +97,35 @@ def _plot_tokens(tokens: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> dict[str, Any]:
-    """Merge ``n_shards`` shard folders into the dataset; returns the stats written to ``stats.json``.
+def _read_plan(plan_dir: Path) -> tuple[dict[str, Any], list[str], dict[str, int]]:
+    """``(plan.json, set ids in plan order, cluster of each set id)`` of the plan stage's output.
 
     Raises:
-        BuildError: no plan, a shard folder is missing, or (``allow_incomplete=False``)
-            sets are still unfinished.
+        BuildError: the plan stage has not run.
     """
-    out = Path(cfg.output.dir)
-    plan_dir = out / "plan"
     if not (plan_dir / "sets.jsonl").is_file():
         raise BuildError(f"{plan_dir} has no plan: run `mmtune data build CONFIG --stage plan` first")
     plan_info = json.loads((plan_dir / "plan.json").read_text())
-    order = [json.loads(line)["id"] for line in (plan_dir / "sets.jsonl").read_text().splitlines() if line.strip()]
-    position = {sid: k for k, sid in enumerate(order)}
-    # Only ids and byte offsets are held: the dialogues are read back one at a time while
-    # the merged file is written, so a merge of any size needs memory for its ids alone.
+    sets = [json.loads(line) for line in (plan_dir / "sets.jsonl").read_text().splitlines() if line.strip()]
+    return plan_info, [d["id"] for d in sets], {d["id"]: d["cluster"] for d in sets}
+
+
+def _scan_shards(shards_dir: Path, n_shards: int) -> tuple[dict[str, tuple[Path, int]], Counter, list[dict]]:
+    """``(where, rejected, shard_stats)`` of the shard folders: the file and byte offset of each
+    dialogue by set id, the rejected sets counted by reason, and each shard's ``stats.json``.
+
+    Only ids and byte offsets are held: the dialogues are read back one at a time while the
+    merged file is written, so a merge of any size needs memory for its ids alone.
+
+    Raises:
+        BuildError: a shard folder is missing.
+    """
     where: dict[str, tuple[Path, int]] = {}
     rejected: Counter = Counter()
     shard_stats: list[dict] = []
     missing_shards = []
     for i in range(n_shards):
-        folder = out / "shards" / f"{i}-of-{n_shards}"
+        folder = shards_dir / f"{i}-of-{n_shards}"
         if not folder.is_dir():
             missing_shards.append(i)
             continue
@@ -130,26 +137,28 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
             shard_stats.append(json.loads((folder / "stats.json").read_text()))
     if missing_shards:
         raise BuildError(
-            f"shard folder(s) {missing_shards} of {n_shards} are missing under {out / 'shards'}: run "
+            f"shard folder(s) {missing_shards} of {n_shards} are missing under {shards_dir}: run "
             f"`mmtune data build CONFIG --shard i/{n_shards}` for each, or merge with the shard count used"
         )
-    unfinished = len(order) - len(where) - sum(rejected.values())
-    if unfinished and not allow_incomplete:
-        raise BuildError(f"{unfinished} image sets have no dialogue yet: re-run the shards (they resume) and merge again")
-    ids = sorted(where, key=lambda sid: position.get(sid, len(position)))
+    return where, rejected, shard_stats
 
-    images_dir = out / "images"
-    images_dir.mkdir(parents=True, exist_ok=True)
+
+def _write_dialogues(cfg: BuildConfig, ids: list[str], where: dict[str, tuple[Path, int]],
+                     cluster_of: dict[str, int], images_dir: Path) -> dict[str, list[int]]:
+    """Write ``mmdu.json`` (through a temporary file) with the dialogues ``ids`` in that order,
+    each read back from its shard, its images placed in ``images_dir`` under names hashed
+    from their source paths.
+
+    Returns:
+        lists for the stats: ``tokens``, ``images`` and ``turns`` with one entry per
+        dialogue, ``per_cluster`` with the number of dialogues of each cluster.
+    """
+    out = Path(cfg.output.dir)
     tmp = out / "mmdu.json.tmp"
     tokens: list[int] = []
     n_images: list[int] = []
     n_turns: list[int] = []
     per_cluster: Counter = Counter()
-    cluster_of = {}
-    for line in (plan_dir / "sets.jsonl").read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            cluster_of[d["id"]] = d["cluster"]
     handles: dict[Path, Any] = {}
     try:
         with open_output(tmp, "w") as f:
@@ -176,7 +185,13 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         for h in handles.values():
             h.close()
     os.replace(tmp, out / "mmdu.json")
-    write_output_text(out / "data.yaml", 
+    return {"tokens": tokens, "images": n_images, "turns": n_turns, "per_cluster": list(per_cluster.values())}
+
+
+def _write_data_config(cfg: BuildConfig, images_dir: Path) -> None:
+    """Write ``data.yaml``: a data config that reads the merged dataset in strict mode."""
+    out = Path(cfg.output.dir)
+    write_output_text(out / "data.yaml",
         "# mmtune data check " + str(out / "data.yaml") + " --strict\n"
         "# The dataset written by `mmtune data build`: MMDU format, images under images/.\n"
         "mixture:\n  sources:\n"
@@ -186,6 +201,10 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         + (_SYMLINK_NOTE if cfg.output.images == "symlink" else ""),
         encoding="utf-8",
     )
+
+
+def _sum_runs(shard_stats: list[dict]) -> dict[str, dict]:
+    """``repairs``, ``dropped_pairs`` and (numeric) ``teacher`` counts summed over every run of every shard."""
     repairs: Counter = Counter()
     dropped: Counter = Counter()
     teacher: Counter = Counter()
@@ -193,25 +212,46 @@ def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> 
         repairs.update(s.get("repairs", {}))
         dropped.update(s.get("dropped_pairs", {}))
         teacher.update({k: v for k, v in s.get("teacher", {}).items() if isinstance(v, (int, float))})
+    return {"repairs": dict(repairs), "dropped_pairs": dict(dropped), "teacher": dict(teacher)}
+
+
+def merge(cfg: BuildConfig, n_shards: int, *, allow_incomplete: bool = True) -> dict[str, Any]:
+    """Merge ``n_shards`` shard folders into the dataset; returns the stats written to ``stats.json``.
+
+    Raises:
+        BuildError: no plan, a shard folder is missing, or (``allow_incomplete=False``)
+            sets are still unfinished.
+    """
+    out = Path(cfg.output.dir)
+    plan_info, order, cluster_of = _read_plan(out / "plan")
+    where, rejected, shard_stats = _scan_shards(out / "shards", n_shards)
+    unfinished = len(order) - len(where) - sum(rejected.values())
+    if unfinished and not allow_incomplete:
+        raise BuildError(f"{unfinished} image sets have no dialogue yet: re-run the shards (they resume) and merge again")
+    position = {sid: k for k, sid in enumerate(order)}
+    ids = sorted(where, key=lambda sid: position.get(sid, len(position)))
+
+    images_dir = out / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    per_dialogue = _write_dialogues(cfg, ids, where, cluster_of, images_dir)
+    _write_data_config(cfg, images_dir)
     stats = {
         "dialogues": len(ids),
         "sets_planned": len(order),
         "sets_rejected": dict(rejected),
         "sets_unfinished": unfinished,
-        "images_per_dialogue": _describe(n_images),
-        "turns_per_dialogue": _describe(n_turns),
-        "tokens_per_dialogue_estimate": _describe(tokens),
-        "dialogues_per_cluster": _describe(list(per_cluster.values())),
+        "images_per_dialogue": _describe(per_dialogue["images"]),
+        "turns_per_dialogue": _describe(per_dialogue["turns"]),
+        "tokens_per_dialogue_estimate": _describe(per_dialogue["tokens"]),
+        "dialogues_per_cluster": _describe(per_dialogue["per_cluster"]),
         "clusters": plan_info.get("clusters", {}),
         "corpus": plan_info.get("corpus", {}),
-        "repairs": dict(repairs),
-        "dropped_pairs": dict(dropped),
-        "teacher": dict(teacher),
+        **_sum_runs(shard_stats),
     }
     write_output_text(out / "stats.json", json.dumps(stats, indent=1))
     write_output_text(out / "stats.md", render_stats(stats))
-    if tokens:
-        _plot_tokens(tokens, out / "tokens_per_dialogue.png")
+    if per_dialogue["tokens"]:
+        _plot_tokens(per_dialogue["tokens"], out / "tokens_per_dialogue.png")
     return stats
 
 
