@@ -53,7 +53,7 @@ def test_every_unreadable_data_file_is_listed_at_start_up(files, tmp_path):
         to_sft_config(raw)
     message = str(info.value)
     assert f"data.files[1]='{tmp_path}/gone.json' does not exist" in message
-    assert f"data.files[2]='{odd}' is not a .json or .jsonl file" in message
+    assert f"data.files[2]='{odd}' is not a .json, .jsonl or .parquet file, a folder of shards or a glob" in message
     with pytest.raises(ConfigError, match=r"data.ratios has 1 value\(s\) for 2 data.files"):
         to_sft_config(compose_checked([f"data.files=[{chat},{chat}]", "data.ratios=[1]"]))
 
