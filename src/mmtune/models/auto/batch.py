@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.core.images import CorruptImageError
+from mmtune.core.images import CorruptImageError, ImageInputError, ImageTooLargeError
 from mmtune.models.auto.errors import UnsupportedImageError
 from mmtune.models.base import InputJoin
 
@@ -81,11 +81,19 @@ class BatchStage:
             out = self._call([self._decode(path)])
         except CorruptImageError:
             raise
-        except (OSError, SyntaxError) as err:  # not an image PIL can read
+        except (OSError, SyntaxError, ImageTooLargeError) as err:  # not an image PIL can read, or above the limits
             raise CorruptImageError(path, None, None, err) from err
-        except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the file
+        except ValueError as err:  # the processor's refusal of this image (its size, its aspect ratio)
             raise UnsupportedImageError(path, None, None, f"{type(err).__name__}: {err}") from err
-        return {name: to_array(out[name]) for name in self.image_input_names}
+        except Exception as err:  # noqa: BLE001 - the file decoded: the processor itself failed
+            raise ImageInputError(path, self.config.path, err) from err
+        arrays = {}
+        for name in self.image_input_names:
+            try:
+                arrays[name] = to_array(out[name])
+            except Exception as err:  # noqa: BLE001 - the file decoded: a conversion failure, named as one
+                raise ImageInputError(path, self.config.path, err, input_name=name) from err
+        return arrays
 
     def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
         """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them,
