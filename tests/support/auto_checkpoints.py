@@ -25,9 +25,6 @@ GAPS: dict[str, dict[str, str]] = {
     "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
     "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
     "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the packed layout [1 + 4, B, L] (5.25)"},
-    "truncation": {kind: "a template that is not prefix-stable renders the cut dialogue's last answer differently "
-                         "(with its thinking block); data truncation drops encoded turns instead of re-encoding "
-                         "the cut dialogue" for kind in ("qwen3_5", "qwen3_5_moe")},
 }
 
 
