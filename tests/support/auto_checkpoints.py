@@ -17,9 +17,7 @@ _LINEAR_CACHE = ("the generator's KV reuse rolls a row back with Cache.crop, whi
                  "(Gated DeltaNet) cache layers refuse unless past recording is on")
 #: what a downstream test cannot show yet for a class, and why: each an xfail(strict=True) there
 GAPS: dict[str, dict[str, str]] = {
-    "batched_kv": {"llama4": "its chunked-attention layers get sliding-window cache layers, which the generator's "
-                             "batched KV compaction refuses (it names eval.generation.batch_size: 1)",
-                   "qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
+    "batched_kv": {"qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
                    "hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
                                  "[1 + 4, B, L] but then refuses that shape (5.25)"},
     "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
