@@ -13,12 +13,9 @@ from mmtune.testing.checkpoints import KINDS
 #: the tested classes, by the names of :data:`mmtune.testing.checkpoints.KINDS`
 CLASSES = tuple(KINDS)
 
-_LINEAR_CACHE = ("the generator's KV reuse rolls a row back with Cache.crop, which transformers' linear-attention "
-                 "(Gated DeltaNet) cache layers refuse unless past recording is on")
 #: what a downstream test cannot show yet for a class, and why: each an xfail(strict=True) there
 GAPS: dict[str, dict[str, str]] = {
-    "batched_kv": {"qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
-                   "hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
+    "batched_kv": {"hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
                                  "[1 + 4, B, L] but then refuses that shape (5.25)"},
     "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
     "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},

@@ -226,11 +226,34 @@ class DialogueGenerator:
             self.batch_size = 1
         elif self.batch_note:
             self.batch_note = None
+        self._recurrent = self._has_recurrent_layers()
+        self.kv_note = self._batched_kv_refused()
+        """Why batched rows re-encode each turn instead of sharing a KV cache (``None``: they share one)."""
+        if self.kv_note:
+            log.warning("%s", self.kv_note)
         # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
         # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
         # had already ended; forward_calls: model calls; compactions: batched-cache compactions
         self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
                       "idle_tokens": 0, "compactions": 0}
+
+    def _has_recurrent_layers(self) -> bool:
+        """Whether the model's cache holds recurrent states (Qwen3.5's Gated DeltaNet layers): a state
+        sums every token it has seen, so it cannot be cut back to a prefix (``Cache.crop`` refuses
+        it) and a padding token fed into it changes it."""
+        return any(hasattr(layer, "recurrent_states") for layer in getattr(self._new_cache(), "layers", []))
+
+    def _batched_kv_refused(self) -> Optional[str]:
+        """Why ``batch_size`` rows cannot share one KV cache, or ``None``: the batched cache rolls rows
+        back by masking columns and pads rows within a step, neither of which a recurrent state allows.
+        Such rows take the exact batched path, re-encoding each turn (left padding before a zero state
+        leaves it zero)."""
+        if not (self._recurrent and self.config.kv_reuse and self.batch_size > 1):
+            return None
+        return (f"eval.generation.batch_size={self.batch_size}: the model's language model has recurrent "
+                "(linear-attention) layers, whose state cannot be rolled back per row nor padded within a step, so "
+                "batched rows re-encode each turn's whole prompt (as kv_reuse: false); batch_size: 1 keeps the KV "
+                "cache, prefilling again from the start where a turn's prompt does not extend the cached one")
 
     def _rows_depend_on_each_other(self) -> Optional[str]:
         """Why rows of one batch would change each other's answers, or ``None``.
@@ -513,8 +536,10 @@ class DialogueGenerator:
             if state.cache is None or common == 0:
                 state.cache, common = self._new_cache(), 0
             else:
-                extra = state.cache.get_seq_length() - common
-                if extra > 0:
+                extra = int(state.cache.get_seq_length()) - common
+                if extra > 0 and self._recurrent:  # a recurrent state cannot be cut back: prefill again
+                    state.cache, common = self._new_cache(), 0
+                elif extra > 0:
                     state.cache.crop(-extra)
             new_images = [img.path for img, (start, _) in zip(images, spans) if start >= common]
             [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))],
@@ -750,9 +775,9 @@ class DialogueGenerator:
         todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
         bar = tqdm(total=todo, desc="generating", disable=not progress)
         try:
-            if self.config.kv_reuse and self.batch_size > 1:
+            if self.config.kv_reuse and self.batch_size > 1 and self.kv_note is None:
                 self._generate_batched_kv(states, done, emit, bar)
-            elif self.config.kv_reuse:
+            elif self.config.kv_reuse and self.batch_size == 1:
                 for state in states:
                     for t in range(len(state.answers)):
                         if (state.dialogue.id, t) in done:
