@@ -15,11 +15,8 @@ CLASSES = tuple(KINDS)
 
 #: what a downstream test cannot show yet for a class, and why: each an xfail(strict=True) there
 GAPS: dict[str, dict[str, str]] = {
-    "batched_kv": {"hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
-                                 "[1 + 4, B, L] but then refuses that shape (5.25)"},
-    "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
-    "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
-    "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the packed layout [1 + 4, B, L] (5.25)"},
+    "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it "
+                              "reads packed boundaries from (5.25): packing is refused at start-up"},
 }
 
 
