@@ -210,3 +210,36 @@ def test_named_arrays_round_trip_through_the_cache_file(tmp_path):
         back[k].dtype == value[k].dtype and np.array_equal(back[k], value[k]) for k in value)
     path.write_bytes(_serialise_any(value)[:-3])  # a torn write is not a cached entry
     assert _read(str(path)) is None
+
+
+class _HalfPrecisionAdapter:
+    """The tiny LLaVA adapter with an image path that makes bfloat16 pixels and stores them as
+    numpy, which has no bfloat16: Llama 4's case before mmtune kept the processor's dtype."""
+
+    def __init__(self, adapter):
+        self._adapter = adapter
+
+    def __getattr__(self, name):
+        return getattr(self._adapter, name)
+
+    def load_image(self, path):
+        return torch.from_numpy(self._adapter.load_image(path)).to(torch.bfloat16).numpy()
+
+
+def test_a_conversion_failure_is_named_as_one_never_as_a_bad_file(adapter, files):
+    from mmtune.core.images import ImageInputError
+
+    good, bad = files
+    failing = _HalfPrecisionAdapter(adapter)
+    pipe = ImagePipeline(failing)
+    with pytest.raises(ImageInputError, match=r"good\.jpg.*dialogue 'd3', turn 2.*decodes.*model 'llava"
+                                              r".*TypeError.*BFloat16") as err:
+        pipe.load([ImageRef(good, 2, 16)], dialogue_id="d3")
+    assert not isinstance(err.value, CorruptImageError) and "Replace or remove" not in str(err.value)
+    assert pipe.stats.corrupt == 0
+    with pytest.raises(CorruptImageError, match=r"bad\.jpg"):  # a bad file stays a bad file
+        pipe.load_one(bad)
+    dialogues = [Dialogue("ok", "t", (Turn("user", (Image(good), "q")), Turn("assistant", ("a",))))]
+    lenient = MultiImageDataset(dialogues, failing, CollatorConfig(max_length=256, image_errors="skip"))
+    with pytest.raises(ImageInputError, match="'ok', turn 1"):  # skip mode does not drop every image sample
+        lenient[0]

@@ -120,3 +120,25 @@ def test_truncation_keeps_whole_exchanges(kind, image_paths):
     assert cut is not None and len(short) < len(full)
     assert cut.input_ids == short.input_ids and cut.labels == short.labels and cut.images == []
     assert any(label != IGNORE_INDEX for label in cut.labels)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_a_template_that_is_not_prefix_stable_truncates_to_its_own_rendering_of_the_cut_dialogue(kind, image_paths):
+    """Qwen3.5's template writes the thinking block only into answers after the last user turn, so the
+    cut dialogue's last answer is rendered differently from the same answer in the whole dialogue:
+    the truncated sample is the processor's encoding of the cut dialogue, not a cut of the whole."""
+    auto = adapter(kind)
+    assert auto.prefix_stable is False
+    dialogue = _dialogues(image_paths)[1]
+    first = Dialogue("b", "t", dialogue.turns[:2])
+    full = encode_example(auto, dialogue, max_length=None)
+    cut = encode_example(auto, dialogue, max_length=len(full) - 1)
+    theirs = auto._processor_call(first)["input_ids"][0].tolist()
+    assert cut is not None and cut.input_ids == theirs
+    assert full.input_ids[:len(cut.input_ids)] != cut.input_ids  # the whole rendering's cut would differ
+    answer = auto.tokenizer.decode([t for t, label in zip(cut.input_ids, cut.labels) if label != IGNORE_INDEX])
+    assert "</think>" in answer and "Hello there. Yes" in answer
+    from mmtune.data.lengths import compute_lengths
+
+    planned = compute_lengths(auto, [dialogue], max_length=len(full) - 1)  # the packing plan's length, the same
+    assert int(planned.lengths[0]) == len(cut)

@@ -289,6 +289,27 @@ def test_an_image_the_processor_refuses_is_named_then_skipped_or_refused(glm4v, 
         compute_lengths(glm4v, [fine, refused], max_length=4096, image_errors="strict")
 
 
+def test_a_processor_output_that_cannot_be_stored_names_the_input_the_model_and_the_file(glm4v, tmp_path,
+                                                                                         monkeypatch):
+    """A conversion failure after a good decode (Llama 4's bfloat16 before mmtune widened it) is an
+    ImageInputError naming the input, never a bad image file that skip modes would drop."""
+    import mmtune.models.auto.batch as batch
+    from mmtune.core.images import CorruptImageError, ImageInputError
+    from mmtune.data.images import ImagePipeline
+
+    good = str(tmp_path / "good.png")
+    PILImage.new("RGB", (60, 40)).save(good)
+
+    def refuse(value):
+        raise TypeError(f"Got unsupported ScalarType {value.dtype}")
+
+    monkeypatch.setattr(batch, "to_array", refuse)
+    with pytest.raises(ImageInputError, match=r"good\.png.*'rec2', turn 2 \(question\).*its input 'pixel_values' "
+                                              r"for model '.*glm4v.*TypeError: Got unsupported") as err:
+        ImagePipeline(glm4v).load_one(good, dialogue_id="rec2", turn=2)
+    assert not isinstance(err.value, CorruptImageError)
+
+
 def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_renders_next():
     """GLM-4.1V's template ends an answer with the next turn's ``<|user|>`` (a generation stop
     token), Janus's writes its EOS only between an answer and the next turn: it is labelled with

@@ -13,21 +13,10 @@ from mmtune.testing.checkpoints import KINDS
 #: the tested classes, by the names of :data:`mmtune.testing.checkpoints.KINDS`
 CLASSES = tuple(KINDS)
 
-_LINEAR_CACHE = ("the generator's KV reuse rolls a row back with Cache.crop, which transformers' linear-attention "
-                 "(Gated DeltaNet) cache layers refuse unless past recording is on")
 #: what a downstream test cannot show yet for a class, and why: each an xfail(strict=True) there
 GAPS: dict[str, dict[str, str]] = {
-    "batched_kv": {"llama4": "its chunked-attention layers get sliding-window cache layers, which the generator's "
-                             "batched KV compaction refuses (it names eval.generation.batch_size: 1)",
-                   "qwen3_5": _LINEAR_CACHE, "qwen3_5_moe": _LINEAR_CACHE,
-                   "hunyuan_vl": "transformers' HunYuanVLTextModel reads packed boundaries from a text row "
-                                 "[1 + 4, B, L] but then refuses that shape (5.25)"},
-    "sft": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
-    "lmms": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it reads (5.25)"},
-    "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the packed layout [1 + 4, B, L] (5.25)"},
-    "truncation": {kind: "a template that is not prefix-stable renders the cut dialogue's last answer differently "
-                         "(with its thinking block); data truncation drops encoded turns instead of re-encoding "
-                         "the cut dialogue" for kind in ("qwen3_5", "qwen3_5_moe")},
+    "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it "
+                              "reads packed boundaries from (5.25): packing is refused at start-up"},
 }
 
 

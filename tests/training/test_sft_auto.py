@@ -15,15 +15,17 @@ from tests.support.auto_checkpoints import CLASSES, GAPS, adapter, checkpoint
 DEFAULT_MODE = {kind: ("full", "lora")[k % 2] for k, kind in enumerate(CLASSES)}
 CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
                       marks=([] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
-                      + ([pytest.mark.xfail(strict=True, reason=GAPS["sft"][kind])] if kind in GAPS["sft"] else []))
+                      + ([pytest.mark.xfail(strict=True, reason=GAPS["sft"][kind])] if kind in GAPS.get("sft", {}) else []))
          for kind in CLASSES for mode in ("full", "lora")]
 
 
 def _batching(kind):
-    """Padding for a model with linear-attention layers (packed rows are refused there), else the demo's."""
+    """Padding for a model with linear-attention layers, or one whose adapter refuses packing (packed
+    rows are refused there), else the demo's."""
     auto = adapter(kind)
     layer_types = getattr(auto.text_config(auto.model_config), "layer_types", None) or []
-    return ["collator.batching=padding"] if "linear_attention" in layer_types else []
+    refused = "linear_attention" in layer_types or auto.packing_problem
+    return ["collator.batching=padding"] if refused else []
 
 
 def _params(recipe):
@@ -69,6 +71,23 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
         assert changed & vision, "the vision tower trains"
         base_language = {n for n in language if "lora_" not in n and "base_layer" in n}
         assert not changed & base_language, "the language model's own weights stay frozen under LoRA"
+
+
+def test_packing_is_refused_at_start_up_for_a_model_that_refuses_the_packed_position_layout(
+        tmp_path, synthetic_dir, tiny_overrides):
+    """HunYuan-VL (transformers 5.25) reads packed boundaries from a running-position row, then refuses
+    that layout: its adapter says so, batches get its four position rows alone, and packing stops at
+    start-up naming the reason and the setting that works."""
+    auto = adapter("hunyuan_vl")
+    assert "HunYuanVLTextModel refuses position ids laid out [1 + 4, B, L]" in auto.packing_problem
+    assert adapter("qwen3_vl_moe").packing_problem == ""  # an M-RoPE model that takes the layout
+    overrides = tiny_overrides(tmp_path / "run", synthetic_dir, "model=hunyuan_vl_tiny",
+                               f"model.path={checkpoint('hunyuan_vl')}", "training.max_steps=1",
+                               "collator.max_length=1024", "collator.batching=packing")
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
+    with pytest.raises(ValueError, match=r"collator.batching=packing cannot work with this model: HunYuanVLTextModel"
+                                         r".*collator.batching=padding"):
+        recipe.setup()
 
 
 @pytest.mark.slow

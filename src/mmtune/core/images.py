@@ -23,7 +23,8 @@ from typing import Optional
 
 from mmtune.core.dialogue import turn_label
 
-__all__ = ["CorruptImageError", "ImageLimits", "ImageTooLargeError", "UnsupportedImageError", "header_size", "image_size"]
+__all__ = ["CorruptImageError", "ImageInputError", "ImageLimits", "ImageTooLargeError", "UnsupportedImageError",
+           "decode_problem", "header_size", "image_size"]
 
 
 @dataclass
@@ -165,6 +166,58 @@ class UnsupportedImageError(CorruptImageError):
         self.turn_text = turn_label(turn, system_first)
         where = f"dialogue {dialogue_id!r}, {self.turn_text}" if dialogue_id is not None else "no dialogue"
         ValueError.__init__(self, f"image {path!r} ({where}) is refused by {self.refused_by}: {detail}. {self.fix}")
+
+
+class ImageInputError(RuntimeError):
+    """An image file that reads and decodes, but whose conversion into the model's image inputs
+    failed (the processor's output in a dtype the code cannot store, a processor bug): no
+    problem of the file, so never a :class:`CorruptImageError`, and ``skip`` modes do not leave
+    such samples out (every sample with an image would go).
+
+    Args:
+        path: the image file.
+        model: the model's path (or family) whose image path failed.
+        cause: the error raised.
+        input_name: the image input being made (``pixel_values``), where known.
+        dialogue_id, turn, system_first: where the image is, as :class:`CorruptImageError` names it.
+    """
+
+    def __init__(self, path: str, model: str | None, cause: BaseException, *, input_name: str | None = None,
+                 dialogue_id: str | None = None, turn: int | None = None, system_first: bool = False):
+        self.path, self.model, self.cause, self.input_name = path, model, cause, input_name
+        self.dialogue_id, self.turn, self.system_first = dialogue_id, turn, system_first
+        where = (f"dialogue {dialogue_id!r}, {turn_label(turn, system_first)}" if dialogue_id is not None
+                 else "no dialogue")
+        what = f"its input {input_name!r}" if input_name else "its image inputs"
+        super().__init__(
+            f"image {path!r} ({where}) decodes, but making {what} for model {model!r} failed: "
+            f"{type(cause).__name__}: {cause}. This is no problem of the file (skip modes do not leave such "
+            "samples out): the model's image processor or mmtune's conversion of its output fails; check that "
+            "the processor of model.path runs on this image with transformers, and report it with this message"
+        )
+
+    def at(self, dialogue_id: str | None, turn: int | None, system_first: bool = False) -> "ImageInputError":
+        """The same error, located in a dialogue (an adapter knows the file, not the sample)."""
+        return ImageInputError(self.path, self.model, self.cause, input_name=self.input_name,
+                               dialogue_id=dialogue_id, turn=turn, system_first=system_first)
+
+
+def decode_problem(path: str) -> Optional[BaseException]:
+    """Why the file at ``path`` cannot be read and decoded as an image (PIL opens it and loads its
+    pixels, as ``transformers.image_utils.load_image`` does), or ``None`` when it can: what tells
+    a bad file from a failure after the decode. Run only once something has failed."""
+    import warnings
+
+    from PIL import Image as PILImage
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            with PILImage.open(path) as handle:
+                handle.load()
+    except Exception as err:  # noqa: BLE001 - PIL raises many types (OSError, SyntaxError, ValueError...)
+        return err
+    return None
 
 
 def image_size(path: str) -> tuple[int, int]:

@@ -211,6 +211,10 @@ class MultiImageCollator:
         self.adapter = adapter if adapter is not None else getattr(image_pipeline, "adapter", None)
         self.image_input_names = tuple(getattr(self.adapter, "image_input_names", ("pixel_values",)))
         self.position_rows = int(getattr(self.adapter, "position_id_rows", 1))
+        problem = getattr(self.adapter, "packing_problem", "")
+        if packed and problem:
+            raise ValueError(f"collator.batching=packing cannot work with this model: {problem}. Set "
+                             "collator.batching=padding (or length_grouped, token_budget)")
 
     def _image_inputs(self, example: Example) -> dict[str, torch.Tensor] | None:
         """The model inputs of one example's images (``None`` without images)."""

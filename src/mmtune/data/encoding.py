@@ -37,6 +37,7 @@ __all__ = [
     "encode_example",
     "encode_examples",
     "render_example",
+    "truncate_dialogue",
 ]
 
 TRAIN_ON = ("all_assistant", "last_assistant")
@@ -134,6 +135,53 @@ def flatten(
     return input_ids, labels, images
 
 
+def truncate_dialogue(
+    adapter: "ModelAdapter",
+    dialogue: "Dialogue",
+    encoded: EncodedDialogue,
+    max_length: int,
+    truncation: str,
+    *,
+    system_prompt: str | None,
+    stats: TruncationStats | None = None,
+) -> EncodedDialogue | None:
+    """:func:`~mmtune.data.truncation.truncate` ``encoded`` (the adapter's encoding of ``dialogue``),
+    exact for every template.
+
+    An adapter that is not ``prefix_stable`` renders a dialogue whole, and the rendering of a cut
+    dialogue is not a cut of the rendering (Qwen3.5's template writes the last answer's thinking
+    block only after the last user turn): the cut dialogue is then encoded again, and cut again
+    while its own encoding is still over ``max_length``. ``stats`` count the final result once.
+    """
+    counted = TruncationStats()
+    cut = truncate(encoded, max_length, truncation, stats=counted)
+    if cut is not None and cut is not encoded and not getattr(adapter, "prefix_stable", True):
+        cut, counted = _encode_cut(adapter, dialogue, cut, max_length, truncation, system_prompt), TruncationStats(1)
+        if cut is None:
+            counted.skipped, counted.skipped_ids = 1, [dialogue.id]
+        else:
+            counted.truncated = 1
+            counted.dropped_turns = len(encoded.turns) - len(cut.turns)
+            counted.dropped_images = sum(turn.num_images for turn in encoded.turns[len(cut.turns):])
+    if stats is not None:
+        stats += counted
+    return cut
+
+
+def _encode_cut(adapter: "ModelAdapter", dialogue: "Dialogue", cut: EncodedDialogue, max_length: int,
+                truncation: str, system_prompt: str | None) -> EncodedDialogue | None:
+    """The dialogue cut to ``cut``'s exchanges, encoded again; cut and encoded again while its
+    own encoding is over ``max_length``. ``None``: not even its first exchange fits."""
+    offset = 1 if dialogue.turns and dialogue.turns[0].role == "system" else 0
+    while cut is not None:
+        again = adapter.encode_dialogue(replace(dialogue, turns=dialogue.turns[: offset + len(cut.turns)]),
+                                        system_prompt=system_prompt, train_on="all_assistant")
+        cut = truncate(again, max_length, truncation)
+        if cut is again:
+            return again
+    return None
+
+
 def _finish(
     adapter: "ModelAdapter",
     dialogue: "Dialogue",
@@ -142,11 +190,13 @@ def _finish(
     max_length: int | None,
     truncation: str,
     train_on: str,
+    system_prompt: str | None,
     stats: TruncationStats | None,
 ) -> Example | None:
     full_turns = len(encoded.turns)
     if max_length is not None:
-        encoded = truncate(encoded, max_length, truncation, stats=stats)
+        encoded = truncate_dialogue(adapter, dialogue, encoded, max_length, truncation, system_prompt=system_prompt,
+                                    stats=stats)
         if encoded is None:
             return None
     elif stats is not None:
@@ -182,7 +232,8 @@ def encode_example(
     """
     encoded = adapter.encode_dialogue(dialogue, system_prompt=system_prompt, train_on="all_assistant")
     return _finish(
-        adapter, dialogue, encoded, max_length=max_length, truncation=truncation, train_on=train_on, stats=stats
+        adapter, dialogue, encoded, max_length=max_length, truncation=truncation, train_on=train_on,
+        system_prompt=system_prompt, stats=stats,
     )
 
 
@@ -214,7 +265,8 @@ def encode_examples(
     """:func:`encode_example` for many dialogues, rendered with :func:`encode_dialogues`."""
     encoded_list = encode_dialogues(adapter, dialogues, system_prompt=system_prompt, train_on="all_assistant")
     return [
-        _finish(adapter, d, e, max_length=max_length, truncation=truncation, train_on=train_on, stats=stats)
+        _finish(adapter, d, e, max_length=max_length, truncation=truncation, train_on=train_on,
+                system_prompt=system_prompt, stats=stats)
         for d, e in zip(dialogues, encoded_list)
     ]
 

@@ -17,8 +17,11 @@ file's bytes (``key: content``, default: moving or renaming files keeps the cach
 ``(path, size, mtime)`` (``key: stat``: no read of the file at all on a hit). Writes are
 atomic (temp file + rename), so concurrent workers and ranks may share one directory.
 
-A file that cannot be decoded raises :class:`CorruptImageError` naming the file, the
-dialogue and the turn; datasets in ``skip`` mode catch it and count the sample instead.
+A file that cannot be read or decoded raises :class:`CorruptImageError` naming the file, the
+dialogue and the turn; datasets in ``skip`` mode catch it and count the sample instead. A file
+that decodes but whose conversion into the model's inputs fails (the processor, or the code that
+stores its output) raises :class:`~mmtune.core.images.ImageInputError` naming the file, the model
+and the input: no sample is skipped for it, since every image would be.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from mmtune.core.images import CorruptImageError, image_size
+from mmtune.core.images import CorruptImageError, ImageInputError, ImageTooLargeError, decode_problem, image_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.encoding import ImageRef
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["CorruptImageError", "ImageStats", "ImagePipeline", "image_size"]
+__all__ = ["CorruptImageError", "ImageInputError", "ImageStats", "ImagePipeline", "image_size"]
 
 
 _MAGIC = b"MMP1"
@@ -201,22 +204,32 @@ class ImagePipeline:
                     array = _read(target)
                     if array is not None:
                         self.stats.cache_hits += 1
-            if array is None:
+            fresh = array is None
+            if fresh:
                 array = self._decode(path)
                 self.stats.decoded += 1
-                if target is not None:
-                    self._write(target, array)
-        except FileNotFoundError as err:
-            self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
         except CorruptImageError:
             raise
-        except Exception as err:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
-            self.stats.corrupt += 1
-            raise CorruptImageError(path, dialogue_id, turn, err, system_first) from err
+        except ImageInputError as err:
+            raise err.at(dialogue_id, turn, system_first) from err.cause
+        except Exception as err:  # noqa: BLE001 - told apart by decoding the file again
+            raise self._problem(path, err, dialogue_id, turn, system_first) from err
+        if fresh and target is not None:  # outside the try: a full disk is no bad image
+            self._write(target, array)
         tensor = ({name: torch.from_numpy(v) for name, v in array.items()} if isinstance(array, dict)
                   else torch.from_numpy(array))
         return tensor if raw else self.pixel_values([tensor])[0]
+
+    def _problem(self, path: str, err: Exception, dialogue_id: str | None, turn: int | None,
+                 system_first: bool) -> Exception:
+        """The error of a failed :meth:`_decode`: a :class:`CorruptImageError` where the file is missing,
+        too large or does not decode (PIL's own errors are many types: decoding the file again tells),
+        else an :class:`ImageInputError` naming the model, since the file is fine."""
+        if isinstance(err, (OSError, ImageTooLargeError)) or decode_problem(path) is not None:
+            self.stats.corrupt += 1
+            return CorruptImageError(path, dialogue_id, turn, err, system_first)
+        model = getattr(getattr(self.adapter, "config", None), "path", None) or getattr(self.adapter, "family", None)
+        return ImageInputError(path, model, err, dialogue_id=dialogue_id, turn=turn, system_first=system_first)
 
     def load_images(self, refs: Sequence["ImageRef"], *, dialogue_id: str | None = None,
                     system_first: bool = False) -> list["torch.Tensor"]:

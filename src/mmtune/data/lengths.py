@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from mmtune.data.encoding import encode_dialogues
+from mmtune.data.encoding import encode_dialogues, truncate_dialogue
 from mmtune.data.length_store import (StoredLengths, image_stamps, load_table, part_path, read_failure, save_table,
                                       write_failure)
 from mmtune.data.images import CorruptImageError
@@ -150,7 +150,8 @@ def _encoded(adapter, batch, max_length, truncation, train_on, system_prompt, pa
             continue
         part.full[i] = encoded.length
         stats = TruncationStats(samples=1) if max_length is None else TruncationStats()
-        kept = truncate(encoded, max_length, truncation, stats=stats) if max_length is not None else encoded
+        kept = (truncate_dialogue(adapter, batch[i], encoded, max_length, truncation, system_prompt=system_prompt,
+                                  stats=stats) if max_length is not None else encoded)
         part.stats[i] = _stat_row(stats)
         part.skipped_ids += stats.skipped_ids
         if kept is None:

@@ -406,7 +406,15 @@ class ModelAdapter(ABC):
 
         if self.position_id_rows == 1:
             return text
+        if self.packing_problem:  # the forward refuses the text row: the rows alone (padding batches)
+            return rows
         return torch.cat([text[None].to(rows.dtype), rows])
+
+    #: why packed rows cannot reach this model ("" when they can): a model whose forward refuses the
+    #: running position as row 0 of its M-RoPE positions has no way to learn the samples' boundaries
+    #: (transformers 5.25's HunYuan-VL reads them there, then refuses the shape); the collator refuses
+    #: ``collator.batching=packing`` at start-up with it, and batches get the rows alone
+    packing_problem: str = ""
 
     # -- quantization ----------------------------------------------------------------------------
     #: regex of the full module names outside the language model (vision tower, projector);

@@ -40,7 +40,7 @@ def _run(auto, model, dialogues, window, **settings):
     cfg = GenerationConfig(max_new_tokens=6, context_length=window, min_new_tokens=6,
                            **{"batch_schedule": "continuous", **settings})
     gen = DialogueGenerator(auto, model, cfg)
-    return gen.generate(dialogues), dict(gen.stats)
+    return gen.generate(dialogues), {**gen.stats, "kv_note": gen.kv_note}
 
 
 
@@ -58,8 +58,17 @@ def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
     assert "long" in {r.dialogue_id for r in one if r.context}
     assert stats["padding_tokens"] > 0
     assert _fields(batched) == _fields(one) == _fields(reencoded)
-    assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in one]
     assert stats["forward_calls"] < one_stats["forward_calls"]
+    if kind in RECURRENT:  # the batched path is re-encoding, stated at start-up
+        assert "recurrent" in stats["kv_note"] and one_stats["kv_note"] is None
+        assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in reencoded]
+    else:
+        assert stats["kv_note"] is None
+        assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in one]
+
+
+#: classes whose language model has recurrent (linear-attention) layers: their rows cannot share a KV cache
+RECURRENT = ("qwen3_5", "qwen3_5_moe")
 
 
 def _window(auto, dialogues):
@@ -96,3 +105,38 @@ def test_windowed_masks_equal_the_models_own_on_one_row(layer_types):
         causal = model(input_ids=ids, attention_mask=torch.ones_like(ids)[:, None, None].expand(1, 1, 60, 60).tril().bool()).logits
     torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
     assert not torch.allclose(causal, own, atol=1e-3), "the window changes the logits (the test can tell)"
+
+
+def test_chunked_masks_equal_the_models_own_on_one_row():
+    """Llama 4's chunked-attention layers (chunk 16 here, 60 tokens): the masks the generator builds
+    from a row's own tokens give the logits of transformers' own chunked masks on an unpadded row."""
+    import copy
+
+    from transformers import AutoModelForImageTextToText
+
+    auto = adapter("llama4")
+    config = copy.deepcopy(auto.load_model().config)
+    config.text_config.attention_chunk_size = 16
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    gen = DialogueGenerator(auto, model, GenerationConfig(max_new_tokens=1, context_length=100))
+    assert gen._chunks == {"chunked_attention": 16} and "chunked_attention" in gen._windows
+    ids = torch.randint(10, 200, (1, 60))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        ours = model(input_ids=ids, attention_mask=gen._windowed_masks(torch.ones_like(ids), 60)).logits
+        causal = model(input_ids=ids, attention_mask=torch.ones_like(ids)[:, None, None].expand(1, 1, 60, 60).tril().bool()).logits
+    torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
+    assert not torch.allclose(causal, own, atol=1e-3), "the chunks change the logits (the test can tell)"
+
+
+def test_llama4_batches_only_within_its_temperature_tuning_scale():
+    """Past floor_scale cache columns Llama 4's NoPE layers scale queries by the shared cache length:
+    with a context that can reach it, batched KV runs as batch 1 and says why."""
+    auto = adapter("llama4")
+    model = auto.load_model().eval()
+    floor = int(auto.text_config(model.config).floor_scale)
+    within = DialogueGenerator(auto, model, GenerationConfig(batch_size=4, context_length=floor - 1))
+    beyond = DialogueGenerator(auto, model, GenerationConfig(batch_size=4, context_length=floor + 100))
+    assert within.batch_size == 4 and within.batch_note is None
+    assert beyond.batch_size == 1 and "floor_scale" in beyond.batch_note

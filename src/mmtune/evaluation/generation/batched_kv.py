@@ -149,6 +149,8 @@ def _layers(cache: Any) -> list[Any]:
         if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
             raise TypeError(
                 f"cache layer {i} is a {type(layer).__name__}; batched KV generation compacts only full-attention "
-                "DynamicCache layers (set eval.generation.batch_size: 1 for this model)"
+                "DynamicCache layers: the generator builds them for windowed and chunked layers (their masks keep the "
+                "window) and re-encodes models with recurrent layers, so this model's layer type is new to it: "
+                "please report it with this message"
             )
     return [layer for layer in layers if getattr(layer, "is_initialized", False) and layer.keys.numel()]

@@ -124,15 +124,35 @@ _COMPACT_HOLES = 0.25
 
 
 def _layer_windows(text_config: Any) -> Optional[dict[str, Optional[int]]]:
-    """Layer type -> its attention window (``None``: the whole past) of a language model with
-    sliding-window layers; ``None`` for one that attends to the whole past everywhere."""
+    """Layer type -> its attention window (``None``: the whole past, or the chunk of
+    :func:`_layer_chunks`) of a language model with sliding-window or chunked-attention layers;
+    ``None`` for one that attends to the whole past everywhere."""
     window = getattr(text_config, "sliding_window", None)
     types = list(getattr(text_config, "layer_types", None) or [])
-    if window is None or (types and "sliding_attention" not in types):
+    if set(types) - {"full_attention", "sliding_attention", "chunked_attention"}:  # linear ...: transformers' own
         return None
-    if set(types) - {"full_attention", "sliding_attention"}:  # chunked, linear ...: transformers' own masks
+    windowed = window is not None and (not types or "sliding_attention" in types)
+    if not windowed and not _layer_chunks(text_config):
         return None
     return {kind: (int(window) if kind == "sliding_attention" else None) for kind in (types or ["sliding_attention"])}
+
+
+def _layer_chunks(text_config: Any) -> dict[str, int]:
+    """Layer type -> its attention chunk (Llama 4's ``chunked_attention`` layers: a token sees the
+    tokens of its own chunk of ``attention_chunk_size`` positions), for the layers that have one."""
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    types = list(getattr(text_config, "layer_types", None) or [])
+    return {"chunked_attention": int(chunk)} if chunk and "chunked_attention" in types else {}
+
+
+def _column_limit(text_config: Any) -> Optional[int]:
+    """The most cache columns with which rows stay independent, or ``None`` for no limit. Llama 4's
+    NoPE layers scale queries by ``log1p(floor((p + 1) / floor_scale))`` of a position ``p`` taken from
+    the cache's length, shared by the rows: the scale is 1 for every row while the cache has fewer
+    than ``floor_scale`` columns."""
+    if getattr(text_config, "attn_temperature_tuning", False) and getattr(text_config, "floor_scale", None):
+        return int(text_config.floor_scale) - 1
+    return None
 
 
 def _reusable_prefix(ids: list[int], cached: list[int], spans: list[tuple[int, int]]) -> int:
@@ -192,6 +212,8 @@ class DialogueGenerator:
             window = int(getattr(text_cfg, "max_position_embeddings", 0) or 0) or None
         self.context_length = window
         self._windows = _layer_windows(adapter.text_config(model.config))
+        self._chunks = _layer_chunks(adapter.text_config(model.config))
+        self._column_limit = _column_limit(adapter.text_config(model.config))
         self.pad_id = adapter.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = adapter.stop_token_ids[0]
@@ -204,11 +226,34 @@ class DialogueGenerator:
             self.batch_size = 1
         elif self.batch_note:
             self.batch_note = None
+        self._recurrent = self._has_recurrent_layers()
+        self.kv_note = self._batched_kv_refused()
+        """Why batched rows re-encode each turn instead of sharing a KV cache (``None``: they share one)."""
+        if self.kv_note:
+            log.warning("%s", self.kv_note)
         # forward_tokens: real tokens run through the model; padding_tokens: pad positions fed
         # alongside them (batching), of which idle_tokens are decode steps of rows whose answer
         # had already ended; forward_calls: model calls; compactions: batched-cache compactions
         self.stats = {"forward_tokens": 0, "prompt_tokens": 0, "turns": 0, "forward_calls": 0, "padding_tokens": 0,
                       "idle_tokens": 0, "compactions": 0}
+
+    def _has_recurrent_layers(self) -> bool:
+        """Whether the model's cache holds recurrent states (Qwen3.5's Gated DeltaNet layers): a state
+        sums every token it has seen, so it cannot be cut back to a prefix (``Cache.crop`` refuses
+        it) and a padding token fed into it changes it."""
+        return any(hasattr(layer, "recurrent_states") for layer in getattr(self._new_cache(), "layers", []))
+
+    def _batched_kv_refused(self) -> Optional[str]:
+        """Why ``batch_size`` rows cannot share one KV cache, or ``None``: the batched cache rolls rows
+        back by masking columns and pads rows within a step, neither of which a recurrent state allows.
+        Such rows take the exact batched path, re-encoding each turn (left padding before a zero state
+        leaves it zero)."""
+        if not (self._recurrent and self.config.kv_reuse and self.batch_size > 1):
+            return None
+        return (f"eval.generation.batch_size={self.batch_size}: the model's language model has recurrent "
+                "(linear-attention) layers, whose state cannot be rolled back per row nor padded within a step, so "
+                "batched rows re-encode each turn's whole prompt (as kv_reuse: false); batch_size: 1 keeps the KV "
+                "cache, prefilling again from the start where a turn's prompt does not extend the cached one")
 
     def _rows_depend_on_each_other(self) -> Optional[str]:
         """Why rows of one batch would change each other's answers, or ``None``.
@@ -219,6 +264,12 @@ class DialogueGenerator:
         on the other rows. Within the window (``context_length`` at most the original one)
         the scaling never starts and rows stay independent."""
         text_cfg = self.adapter.text_config(self.model.config)
+        limit = _column_limit(text_cfg)
+        if limit is not None and (self.context_length is None or self.context_length > limit):
+            return (f"eval.generation.batch_size={self.config.batch_size} runs as 1: the model's NoPE layers scale "
+                    f"queries from the cache's length once it reaches floor_scale={limit + 1} tokens, and a batched "
+                    f"cache's length is the longest row's, so past context_length {limit} (it is "
+                    f"{self.context_length}) batched rows would change each other's answers")
         params = getattr(text_cfg, "rope_parameters", None) or {}
         rope_type = str(params.get("rope_type", "default")) if isinstance(params, dict) else "default"
         if "dynamic" not in rope_type and rope_type != "longrope":
@@ -431,7 +482,7 @@ class DialogueGenerator:
         from transformers import DynamicCache
 
         if self._windows is not None:
-            # full layers for windowed ones too: a sliding layer drops what falls out of its window,
+            # full layers for windowed and chunked ones too: a sliding layer drops what falls out of its window,
             # so it could not be cropped back to a common prefix nor compacted; the window is kept by
             # the masks of _windowed_masks instead
             return DynamicCache()
@@ -441,8 +492,9 @@ class DialogueGenerator:
         """The attention masks of a model with sliding-window layers, from the 2-D column mask
         ``mask`` [B, K] (1: a column holding one of the row's tokens) for the last ``q_length``
         columns: each query sees the row's tokens at positions up to its own and, in a windowed
-        layer, less than the window before it (what a sliding cache of one row keeps), counted in
-        the row's own tokens, not columns (the batched cache has holes). A query on padding sees
+        layer, less than the window before it (what a sliding cache of one row keeps), in a chunked
+        layer (Llama 4's), only those of its own chunk, counted in the row's own tokens, not columns
+        (the batched cache has holes). A query on padding sees
         itself too, so no row of the mask is empty. One 4-D mask when every layer is of one type;
         else transformers' mapping of layer type to mask, which such models take in place of a 2-D
         one."""
@@ -457,7 +509,11 @@ class DialogueGenerator:
         make = ALL_MASK_ATTENTION_FUNCTIONS[self.model.config.get_text_config()._attn_implementation]
         out = {}
         for layer_type, window in self._windows.items():
-            allowed = (seen & (gap < window) if window is not None else seen) | own
+            allowed = seen & (gap < window) if window is not None else seen
+            chunk = self._chunks.get(layer_type)
+            if chunk is not None:  # the chunks count the row's own positions from 0
+                allowed = allowed & (position[:, width - q_length:, None] // chunk == position[:, None, :] // chunk)
+            allowed = allowed | own
             out[layer_type] = make(batch_size=batch, q_length=q_length, kv_length=width,
                                    mask_function=lambda b, h, q, kv, a=allowed: a[b, q, kv],
                                    allow_is_causal_skip=False, dtype=self.dtype, device=mask.device)
@@ -480,8 +536,10 @@ class DialogueGenerator:
             if state.cache is None or common == 0:
                 state.cache, common = self._new_cache(), 0
             else:
-                extra = state.cache.get_seq_length() - common
-                if extra > 0:
+                extra = int(state.cache.get_seq_length()) - common
+                if extra > 0 and self._recurrent:  # a recurrent state cannot be cut back: prefill again
+                    state.cache, common = self._new_cache(), 0
+                elif extra > 0:
                     state.cache.crop(-extra)
             new_images = [img.path for img, (start, _) in zip(images, spans) if start >= common]
             [(gen, finish, fed)] = self._decode([ids[common:]], new_images, state.cache, common, [self._max_new(len(ids))],
@@ -578,10 +636,18 @@ class DialogueGenerator:
                 if len(live) < kv.batch_size:
                     kv.select(live)
                     slots = [slots[r] for r in live]
-                if kv.holes() > _COMPACT_HOLES:
+                if kv.holes() > _COMPACT_HOLES or self._over_column_limit(kv, slots):
                     kv.compact()
                     self.stats["compactions"] += 1
                 self._batched_step(kv, slots, stops, emit, bar)
+
+    def _over_column_limit(self, kv: BatchedKVCache, slots: list[_Slot]) -> bool:
+        """Whether the next step would take the cache past :func:`_column_limit` (holes included):
+        compacting first keeps it at the longest row's length, within the context length."""
+        if self._column_limit is None:
+            return False
+        width = max((len(s.feed) if s.prompt is not None and s.feed is not None else 1) for s in slots)
+        return kv.length + width > self._column_limit
 
     def _batched_step(self, kv: BatchedKVCache, slots: list[_Slot], stops: set[int], emit: Any, bar: Any) -> None:
         """One forward pass of every row: prefilling rows feed their new prompt tokens, decoding
@@ -709,9 +775,9 @@ class DialogueGenerator:
         todo = sum(1 for s in states for t in range(len(s.answers)) if (s.dialogue.id, t) not in done)
         bar = tqdm(total=todo, desc="generating", disable=not progress)
         try:
-            if self.config.kv_reuse and self.batch_size > 1:
+            if self.config.kv_reuse and self.batch_size > 1 and self.kv_note is None:
                 self._generate_batched_kv(states, done, emit, bar)
-            elif self.config.kv_reuse:
+            elif self.config.kv_reuse and self.batch_size == 1:
                 for state in states:
                     for t in range(len(state.answers)):
                         if (state.dialogue.id, t) in done:

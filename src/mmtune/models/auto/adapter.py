@@ -92,6 +92,7 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         self.image_input_names = tuple(self._joins)
         self._rope = self._rope_index()
         self.position_id_rows = self._rope.rows if self._rope is not None else 1
+        self.packing_problem = self._text_row_problem() if self.position_id_rows > 1 else ""
         if config.settings.answer_stop == "eos" and self.tokenizer.eos_token_id is None:
             raise ValueError(f"model.auto.answer_stop=eos: the tokenizer of model.path={config.path} has no EOS token "
                              "to append; set its eos_token, or model.auto.answer_stop=template")

@@ -87,7 +87,7 @@ class AuthorityStage:
         bos = self.tokenizer.bos_token
         # no second BOS where the template renders one, as the processor's own apply_chat_template
         kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
-        return self.processor(text=[text], images=images, return_tensors="pt", **kwargs)
+        return self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
 
     def _compare_ids(self, mine: list[int], theirs: list[int]) -> None:
         if mine == theirs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
-from mmtune.core.images import CorruptImageError
+from mmtune.core.images import CorruptImageError, ImageInputError, ImageTooLargeError
 from mmtune.models.auto.errors import UnsupportedImageError
 from mmtune.models.base import InputJoin
 
@@ -64,6 +64,38 @@ class BatchStage:
         return RopeIndex(self.model_config, model_class, self.image_token_id,
                          int(getattr(vision, "spatial_merge_size", 1)), marked)
 
+    def _text_row_problem(self) -> str:
+        """Why the language model refuses a running-position row before its position rows
+        (``[1 + rows, B, L]``, where transformers' M-RoPE models read packed boundaries), "" when it
+        takes it. Asked of the model class itself: one layer of it built on the meta device (no
+        memory, no weights) runs a 4-token forward in that layout; a ``ValueError`` is its refusal of
+        the shape (an error on reading a meta value means the layout check passed)."""
+        import copy
+
+        import torch
+        from transformers import MODEL_MAPPING
+
+        text_config = copy.deepcopy(self.text_config(self.model_config))
+        try:
+            model_class = MODEL_MAPPING[type(text_config)]
+        except KeyError:
+            return ""
+        text_config.num_hidden_layers = 1
+        if getattr(text_config, "layer_types", None):
+            text_config.layer_types = list(text_config.layer_types)[:1]
+        rows = self.position_id_rows
+        try:
+            with torch.device("meta"):
+                model_class(text_config)(input_ids=torch.zeros(1, 4, dtype=torch.long),
+                                         position_ids=torch.zeros(1 + rows, 1, 4, dtype=torch.long), use_cache=False)
+        except ValueError as err:
+            return (f"{model_class.__name__} refuses position ids laid out [1 + {rows}, B, L], the running "
+                    f"position first, from which transformers' M-RoPE models read where packed samples start "
+                    f"({err}), so packed samples would attend to each other")
+        except Exception:  # noqa: BLE001 - past the layout check (a meta tensor has no values to read)
+            return ""
+        return ""
+
     # -- the batch: image inputs -----------------------------------------------------------------
     def image_input_joins(self) -> dict[str, InputJoin]:
         """The join of each image input, found at start-up from the processor itself."""
@@ -81,11 +113,19 @@ class BatchStage:
             out = self._call([self._decode(path)])
         except CorruptImageError:
             raise
-        except (OSError, SyntaxError) as err:  # not an image PIL can read
+        except (OSError, SyntaxError, ImageTooLargeError) as err:  # not an image PIL can read, or above the limits
             raise CorruptImageError(path, None, None, err) from err
-        except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the file
+        except ValueError as err:  # the processor's refusal of this image (its size, its aspect ratio)
             raise UnsupportedImageError(path, None, None, f"{type(err).__name__}: {err}") from err
-        return {name: to_array(out[name]) for name in self.image_input_names}
+        except Exception as err:  # noqa: BLE001 - the file decoded: the processor itself failed
+            raise ImageInputError(path, self.config.path, err) from err
+        arrays = {}
+        for name in self.image_input_names:
+            try:
+                arrays[name] = to_array(out[name])
+            except Exception as err:  # noqa: BLE001 - the file decoded: a conversion failure, named as one
+                raise ImageInputError(path, self.config.path, err, input_name=name) from err
+        return arrays
 
     def image_batch(self, images: Sequence[Any]) -> dict[str, "torch.Tensor"]:
         """Cached per-image inputs (dicts of arrays or tensors) joined as the processor joins them,
