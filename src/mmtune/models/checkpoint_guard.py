@@ -24,14 +24,10 @@ Pure functions of the folder; no model family's internals.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import threading
-import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 __all__ = ["ModelFileError", "MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "TOKENIZER_FILES", "MAX_JSON_DEPTH", "MAX_TEMPLATE_CHARS", "MAX_RENDER_CHARS",
            "RENDER_SECONDS", "JSON_FILES", "check_model_folder", "check_chat_template", "image_size_problems",
@@ -198,27 +194,6 @@ def check_model_folder(path: Optional[str | os.PathLike], image_limits: Any) -> 
                               "model.image_limits if such images are meant")
 
 
-@contextlib.contextmanager
-def _deadline(seconds: float) -> Iterator[None]:
-    """Raise ``TimeoutError`` in the block after ``seconds``, by ``SIGALRM`` in the main thread. Elsewhere, or
-    while another alarm is pending (a test timeout's), the output bound and a check per rendered chunk hold."""
-    if (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")
-            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"rendering took more than {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 _PROBE = [  # what every template of the family must render: user and assistant alternating, an image first
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
@@ -226,11 +201,69 @@ _PROBE = [  # what every template of the family must render: user and assistant 
 ]
 
 
+def _render_probe(template: str, special_tokens: dict[str, Any], max_chars: int, reply: Any) -> None:
+    """In the child: render :data:`_PROBE`, chunk by chunk so a flood stops at ``max_chars``; send what happened."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        size = 0
+        for chunk in _compile_jinja_template(template).generate(messages=_PROBE, add_generation_prompt=True,
+                                                                 **special_tokens):
+            size += len(chunk)
+            if size > max_chars:
+                reply.send(("flood", ""))
+                return
+        reply.send(("ok", ""))
+    except (Exception, RecursionError) as err:  # noqa: BLE001 - Jinja and the template's own raise_exception
+        reply.send(("error", f"{type(err).__name__}: {str(err)[:300]}"))
+
+
+def _render_outcome(template: str, special_tokens: dict[str, Any]) -> tuple[str, str]:
+    """``(outcome, detail)`` of rendering the probe: ``ok``, ``flood``, ``error`` or ``timeout``.
+
+    The render runs in a forked child that is killed at :data:`RENDER_SECONDS`: a template loop
+    yields to nothing (no signal, no thread) that could stop it in this process. Where fork is
+    not available the render runs here, bounded in output only.
+    """
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        receiver = _Inline()
+        _render_probe(template, special_tokens, MAX_RENDER_CHARS, receiver)
+        return receiver.value
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_render_probe, args=(template, special_tokens, MAX_RENDER_CHARS, sender),
+                            daemon=True)
+    child.start()
+    sender.close()
+    try:
+        if receiver.poll(RENDER_SECONDS):
+            return receiver.recv()
+        return "timeout", f"rendering took more than {RENDER_SECONDS:g} s"
+    except EOFError:  # the child died without a word (killed, out of memory)
+        return "error", f"the rendering process ended with exit code {child.exitcode}"
+    finally:
+        child.kill()
+        child.join()
+        receiver.close()
+
+
+class _Inline:
+    """A pipe end for :func:`_render_probe` run in this process: keeps what it is sent."""
+
+    value: tuple[str, str] = ("error", "nothing rendered")
+
+    def send(self, value: tuple[str, str]) -> None:
+        self.value = value
+
+
 def check_chat_template(template: str, path: str | os.PathLike, special_tokens: Mapping[str, Any]) -> None:
     """Render a short dialogue with the chat template within :data:`RENDER_SECONDS` and :data:`MAX_RENDER_CHARS`.
 
-    Compiled and rendered as transformers does (its sandboxed Jinja environment), output
-    consumed chunk by chunk so a flood stops at the bound.
+    Compiled and rendered as transformers does (its sandboxed Jinja environment), in a child
+    process killed at the time bound (:func:`_render_outcome`), output consumed chunk by chunk
+    so a flood stops at the size bound.
 
     Raises:
         ModelFileError: the template is too long, fails to compile or to render, or exceeds
@@ -243,22 +276,11 @@ def check_chat_template(template: str, path: str | os.PathLike, special_tokens: 
         raise _refuse(file, f"a chat template of {len(template)} characters, above the {MAX_TEMPLATE_CHARS}-character "
                       "bound", "restore the template from the checkpoint's source")
     fix = "restore the template from the checkpoint's source, or save a working one with the processor"
-    try:
-        with _deadline(RENDER_SECONDS):
-            started, size = time.monotonic(), 0
-            compiled = _compile_jinja_template(template)
-            for chunk in compiled.generate(messages=_PROBE, add_generation_prompt=True, **dict(special_tokens)):
-                size += len(chunk)
-                if size > MAX_RENDER_CHARS:
-                    raise _refuse(file, f"the chat template renders a three-message dialogue to more than "
-                                  f"{MAX_RENDER_CHARS} characters", fix)
-                if time.monotonic() - started > RENDER_SECONDS:
-                    raise TimeoutError(f"rendering took more than {RENDER_SECONDS:g} s")
-    except ModelFileError:
-        raise
-    except TimeoutError as err:
-        raise _refuse(file, f"the chat template does not finish rendering a three-message dialogue ({err})", fix) \
-            from None
-    except (Exception, RecursionError) as err:  # noqa: BLE001 - Jinja and the template's own raise_exception
-        raise _refuse(file, f"the chat template fails on a three-message dialogue ({type(err).__name__}: "
-                      f"{str(err)[:300]})", fix) from None
+    outcome, detail = _render_outcome(template, dict(special_tokens))
+    if outcome == "flood":
+        raise _refuse(file, f"the chat template renders a three-message dialogue to more than {MAX_RENDER_CHARS} "
+                      "characters", fix)
+    if outcome == "timeout":
+        raise _refuse(file, f"the chat template does not finish rendering a three-message dialogue ({detail})", fix)
+    if outcome == "error":
+        raise _refuse(file, f"the chat template fails on a three-message dialogue ({detail})", fix)
