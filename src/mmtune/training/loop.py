@@ -391,7 +391,8 @@ class SFTRecipe:
             if t.log_sample_ids:
                 log_sample_ids(self.accelerator, self.output_dir, [meta["ids"] for _, meta in micro], step=self.step,
                                epoch=self.epoch)
-            self._check_finite(float(stats[0]), [meta["ids"] for _, meta in micro])
+            self.nonfinite.check_step(acc, self.step, self.objective.step_loss(float(stats[0])), self.grad_norm,
+                                      [meta["ids"] for _, meta in micro])
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 self.logger.log(self.step, step_metrics(
                     stats, elapsed=elapsed, loss=self.objective.step_loss(float(stats[0])), loss_tokens=global_tokens,
@@ -402,19 +403,6 @@ class SFTRecipe:
             self.logger.advance()
             if t.save_every_steps and self.step % t.save_every_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
-
-    def _check_finite(self, loss_sum: float, ids: list[list[str]]) -> None:
-        """Count a step whose loss or gradient norm is not finite; stop past ``training.max_nonfinite_steps``
-        (:mod:`mmtune.training.nonfinite`), every rank at once with the step's ids from every rank."""
-        from accelerate.utils import gather_object
-
-        loss = self.objective.step_loss(loss_sum)
-        bad = not (math.isfinite(loss) and self.nonfinite.allows_update(self.grad_norm))  # the same on every rank
-        if bad and self.accelerator.num_processes > 1:
-            ids = [batch for rank in gather_object([ids]) for batch in rank]
-        note = self.nonfinite.observe(self.step, loss, self.grad_norm, ids)
-        if note:
-            self.accelerator.print(note)
 
     def batch_loss(self, batch: dict[str, Any]) -> torch.Tensor:
         """The summed next-token loss of one micro-batch (fp32 scalar), under autocast (the
@@ -454,26 +442,14 @@ class SFTRecipe:
 
     def save(self) -> Optional[Path]:
         """Write ``final/`` (HF checkpoint + processor + mmtune_run.json); evaluate it if asked."""
-        from mmtune.io.secrets import redact
-
         if not self.cfg.training.save_final:
             return None
         if self.nonfinite.save_problem():
             raise NonFiniteTrainingError(f"final/ {self.nonfinite.save_problem()}; rerun from the last checkpoint "
                                          "with training.resume=auto")
-        metadata = {
-            "family": self.cfg.model.family,
-            "run": redact(self.run_name, names=self.secret_names),
-            "step": self.step,
-            "context_extension": asdict(self.context_extension) if self.context_extension else None,
-            "max_length": self.max_length,
-            "config": self.logger_config(),
-        }
-        if self.resume.history:  # the values above hold from these steps on; the old ones before
-            metadata["config_changes"] = self.resume.history
         extras = [self.adapter] if hasattr(self.adapter, "save_pretrained") else [self.adapter.tokenizer]
         self.final_dir = save_final(self.accelerator, self.model, self.output_dir / "final",
-                                    save_pretrained_extras=extras, metadata=metadata,
+                                    save_pretrained_extras=extras, metadata=final_metadata(self),
                                     merge_lora=self.cfg.peft.merge_on_save, engine=self.engine)
         if self.cfg.training.eval_after:
             self.eval_results["after"] = self.evaluate(tag="after", checkpoint=str(self.final_dir))
@@ -510,6 +486,23 @@ class SFTRecipe:
         gc.collect()
         if self.output_lock is not None:
             self.output_lock.release()
+
+
+def final_metadata(recipe: SFTRecipe) -> dict[str, Any]:
+    """What ``final/mmtune_run.json`` records of the run: family, name, step, window and config."""
+    from mmtune.io.secrets import redact
+
+    metadata = {
+        "family": recipe.cfg.model.family,
+        "run": redact(recipe.run_name, names=recipe.secret_names),
+        "step": recipe.step,
+        "context_extension": asdict(recipe.context_extension) if recipe.context_extension else None,
+        "max_length": recipe.max_length,
+        "config": recipe.logger_config(),
+    }
+    if recipe.resume.history:  # the values above hold from these steps on; the old ones before
+        metadata["config_changes"] = recipe.resume.history
+    return metadata
 
 
 def _to_dict(cfg: SFTConfig) -> dict[str, Any]:

@@ -21,7 +21,7 @@ an infinite gradient norm with a finite loss is that normal event there, not cou
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 __all__ = ["NonFiniteGuard", "NonFiniteTrainingError"]
 
@@ -82,6 +82,18 @@ class NonFiniteGuard:
                 "training.resume=auto")
         return (f"warning: non-finite {what}; its update was skipped where the engine allows "
                 f"({len(self.steps)} of training.max_nonfinite_steps={self.max_steps} tolerated)")
+
+    def check_step(self, accelerator: Any, step: int, loss: float, grad_norm: Optional[float],
+                   sample_ids: list[list[str]]) -> None:
+        """:meth:`observe` step ``step`` on every rank at once, with the step's ids from every rank
+        where it was non-finite (the loss and norm are the same on every rank); its line printed."""
+        if accelerator.num_processes > 1 and not (_finite(loss) and self.allows_update(grad_norm)):
+            from accelerate.utils import gather_object
+
+            sample_ids = [batch for rank in gather_object([sample_ids]) for batch in rank]
+        note = self.observe(step, loss, grad_norm, sample_ids)
+        if note:
+            accelerator.print(note)
 
     def save_problem(self) -> str:
         """Why nothing may be saved now (the last step was non-finite); empty when saving is fine."""
