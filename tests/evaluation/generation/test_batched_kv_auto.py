@@ -81,6 +81,17 @@ def _window(auto, dialogues):
     return (short + sizes["long"]) // 2 + 8
 
 
+def _own_ours_and_causal_logits(model, gen, length: int = 60):
+    """Logits of one unpadded row under the model's own masks, the generator's per-row masks and a plain causal mask."""
+    ids = torch.randint(10, 200, (1, length))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        ours = model(input_ids=ids, attention_mask=gen._windowed_masks(torch.ones_like(ids), length)).logits
+        causal_mask = torch.ones_like(ids)[:, None, None].expand(1, 1, length, length).tril().bool()
+        causal = model(input_ids=ids, attention_mask=causal_mask).logits
+    return own, ours, causal
+
+
 @pytest.mark.parametrize("layer_types", [("sliding_attention", "sliding_attention"),
                                          ("sliding_attention", "full_attention")])
 def test_windowed_masks_equal_the_models_own_on_one_row(layer_types):
@@ -98,11 +109,7 @@ def test_windowed_masks_equal_the_models_own_on_one_row(layer_types):
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
     gen = DialogueGenerator(auto, model, GenerationConfig(max_new_tokens=1))
     assert gen._windows == {kind: 16 if kind == "sliding_attention" else None for kind in layer_types}
-    ids = torch.randint(10, 200, (1, 60))
-    with torch.no_grad():
-        own = model(input_ids=ids).logits
-        ours = model(input_ids=ids, attention_mask=gen._windowed_masks(torch.ones_like(ids), 60)).logits
-        causal = model(input_ids=ids, attention_mask=torch.ones_like(ids)[:, None, None].expand(1, 1, 60, 60).tril().bool()).logits
+    own, ours, causal = _own_ours_and_causal_logits(model, gen)
     torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
     assert not torch.allclose(causal, own, atol=1e-3), "the window changes the logits (the test can tell)"
 
@@ -121,11 +128,7 @@ def test_chunked_masks_equal_the_models_own_on_one_row():
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
     gen = DialogueGenerator(auto, model, GenerationConfig(max_new_tokens=1, context_length=100))
     assert gen._chunks == {"chunked_attention": 16} and "chunked_attention" in gen._windows
-    ids = torch.randint(10, 200, (1, 60))
-    with torch.no_grad():
-        own = model(input_ids=ids).logits
-        ours = model(input_ids=ids, attention_mask=gen._windowed_masks(torch.ones_like(ids), 60)).logits
-        causal = model(input_ids=ids, attention_mask=torch.ones_like(ids)[:, None, None].expand(1, 1, 60, 60).tril().bool()).logits
+    own, ours, causal = _own_ours_and_causal_logits(model, gen)
     torch.testing.assert_close(ours, own, rtol=0, atol=1e-5)
     assert not torch.allclose(causal, own, atol=1e-3), "the chunks change the logits (the test can tell)"
 
