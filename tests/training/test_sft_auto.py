@@ -13,9 +13,11 @@ from tests.support.auto_checkpoints import CLASSES, GAPS, adapter, checkpoint
 
 # the mode each class runs in the default suite (the other one is behind the slow marker)
 DEFAULT_MODE = {kind: ("full", "lora")[k % 2] for k, kind in enumerate(CLASSES)}
+SFT_GAPS = GAPS.get("sft", {})  # keyed by case id, "<class>-<mode>"
 CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
                       marks=([] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
-                      + ([pytest.mark.xfail(strict=True, reason=GAPS["sft"][kind])] if kind in GAPS.get("sft", {}) else []))
+                      + ([pytest.mark.xfail(strict=True, reason=SFT_GAPS[f"{kind}-{mode}"])]
+                         if f"{kind}-{mode}" in SFT_GAPS else []))
          for kind in CLASSES for mode in ("full", "lora")]
 
 
