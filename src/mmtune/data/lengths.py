@@ -34,7 +34,7 @@ from mmtune.data.encoding import encode_dialogues, truncate_dialogue
 from mmtune.data.length_store import (StoredLengths, image_stamps, load_table, part_path, read_failure, save_table,
                                       write_failure)
 from mmtune.data.images import CorruptImageError
-from mmtune.data.truncation import TruncationStats, fit_turns, truncate
+from mmtune.data.truncation import TruncationStats, fit_turns
 from mmtune.core.encoded import ImageChunk
 
 if TYPE_CHECKING:  # pragma: no cover

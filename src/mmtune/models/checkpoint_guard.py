@@ -269,8 +269,6 @@ def check_chat_template(template: str, path: str | os.PathLike, special_tokens: 
         ModelFileError: the template is too long, fails to compile or to render, or exceeds
             a bound; naming its file (:func:`template_file`).
     """
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
     file = template_file(path)
     if len(template) > MAX_TEMPLATE_CHARS:
         raise _refuse(file, f"a chat template of {len(template)} characters, above the {MAX_TEMPLATE_CHARS}-character "
