@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mmtune.testing.checkpoints import KINDS
+
 SNAPSHOT = Path(__file__).with_name("tiny_kinds.json")
 MODES = {"tiny": False, "released": True}
 
@@ -55,10 +57,20 @@ def test_every_file_of_a_tiny_checkpoint_is_what_it_was(kind, mode, tmp_path):
     assert not changed, f"{kind} ({mode} image sizes): {changed} differ from {SNAPSHOT.name}"
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_class_has_its_model_yaml(kind):
+    """Each class of :data:`KINDS` is one entry there and one ``configs/model/<class>_tiny.yaml`` on the
+    checkpoint ``scripts/tiny_checkpoint.py <class>`` writes."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "model" / f"{kind}_tiny.yaml"
+    assert path.is_file(), f"{kind}: no {path}"
+    config = yaml.safe_load(path.read_text())
+    assert (config["family"], config["path"]) == ("auto", f"outputs/tiny/{kind}")
+
+
 def _write() -> None:  # pragma: no cover - run by hand, see the module docstring
     import tempfile
-
-    from mmtune.testing.checkpoints import KINDS
 
     with tempfile.TemporaryDirectory() as root:
         table = {kind: {mode: digests(kind, released, Path(root) / kind / mode) for mode, released in MODES.items()}

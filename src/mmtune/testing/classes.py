@@ -1,7 +1,8 @@
 """Tested classes as one entry each: a :class:`~mmtune.testing.kind.TinyKind` with the builders of
 its processor and config, written after the released checkpoint (or transformers' conversion)
-named in ``released``. :data:`mmtune.testing.checkpoints.KINDS` holds these with the earlier
-classes; tests, ``scripts/tiny_checkpoint.py`` and ``bench/collate.py`` read that one mapping.
+named in ``released``. :data:`mmtune.testing.checkpoints.KINDS` holds these after the classes of
+:mod:`mmtune.testing.classes_first`; tests, ``scripts/tiny_checkpoint.py`` and ``bench/collate.py``
+read that one mapping.
 """
 
 from __future__ import annotations

@@ -27,12 +27,14 @@ class TinyKind:
     where they are more than the tokenizer's EOS; written with the checkpoint."""
     add_bos: bool = True
     """Whether the tokenizer adds :attr:`bos` itself (the released Llama / Gemma tokenizers do; Qwen's not)."""
-    processor: Callable[[Any, str, dict[str, Any] | None], Any] | None = None
+    processor: Callable[[Any, str, dict[str, Any] | None], Any] = field(kw_only=True)
     """``(tokenizer, template, released image settings or None) -> processor`` (tiny sizes on ``None``)."""
-    config: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
-    """``(tokenizer, text config defaults) -> the keyword arguments of the class's config``."""
-    released_sizes: dict[str, Any] | None = None
-    """The image settings of the released checkpoint's processor (for benchmarks)."""
+    config: Callable[[Any, dict[str, Any]], dict[str, Any]] = field(kw_only=True)
+    """``(tokenizer, text config defaults) -> the keyword arguments of the class's config`` (the text
+    defaults: a 2-layer model of width 64, the tokenizer's vocabulary size and pad / EOS / BOS ids)."""
+    released_sizes: dict[str, Any] = field(kw_only=True)
+    """The image settings of the released checkpoint's processor (for benchmarks), what :attr:`processor`
+    is given for ``released_sizes=True``."""
     projector_in_vision: bool = False
     """The multimodal projection sits inside the vision model (GLM-4.1V's, Qwen3-VL's ``merger``): the
     generic grouping counts it with the tower (:func:`mmtune.models.base.find_module_groups`)."""
