@@ -37,15 +37,37 @@ def groups_of(kind: str) -> dict[str, list[str]]:
             for group in GROUPS}
 
 
+def _writes_images(kind: str) -> bool:
+    """Whether transformers' class of ``kind`` generates images (its ``output_modalities``)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    model_class = AutoModelForImageTextToText._model_mapping[AutoConfig.for_model(KINDS[kind].model_type).__class__]
+    return "image" in getattr(model_class, "output_modalities", ())
+
+
 def _expected() -> dict[str, dict[str, list[str]]]:
     return json.loads(SNAPSHOT.read_text()) if SNAPSHOT.exists() else {}
 
 
 @pytest.mark.parametrize("kind", sorted(_expected()))
 def test_module_groups_are_what_they_were(kind):
+    """The vision tower and language model as before; the projector as before less what moved to
+    ``frozen``, which only a class that writes images has."""
     found, expected = groups_of(kind), _expected()[kind]
-    for group in GROUPS:
+    for group in ("vision", "language_model"):
         assert found[group] == expected.get(group, []), f"{kind}: the {group} group changed"
+    assert sorted(found["projector"] + found["frozen"]) == expected.get("projector", []), f"{kind}: projector changed"
+    assert bool(found["frozen"]) == _writes_images(kind), f"{kind}: frozen {found['frozen'][:4]}"
+
+
+def test_janus_generation_modules_are_frozen_and_its_aligner_stays_the_projector():
+    """Janus reads an image through its vision model and aligner; its VQ model, generation embeddings,
+    aligner and head only write images, so image-text training never updates them."""
+    found = groups_of("janus")
+    assert found["projector"] and all(n.startswith("model.aligner.") for n in found["projector"])
+    tops = {".".join(n.split(".")[:2]) for n in found["frozen"]}
+    assert tops == {"model.vqmodel", "model.generation_embeddings", "model.generation_aligner",
+                    "model.generation_head"}
 
 
 def _write() -> None:  # pragma: no cover - run by hand, see the module docstring

@@ -18,9 +18,7 @@ GAPS: dict[str, dict[str, str]] = {
     "packing": {"hunyuan_vl": "transformers' HunYuanVLTextModel refuses the position layout [1 + 4, B, L] it "
                               "reads packed boundaries from (5.25): packing is refused at start-up"},
     # keyed by the test's case id, "<class>-<mode>"
-    "sft": {"janus-full": "Janus's image-generation modules (the VQ model, its heads) are grouped with the projector "
-                          "by structure, but an understanding step never runs them: they get no gradient, so full "
-                          "training does not update the whole projector group"},
+    "sft": {},
 }
 
 

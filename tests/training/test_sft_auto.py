@@ -35,7 +35,7 @@ def _params(recipe):
 
 
 def _names(recipe, group):
-    """Parameter names of one module group (vision, projector, language_model) of the unwrapped model."""
+    """Parameter names of one module group (vision, projector, language_model, frozen) of the unwrapped model."""
     model = recipe.accelerator.unwrap_model(recipe.model)
     ids = {id(p) for module in getattr(recipe.adapter.module_groups(model), group) for p in module.parameters()}
     return {n for n, p in model.named_parameters() if id(p) in ids}
@@ -53,16 +53,20 @@ def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_
     try:
         assert recipe.adapter.family == "auto"
         vision, language = _names(recipe, "vision"), _names(recipe, "language_model")
-        projector = _names(recipe, "projector")
+        projector, frozen = _names(recipe, "projector"), _names(recipe, "frozen")
         assert vision and language
         # every parameter is in exactly one group (LLaVA-OneVision's image_newline with the projector)
-        assert len(vision) + len(projector) + len(language) == len(vision | projector | language) == len(_params(recipe))
+        every = vision | projector | language | frozen
+        assert len(vision) + len(projector) + len(language) + len(frozen) == len(every) == len(_params(recipe))
+        model = recipe.accelerator.unwrap_model(recipe.model)
+        assert not any(p.requires_grad for n, p in model.named_parameters() if n in frozen)
         before = _params(recipe)
         recipe.train()
         after = _params(recipe)
     finally:
         recipe.cleanup()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert not changed & frozen, "modules image-text training does not run (Janus's image generation) stay as they were"
     if mode == "full":
         assert changed & language, "the language model trains"
         assert not changed & vision, "the frozen vision tower stays as it was"

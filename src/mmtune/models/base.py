@@ -35,8 +35,9 @@ without naming any of them:
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 # The encoded-example types are the contract layer's; adapters and their callers may name them from here too.
@@ -105,6 +106,10 @@ class ModuleGroups:
     vision: list["nn.Module"]
     projector: list["nn.Module"]
     language_model: list["nn.Module"]
+    frozen: list["nn.Module"] = field(default_factory=list)
+    """Modules training never updates (``requires_grad`` False in every mode, in no optimizer group,
+    never a LoRA target): those an image-generating model does not run when it reads an image
+    (Janus's VQ model and generation heads); a step of image-text training gives them no gradient."""
 
 
 def unwrap_model(model: "nn.Module", expected: type | tuple[type, ...] | None = None) -> "nn.Module":
@@ -186,9 +191,56 @@ def find_module_groups(model: "nn.Module") -> ModuleGroups:
     rest(top, "")
     seen = {id(p) for m in [vision, *language] for p in m.parameters()}
     strays = {k: p for k, p in strays.items() if id(p) not in seen}
+    frozen = _generation_only(top, projector)
+    projector = [m for m in projector if all(m is not f for f in frozen)]
     if strays:  # held by a ParameterDict (the same Parameter objects), so the group lists modules only
         projector.append(nn.ParameterDict(strays))
-    return ModuleGroups(vision=[vision], projector=projector, language_model=language)
+    return ModuleGroups(vision=[vision], projector=projector, language_model=language, frozen=frozen)
+
+
+_GENERATION_ONLY: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _generation_only(top: "nn.Module", candidates: list["nn.Module"]) -> list["nn.Module"]:
+    """The ``candidates`` (modules outside the vision tower and language model) that a model which
+    generates more than text (transformers' ``output_modalities``: Janus writes images) does not run
+    when it reads an image: its ``get_image_features`` on one blank image of its vision config's size,
+    run once per model (on the meta device too) with hooks on the candidates' modules. A model that
+    only writes text has none, so its groups are the structural ones.
+
+    Raises:
+        ValueError: such a model has no ``get_image_features`` or no ``vision_config.image_size``.
+    """
+    import torch
+
+    if set(getattr(type(top), "output_modalities", ("text",))) <= {"text"} or not candidates:
+        return []
+    names = {id(m): n for n, m in top.named_modules()}
+    if top not in _GENERATION_ONLY:
+        body = getattr(top, "base_model", top)
+        features = getattr(body, "get_image_features", None) or getattr(top, "get_image_features", None)
+        vision_config = getattr(top.config, "vision_config", None)
+        size = getattr(vision_config, "image_size", None)
+        if features is None or not isinstance(size, int):
+            raise ValueError(f"{type(top).__name__} generates {type(top).output_modalities}: mmtune finds the modules "
+                             "image-text training does not run from get_image_features on an image of "
+                             "vision_config.image_size, and this model has no such method or size; write a family "
+                             "adapter for it (module_groups with its generation modules in `frozen`)")
+        param = next(p for p in top.parameters() if p.is_floating_point())
+        pixels = torch.zeros(1, getattr(vision_config, "num_channels", 3), size, size, device=param.device,
+                             dtype=param.dtype)
+        ran: set[int] = set()  # a candidate runs when it or any module inside it runs
+        hooks = [inner.register_forward_pre_hook(lambda module, args, owner=id(m): ran.add(owner))
+                 for m in candidates for inner in m.modules()]
+        try:
+            with torch.no_grad():
+                features(pixel_values=pixels)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        _GENERATION_ONLY[top] = tuple(names[id(m)] for m in candidates if id(m) not in ran)
+    unused = set(_GENERATION_ONLY[top])
+    return [m for m in candidates if names[id(m)] in unused]
 
 
 class ModelAdapter(ABC):

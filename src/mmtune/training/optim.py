@@ -34,7 +34,7 @@ def group_of_parameters(model: nn.Module, groups: ModuleGroups) -> dict[str, str
     """
     owner: dict[int, str] = {}
     clashes: list[str] = []
-    for group_name in GROUP_NAMES:
+    for group_name in (*GROUP_NAMES, "frozen"):
         for module in getattr(groups, group_name):
             for param in module.parameters():
                 if id(param) in owner and owner[id(param)] != group_name:
@@ -50,14 +50,14 @@ def group_of_parameters(model: nn.Module, groups: ModuleGroups) -> dict[str, str
     if missing or clashes:
         raise ValueError(
             "adapter.module_groups(model) must put every parameter in exactly one group "
-            f"(vision/projector/language_model); not in any group: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+            f"(vision/projector/language_model/frozen); not in any group: {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
             f"{'; '.join(clashes[:4])}"
         )
     return mapping
 
 
 def apply_freezing(model: nn.Module, groups: ModuleGroups, training: "TrainingConfig", *, lora: bool = False) -> None:
-    """Set ``requires_grad`` per group from ``training.<group>.train``.
+    """Set ``requires_grad`` per group from ``training.<group>.train``; the ``frozen`` group never trains.
 
     With ``lora`` the language model's base weights stay frozen (peft froze them) and
     only its LoRA parameters follow ``training.language_model.train``.
@@ -65,6 +65,9 @@ def apply_freezing(model: nn.Module, groups: ModuleGroups, training: "TrainingCo
     mapping = group_of_parameters(model, groups)
     for name, param in model.named_parameters():
         group = mapping[name]
+        if group == "frozen":  # never trained (ModuleGroups.frozen)
+            param.requires_grad_(False)
+            continue
         train = getattr(training, group).train
         if lora and group == "language_model":
             param.requires_grad_(train and "lora_" in name)
