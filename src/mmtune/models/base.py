@@ -97,10 +97,11 @@ class InputJoin:
 
 @dataclass
 class ModuleGroups:
-    """Which top-level modules of a model form its vision tower, projector and language model.
+    """Which top-level modules of a model form its vision tower, projector and language model (and
+    the modules training never updates, :attr:`frozen`).
 
-    Used for freezing and per-group learning rates. Every trainable parameter of the
-    model belongs to exactly one group.
+    Used for freezing and per-group learning rates. Every parameter of the model belongs to
+    exactly one group.
     """
 
     vision: list["nn.Module"]
@@ -151,10 +152,12 @@ def find_module_groups(model: "nn.Module") -> ModuleGroups:
     parameters held by the body or the model itself outside any child module (LLaVA-OneVision's
     ``image_newline``, which joins image features to the language model's input like the
     projector's output). A projector inside the vision tower (GLM-4.1V's ``merger``) counts with
-    the tower.
+    the tower. In a model that also writes images, the rest's modules that reading an image never
+    runs (Janus's VQ model and generation heads) are ``frozen`` (:func:`_generation_only`).
 
     Raises:
-        ValueError: transformers finds no vision tower, or no language model apart from the model.
+        ValueError: transformers finds no vision tower, or no language model apart from the model;
+            an image-generating model without ``get_image_features`` or ``vision_config.image_size``.
     """
     from torch import nn
 
@@ -209,7 +212,8 @@ def _generation_only(top: "nn.Module", candidates: list["nn.Module"]) -> list["n
     only writes text has none, so its groups are the structural ones.
 
     Raises:
-        ValueError: such a model has no ``get_image_features`` or no ``vision_config.image_size``.
+        ValueError: such a model has no ``get_image_features`` or no ``vision_config.image_size``, or
+            reading the blank image fails.
     """
     import torch
 
@@ -235,6 +239,12 @@ def _generation_only(top: "nn.Module", candidates: list["nn.Module"]) -> list["n
         try:
             with torch.no_grad():
                 features(pixel_values=pixels)
+        except Exception as err:  # e.g. weights partitioned by DeepSpeed ZeRO-3 at load time
+            raise ValueError(f"{type(top).__name__} generates {type(top).output_modalities}: reading a blank "
+                             f"{size}x{size} image with get_image_features, to find the modules image-text training "
+                             f"does not run, failed ({type(err).__name__}: {err}); group the model before its "
+                             "weights are partitioned, or write a family adapter with those modules in `frozen`"
+                             ) from err
         finally:
             for hook in hooks:
                 hook.remove()

@@ -56,7 +56,8 @@ class TransformersModelHooks:
     def module_groups(self, model: "nn.Module") -> ModuleGroups:
         """Found from the model's structure (:func:`~mmtune.models.base.find_module_groups`):
         transformers' vision encoder and decoder look-ups, the rest (and parameters outside any
-        child module, LLaVA-OneVision's ``image_newline``) the projector."""
+        child module, LLaVA-OneVision's ``image_newline``) the projector, less the modules an
+        image-generating model does not run when it reads an image (``frozen``)."""
         return find_module_groups(model)
 
     def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:

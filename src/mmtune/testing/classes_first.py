@@ -230,8 +230,8 @@ def _gemma3_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
 def _idefics3_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     """Idefics3's and SmolVLM's (one structure)."""
     return {"vision_config": {**_VISION, "image_size": 56, "patch_size": 14},
-            "text_config": {**text, "model_type": "llama"}, "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
-            "scale_factor": 2}  # fmt: skip
+            "text_config": {**text, "model_type": "llama"},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<image>"), "scale_factor": 2}  # fmt: skip
 
 
 def _mistral3_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
