@@ -59,7 +59,7 @@ def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
     assert stats["padding_tokens"] > 0
     assert _fields(batched) == _fields(one) == _fields(reencoded)
     assert stats["forward_calls"] < one_stats["forward_calls"]
-    if kind in RECURRENT:  # the batched path is re-encoding, stated at start-up
+    if _recurrent(auto):  # the batched path is re-encoding, stated at start-up
         assert "recurrent" in stats["kv_note"] and one_stats["kv_note"] is None
         assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in reencoded]
     else:
@@ -67,8 +67,9 @@ def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
         assert [r.forward_tokens for r in batched] == [r.forward_tokens for r in one]
 
 
-#: classes whose language model has recurrent (linear-attention) layers: their rows cannot share a KV cache
-RECURRENT = ("qwen3_5", "qwen3_5_moe")
+def _recurrent(auto) -> bool:
+    """Whether the language model has recurrent (linear-attention) layers: its rows cannot share a KV cache."""
+    return "linear_attention" in (getattr(auto.text_config(auto.model_config), "layer_types", None) or [])
 
 
 def _window(auto, dialogues):
