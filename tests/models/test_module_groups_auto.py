@@ -78,3 +78,20 @@ def _write() -> None:  # pragma: no cover - run by hand, see the module docstrin
 
 if __name__ == "__main__" and "--write" in sys.argv:
     _write()
+
+
+def test_janus_dummy_image_runs_its_reading_path_and_adds_zero():
+    """The dummy image a text-only micro-batch runs (``vision_dummy_loss``) reaches Janus's
+    ``get_image_features``, which transformers keeps on its body: exactly 0, zero gradients for the
+    vision model and aligner, none for the generation modules."""
+    from tests.support.auto_checkpoints import adapter
+
+    auto = adapter("janus")
+    model = auto.load_model()
+    loss = auto.vision_dummy_loss(model)
+    loss.backward()
+    groups = auto.module_groups(model)
+    assert loss.item() == 0.0
+    read = [p for group in (groups.vision, groups.projector) for m in group for p in m.parameters()]
+    assert read and all(p.grad is not None and not p.grad.any() for p in read)
+    assert groups.frozen and all(p.grad is None for m in groups.frozen for p in m.parameters())

@@ -201,6 +201,14 @@ def find_module_groups(model: "nn.Module") -> ModuleGroups:
     return ModuleGroups(vision=[vision], projector=projector, language_model=language, frozen=frozen)
 
 
+def image_features_method(model: "nn.Module") -> Any:
+    """transformers' ``get_image_features`` of ``model`` (unwrapped): the model's own, else its body's
+    (Janus keeps it on the body only); ``None`` where neither has one."""
+    top = unwrap_model(model)
+    body = getattr(top, "base_model", top)
+    return getattr(top, "get_image_features", None) or getattr(body, "get_image_features", None)
+
+
 _GENERATION_ONLY: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 
 
@@ -221,8 +229,7 @@ def _generation_only(top: "nn.Module", candidates: list["nn.Module"]) -> list["n
         return []
     names = {id(m): n for n, m in top.named_modules()}
     if top not in _GENERATION_ONLY:
-        body = getattr(top, "base_model", top)
-        features = getattr(body, "get_image_features", None) or getattr(top, "get_image_features", None)
+        features = image_features_method(top)
         vision_config = getattr(top.config, "vision_config", None)
         size = getattr(vision_config, "image_size", None)
         if features is None or not isinstance(size, int):

@@ -8,7 +8,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from mmtune.models._utils import load_dtype_and_attention
-from mmtune.models.base import ModuleGroups, find_module_groups, unwrap_model
+from mmtune.models.base import ModuleGroups, find_module_groups, image_features_method, unwrap_model
 from mmtune.models.masks import install_packed_guards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,7 +73,7 @@ class TransformersModelHooks:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
 
     def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
-        """0 x the model's ``get_image_features`` on a blank image (see the base class)."""
+        """0 x the model's ``get_image_features`` (its body's, for Janus) on a blank image (see the base class)."""
         import torch
 
         top = unwrap_model(model)
@@ -83,7 +83,7 @@ class TransformersModelHooks:
             for k, v in self._dummy_image_inputs.items()
             if isinstance(v, torch.Tensor)
         }
-        features = top.get_image_features(**inputs)
+        features = image_features_method(top)(**inputs)
         total = param.new_zeros(())
         stack = [features]
         while stack:
