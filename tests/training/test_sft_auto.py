@@ -114,3 +114,21 @@ def test_moe_classes_train_on_two_ranks(kind, engine, tmp_path, synthetic_dir, t
     losses = [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl") if "train/loss" in m]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert (run / "final").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_janus_trains_in_full_on_two_ranks(engine, tmp_path, synthetic_dir, tiny_overrides):
+    """Janus's image-generation modules (frozen: an image-text step never runs them) hold no gradient
+    DDP or FSDP2 waits for: full training on 2 gloo ranks gives finite losses (DDP stopped with
+    "Expected to have finished reduction" while they were trained with the projector)."""
+    import math
+
+    from tests.support.processes import read_jsonl, run_ok, torchrun
+
+    run = tmp_path / "run"
+    run_ok([*torchrun(2), *tiny_overrides(run, synthetic_dir, "model=janus_tiny", f"model.path={checkpoint('janus')}",
+                                          "training.max_steps=2", "training.vision.train=false",
+                                          "collator.max_length=1024", f"training.backend.engine={engine}")])
+    losses = [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl") if "train/loss" in m]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
