@@ -2,8 +2,9 @@
 
 A VLM has three parts trained differently: the vision tower (usually frozen), the
 projector (trained, often with its own learning rate) and the language model (full or
-LoRA). :func:`apply_freezing` sets ``requires_grad`` from ``training.<group>.train``;
-:func:`param_groups` builds AdamW groups with a learning rate per module group and no
+LoRA); a model that also writes images has a fourth, ``frozen`` (its generation modules, which
+an image-text step never runs), never trained. :func:`apply_freezing` sets ``requires_grad``
+from ``training.<group>.train``; :func:`param_groups` builds AdamW groups with a learning rate per module group and no
 weight decay on norm weights and biases (decaying them only hurts: they are scales
 and offsets, not features).
 """
