@@ -85,7 +85,10 @@ def real_path(path: str) -> str:
 
 
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
-    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+    for root in roots:
+        if real == root or (real.startswith(root) and (real[len(root):len(root) + 1] == os.sep or root.endswith(os.sep))):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ class ImagePathRules:
     def real_root(self) -> str:
         return real_path(self.root)
 
+    @functools.cached_property
+    def abs_root(self) -> str:
+        return os.path.normpath(os.path.abspath(self.root))
+
     def describe(self) -> str:
         """The rule in one line, for ``mmtune data check``."""
         rooted = "relative and rooted (/dir/x.jpg) paths" if self.join_rooted else "relative paths"
@@ -122,7 +129,7 @@ class ImagePathRules:
 
     def _contained(self, joined: str, how: str) -> ResolvedImage:
         joined = os.path.normpath(joined)
-        if not _inside(joined, (os.path.normpath(os.path.abspath(self.root)),)):
+        if not _inside(joined, (self.abs_root,)):
             return ResolvedImage(
                 joined, how, "path_outside_root",
                 f"{joined} ({how}) climbs out of the image root {os.path.abspath(self.root)} through '..'; "
@@ -153,7 +160,7 @@ class ImagePathRules:
             path = path[len(self.strip_prefix):]
         if path.startswith("file://"):
             path = path[len("file://"):]
-        root = os.path.abspath(self.root)
+        root = self.abs_root
         if not os.path.isabs(path):
             return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
         if _inside(real_path(path), (self.real_root,)):
