@@ -60,6 +60,11 @@ def timed(name, owner, attr):
 import mmtune.data.datamodule as dm, mmtune.data.loss_report as lr, mmtune.data.mixture as mx
 timed("read_cache", mx, "build_mixture"); timed("lengths", lr, "lengths_per_source")
 timed("plan", dm.SFTDataModule, "_global_plan")
+try:  # a windowed plan measures as it plans (this tree); the older one has no such module
+    import mmtune.data.windowed as wd
+    timed("lengths", wd.MeasuredLengths, "ensure")
+except ImportError:
+    pass
 from mmtune.training.config import to_sft_config
 from mmtune.training.demo import compose_sft_config
 from mmtune.training.loop import SFTRecipe

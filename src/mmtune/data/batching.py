@@ -49,6 +49,7 @@ __all__ = [
     "plan_length_grouped",
     "plan_token_budget",
     "plan_packing",
+    "pack_window",
     "build_plan",
     "shard_plan",
     "steps_per_epoch",
@@ -173,29 +174,36 @@ def plan_packing(
     images = {i: int(num_images[i]) if num_images is not None else 0 for i in idx}
     rows: list[list[int]] = []
     for s in range(0, len(idx), window):
-        chunk = sorted(idx[s : s + window], key=lambda i: (-size[i], i))
-        for i in chunk:
-            _check_fits(i, size[i], max_length)
-            if row_image_cap is not None and images[i] > row_image_cap:
-                raise ValueError(
-                    f"sample {i} has {images[i]} images, over the per-row cap {row_image_cap} "
-                    f"(collator.max_images_per_batch={max_images} / batch_size={rows_per_batch}); raise it"
-                )
-        first_fit = _first_fit_decreasing(chunk, size, images, max_length, row_image_cap)
-        candidates = [first_fit, _minimum_bin_slack(chunk, size, images, max_length, row_image_cap)]
-        # first-fit-decreasing's fullest rows kept, the samples of its emptiest ones packed again
-        fullest = sorted(range(len(first_fit)), key=lambda r: (-sum(size[i] for i in first_fit[r]), r))
-        for share in _REPACKED_SHARES:
-            k = int(len(first_fit) * share)
-            if k < 2:
-                continue
-            pool = sorted((i for r in fullest[-k:] for i in first_fit[r]), key=lambda i: (-size[i], i))
-            again = _minimum_bin_slack(pool, size, images, max_length, row_image_cap)
-            if again is not None and len(again) < k:
-                kept = sorted(fullest[:-k])
-                candidates.append([first_fit[r] for r in kept] + again)
-        rows.extend(min((c for c in candidates if c is not None), key=len))  # the first of the fewest rows
+        rows.extend(pack_window(idx[s : s + window], size, images, max_length, row_image_cap,
+                                max_images=max_images, rows_per_batch=rows_per_batch))
     return [tuple(tuple(r) for r in rows[s : s + rows_per_batch]) for s in range(0, len(rows), rows_per_batch)]
+
+
+def pack_window(window: list[int], size: dict[int, int], images: dict[int, int], max_length: int,
+                row_image_cap: int | None, *, max_images: int | None = None, rows_per_batch: int = 1) -> list[list[int]]:
+    """The rows of one packing window (see :func:`plan_packing`): the fewest of the candidate packings."""
+    chunk = sorted(window, key=lambda i: (-size[i], i))
+    for i in chunk:
+        _check_fits(i, size[i], max_length)
+        if row_image_cap is not None and images[i] > row_image_cap:
+            raise ValueError(
+                f"sample {i} has {images[i]} images, over the per-row cap {row_image_cap} "
+                f"(collator.max_images_per_batch={max_images} / batch_size={rows_per_batch}); raise it"
+            )
+    first_fit = _first_fit_decreasing(chunk, size, images, max_length, row_image_cap)
+    candidates = [first_fit, _minimum_bin_slack(chunk, size, images, max_length, row_image_cap)]
+    # first-fit-decreasing's fullest rows kept, the samples of its emptiest ones packed again
+    fullest = sorted(range(len(first_fit)), key=lambda r: (-sum(size[i] for i in first_fit[r]), r))
+    for share in _REPACKED_SHARES:
+        k = int(len(first_fit) * share)
+        if k < 2:
+            continue
+        pool = sorted((i for r in fullest[-k:] for i in first_fit[r]), key=lambda i: (-size[i], i))
+        again = _minimum_bin_slack(pool, size, images, max_length, row_image_cap)
+        if again is not None and len(again) < k:
+            kept = sorted(fullest[:-k])
+            candidates.append([first_fit[r] for r in kept] + again)
+    return min((c for c in candidates if c is not None), key=len)  # the first of the fewest rows
 
 
 #: shares of first-fit-decreasing's emptiest rows whose samples minimum bin slack packs again

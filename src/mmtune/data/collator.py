@@ -68,6 +68,9 @@ __all__ = ["BATCHING_MODES", "BATCH_KEYS", "CollatorConfig", "MultiImageCollator
            "batch_keys", "forward_inputs", "model_inputs"]
 
 BATCHING_MODES = ("padding", "length_grouped", "token_budget", "packing")
+PLAN_MODES = ("auto", "whole", "windowed")
+#: ``collator.plan=auto`` plans window by window above this many samples in an epoch
+AUTO_WINDOWED_SAMPLES = 50_000
 _TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 #: keys of the batches of a family whose only image input is ``pixel_values``
 BATCH_KEYS = (*_TEXT_KEYS, "pixel_values", "num_loss_tokens")
@@ -144,6 +147,13 @@ class CollatorConfig:
     dialogue and turn); ``skip`` drops the sample, counts it and reports it at the end
     of training and in ``data_report.json``. ``null`` (default): follow
     ``data.validation.mode``, so one setting decides for every bad record."""
+    plan: str = "auto"
+    """How an epoch's batch plan is built. ``whole``: every sample's length is measured before
+    step 1 (the schedule may follow the epoch's step count). ``windowed``: window by window as
+    training goes, so step 1 waits for one window; needs ``training.max_steps`` (see
+    :mod:`mmtune.data.windowed`). ``auto`` (default): windowed where it can be and the epoch
+    holds over 50,000 samples (``training.max_steps`` set, batching not length_grouped,
+    truncation not ``error``), else whole."""
     length_cache_dir: Optional[str] = None
     """Directory of the per-sample length cache. ``null`` (default): ``lengths/`` under the
     data cache (``data.cache_dir``), so a second launch reads the lengths back without any
@@ -175,6 +185,8 @@ class CollatorConfig:
             problems.append(f"collator.image_cache_key={self.image_cache_key!r}: use 'content' or 'stat'")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             problems.append(f"collator.pad_to_multiple_of must be >= 1 or null (got {self.pad_to_multiple_of})")
+        if self.plan not in PLAN_MODES:
+            problems.append(f"collator.plan={self.plan!r}: use one of {list(PLAN_MODES)}")
         if self.image_errors not in (None, "strict", "skip"):
             problems.append(f"collator.image_errors={self.image_errors!r}: use 'strict' or 'skip'")
         if problems:

@@ -5,7 +5,9 @@ the settings known only once the model is built through one :meth:`SFTDataModule
 call: the adapter (tokenizer, template, image token count), the training window, the
 rank layout and the gradient accumulation.
 
-Every epoch has its own plan, dealt to the ranks and padded with filler micro-batches
+An epoch's plan is built whole before step 1, or window by window as training goes
+(``collator.plan``, :mod:`mmtune.data.windowed`: step 1 waits for one window's lengths, not
+the whole mixture's). Every epoch has its own plan, dealt to the ranks and padded with filler micro-batches
 to the same whole number of optimizer steps on every rank
 (:func:`~mmtune.data.batching.rank_plan`).
 
@@ -33,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 from dataclasses import replace
@@ -96,14 +99,21 @@ class SFTDataModule:
         self._plans: dict[int, "RankPlan"] = {}
         self._plan_hashes: dict[int, str] = {}
         self._steps: dict[int, int] = {}
+        self.max_steps: Optional[int] = None
+        self.windowed = False
+        """The plan is built window by window (:mod:`mmtune.data.windowed`)."""
+        self._streams: dict[int, Any] = {}
         self.skipped_items: list[dict[str, Any]] = []
         """Samples dropped while loading on this rank (see :meth:`note_skipped`)."""
 
     def connect(self, adapter: "ModelAdapter", *, max_length: Optional[int] = None, rank: int = 0,
-                world_size: int = 1, gradient_accumulation_steps: int = 1) -> None:
+                world_size: int = 1, gradient_accumulation_steps: int = 1, max_steps: Optional[int] = None) -> None:
         """Late settings: the adapter, the training window (overrides ``collator.max_length``),
-        this process's rank among ``world_size`` and the micro-batches per optimizer step
-        (every rank's epoch is padded to whole steps, see :func:`~mmtune.data.batching.rank_plan`)."""
+        this process's rank among ``world_size``, the micro-batches per optimizer step
+        (every rank's epoch is padded to whole steps, see :func:`~mmtune.data.batching.rank_plan`)
+        and the run's own length in steps, if it has one (``training.max_steps``: a windowed
+        plan needs it)."""
+        self.max_steps = max_steps
         self.adapter = adapter
         if max_length is not None:
             self.collator_config = replace(self.collator_config, max_length=int(max_length))
@@ -128,6 +138,11 @@ class SFTDataModule:
         # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
         self.order = self.mixture.sampler(num_replicas=1, rank=0)
+        self._plans, self._plan_hashes, self._steps, self._streams = {}, {}, {}, {}
+        self.windowed = self._choose_windowed(len(self.order))
+        if self.windowed:
+            self._setup_windowed()
+            return
         self.lengths, per_source = lengths_per_source(
             self.adapter, self.mixture, max_length=cfg.max_length, truncation=cfg.truncation,
             train_on=cfg.train_on, system_prompt=cfg.system_prompt, cache_dir=length_cache_dir(self.data_config, cfg),
@@ -136,11 +151,60 @@ class SFTDataModule:
         self.loss_report = DataLossReport.build(self.mixture, per_source, cfg.max_length)
         if self.loss_report.trainable_samples == 0:
             raise ValueError(self.loss_report.why_empty())
-        self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, cfg)
+        self._build_dataset()
+
+    def _build_dataset(self) -> None:
+        from mmtune.data.collator import MultiImageDataset
+
+        self.dataset = MultiImageDataset(self.mixture.dialogues, self.adapter, self.collator_config)
         self.collate = CollateWithMeta(self.dataset.collator())
-        self._plans = {}
-        self._plan_hashes = {}
-        self._steps: dict[int, int] = {}
+
+    def _choose_windowed(self, samples: int) -> bool:
+        """Whether this run's plan is windowed (``collator.plan``; see :func:`windowed_problem`).
+
+        Raises:
+            ValueError: ``collator.plan=windowed`` where it cannot plan, naming the key to change.
+        """
+        from mmtune.data.collator import AUTO_WINDOWED_SAMPLES
+        from mmtune.data.windowed import windowed_problem
+
+        mode, problem = self.collator_config.plan, windowed_problem(self.collator_config, self.max_steps)
+        if mode == "windowed" and problem:
+            raise ValueError(problem)
+        return mode == "windowed" or (mode == "auto" and not problem and samples > AUTO_WINDOWED_SAMPLES)
+
+    def _setup_windowed(self) -> None:
+        """Lengths measured as windows are planned; the first window measured now (an empty epoch fails here)."""
+        from mmtune.data.windowed import MeasuredLengths
+
+        cfg = self.collator_config
+        options = dict(max_length=cfg.max_length, truncation=cfg.truncation, train_on=cfg.train_on,
+                       system_prompt=cfg.system_prompt, image_errors=cfg.image_errors)
+        with self._rank_zero_first():  # rank 0 reads the stored lengths back (or measures) first
+            self.lengths = MeasuredLengths(self.adapter, self.mixture, options,
+                                           length_cache_dir(self.data_config, cfg), rank=self.rank)
+            planned = self._stream(0).first_batch_exists()
+        self.loss_report = self.windowed_report()
+        if not planned:
+            raise ValueError(self.loss_report.why_empty())
+        self._build_dataset()
+
+    def windowed_report(self) -> Any:
+        """The data report over the records measured so far (a windowed plan measures as it goes)."""
+        from mmtune.data.loss_report import DataLossReport
+
+        tables, masks = self.lengths.source_tables()
+        return DataLossReport.build(self.mixture, tables, self.collator_config.max_length, measured=masks)
+
+    def _stream(self, epoch: int, *, to_serve: bool = False) -> Any:
+        """This rank's windowed plan of ``epoch`` (one epoch's in memory; a new one ``to_serve``
+        where the kept one has served micro-batches already)."""
+        from mmtune.data.windowed import RankStream, WindowedPlan
+
+        if epoch not in self._streams or (to_serve and self._streams[epoch].started):
+            plan = WindowedPlan(self.order.global_order(epoch), self.lengths, self.collator_config)
+            self._streams = {epoch: RankStream(plan, self.rank, self.world_size, self.accumulation)}
+        return self._streams[epoch]
 
     @contextlib.contextmanager
     def _rank_zero_first(self):
@@ -210,24 +274,42 @@ class SFTDataModule:
 
     def plan(self, epoch: int) -> list[list]:
         """This rank's micro-batches of ``epoch`` as DataLoader batches (lists of dataset keys)."""
-        packed = self.collator_config.batching == "packing"
-        return [[(i, r) for r, row in enumerate(batch) for i in row] if packed else [row[0] for row in batch]
-                for batch in self.rank_plan(epoch).batches]
+        return [self._keys(batch) for batch in self.rank_plan(epoch).batches]
+
+    def _keys(self, batch: Any) -> list:
+        """A plan's batch as the dataset's keys: ``(sample, row)`` pairs when packed, else samples."""
+        if self.collator_config.batching == "packing":
+            return [(i, r) for r, row in enumerate(batch) for i in row]
+        return [row[0] for row in batch]
 
     def num_micro_batches(self, epoch: int) -> int:
         """Micro-batches of ``epoch`` on this rank, fillers included (the same on every rank)."""
         return len(self.rank_plan(epoch).batches)
 
+    def epoch_fraction(self, epoch: int, micro_batches_done: int) -> float:
+        """How far into ``epoch`` this rank is: its micro-batches done over the epoch's, or for a
+        windowed plan (whose length is not known ahead) the share of the epoch's order planned."""
+        if self.windowed:
+            stream = self._stream(epoch)
+            return min(1.0, stream.plan.position / max(1, len(stream.plan.order)))
+        return micro_batches_done / self.num_micro_batches(epoch)
+
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps of ``epoch`` (the same on every rank)."""
+        if self.windowed:
+            raise RuntimeError("a windowed plan's steps per epoch are known only at the epoch's end "
+                               "(the run's length is training.max_steps)")
         if epoch not in self._steps:
             self.rank_plan(epoch)
         return self._steps[epoch]
 
-    def plan_hash(self, epoch: int) -> str:
+    def plan_hash(self, epoch: int, global_consumed: Optional[int] = None) -> str:
         """A hash of the whole epoch's batch plan (all ranks' micro-batches, before they are dealt
         out) and the global batch: the same on every rank and for every rank layout of that
-        global batch, so one rank's record checks every rank's plan."""
+        global batch, so one rank's record checks every rank's plan. A windowed plan's is of
+        its first ``global_consumed`` batches (those a checkpoint has trained)."""
+        if self.windowed:
+            return self._stream(epoch).hash_at(int(global_consumed or 0))
         if epoch not in self._plan_hashes:
             self._plans.pop(epoch, None)
             self.rank_plan(epoch)
@@ -239,9 +321,13 @@ class SFTDataModule:
         ``consumed`` counts this rank's micro-batches of ``epoch``; ``global_consumed`` is the
         same position as batches of the epoch's plan (``consumed * world_size``), which with
         ``global_batch`` lets a run on another number of ranks continue it."""
-        return {"epoch": epoch, "consumed": consumed, "global_consumed": consumed * self.world_size,
-                "global_batch": self.global_batch, "plan_hash": self.plan_hash(epoch),
-                "world_size": self.world_size, "accumulation": self.accumulation}
+        state = {"epoch": epoch, "consumed": consumed, "global_consumed": consumed * self.world_size,
+                 "global_batch": self.global_batch, "plan_hash": self.plan_hash(epoch, consumed * self.world_size),
+                 "world_size": self.world_size, "accumulation": self.accumulation}
+        if self.windowed:
+            state["plan"] = "windowed"
+            self.lengths.save()  # a resume plans the windows before this position again, from these lengths
+        return state
 
     def layout_problem(self, state: dict[str, Any], *, processes_per_rank: int = 1) -> str:
         """Why ``state`` cannot continue under this module's rank layout (:func:`layout_problem`)."""
@@ -252,6 +338,10 @@ class SFTDataModule:
         the hash of the plan with their rank layout; those without ``accumulation`` too (saved
         before the hash covered the whole plan) that of rank 0's share."""
         epoch = int(state["epoch"])
+        if self.windowed or state.get("plan") == "windowed":
+            if self.windowed != (state.get("plan") == "windowed"):
+                return "another plan mode (collator.plan, or training.max_steps with collator.plan=auto)"
+            return self.plan_hash(epoch, int(state["global_consumed"]))
         if "global_batch" in state:
             return self.plan_hash(epoch)
         plan = self._global_plan(epoch)
@@ -311,18 +401,37 @@ class SFTDataModule:
         tokens and ``meta["ids"] == []``: they cost a forward and backward, train nothing
         and count as no sample.
         """
+        if self.windowed:
+            return self._windowed_loader(epoch, start, stop)
         rp = self.rank_plan(epoch)
         first = start
         batches = self.plan(epoch)[start:stop]
         if not batches:
             return iter(())
+        loader = self._loader(epoch, batches)
+        return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
+
+    def _loader(self, epoch: int, batch_sampler: Any) -> torch.utils.data.DataLoader:
         generator = torch.Generator()
         generator.manual_seed(self.seed + 1000 * epoch + self.rank)
-        loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=batches, collate_fn=self.collate, num_workers=self.num_workers,
+        return torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=batch_sampler, collate_fn=self.collate, num_workers=self.num_workers,
             generator=generator, persistent_workers=False, pin_memory=torch.cuda.is_available(),
         )
-        return (_as_filler(item) if first + k >= rp.real else item for k, item in enumerate(loader))
+
+    def _windowed_loader(self, epoch: int, start: int, stop: Optional[int]) -> Iterator[tuple[dict, dict]]:
+        """The windowed plan's micro-batches: the loader asks for them as it goes (planning the
+        windows ahead of the training step by its prefetch), fillers marked in order."""
+        fillers: collections.deque = collections.deque()
+
+        def batches() -> Iterator[list]:
+            for k, (batch, filler) in enumerate(self._stream(epoch, to_serve=True).micro_batches(start), start=start):
+                if stop is not None and k >= stop:
+                    return
+                fillers.append(filler)
+                yield self._keys(batch)
+
+        return (_as_filler(item) if fillers.popleft() else item for item in self._loader(epoch, batches()))
 
 
 def length_cache_dir(data: "DataConfig", collator: "CollatorConfig") -> str:

@@ -127,15 +127,15 @@ def read_failure(part: str) -> str | None:
         return f.read()
 
 
-def save_table(path: str, stored: StoredLengths) -> None:
-    """Write ``stored`` to ``path`` atomically (a temporary file renamed)."""
+def save_table(path: str, stored: StoredLengths, extra: dict[str, np.ndarray] | None = None) -> None:
+    """Write ``stored`` (and ``extra`` arrays) to ``path`` atomically (a temporary file renamed)."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp.npz")
     os.close(fd)
     np.savez(tmp, lengths=stored.lengths, full_lengths=stored.full, num_images=stored.images, stats=stored.stats,
              stamps=stored.stamps, skipped_ids=json.dumps(stored.skipped_ids),
-             image_skipped=json.dumps(stored.image_skipped))
+             image_skipped=json.dumps(stored.image_skipped), **(extra or {}))
     os.replace(tmp, path)
 
 

@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from mmtune.data.dialogue import Dialogue
     from mmtune.models.base import ModelAdapter
 
-__all__ = ["LengthTable", "compute_lengths", "dataset_fingerprint", "adapter_fingerprint"]
+__all__ = ["LengthTable", "compute_lengths", "dataset_fingerprint", "adapter_fingerprint", "table_location",
+           "measure_records", "STAT_FIELDS"]
 
 
 @dataclass
@@ -323,6 +324,30 @@ def _remeasure_changed(stored: StoredLengths, stamps: np.ndarray, dialogues, mea
     return True
 
 
+def table_location(adapter: "ModelAdapter", dialogues: Sequence["Dialogue"], cache_dir: str, *,
+                   fingerprint: str | None = None, max_length: int | None, truncation: str, train_on: str,
+                   system_prompt: str | None, image_errors: str) -> tuple[str, str]:
+    """``(key, path)`` of the stored length table of ``dialogues`` under these settings."""
+    settings = {"max_length": max_length, "truncation": truncation, "train_on": train_on,
+                "system_prompt": system_prompt, "n": len(dialogues)}
+    if image_errors == "skip":  # a strict pass never stores a table with skips (it raises)
+        settings["image_errors"] = image_errors
+    key = _key(fingerprint or dataset_fingerprint(dialogues), adapter, settings)
+    return key, os.path.join(cache_dir, f"lengths-{key}.npz")
+
+
+def measure_records(adapter: "ModelAdapter", dialogues: Sequence["Dialogue"], indices: np.ndarray,
+                    **options: Any) -> StoredLengths:
+    """The lengths of ``dialogues`` at ``indices`` (in that order), their stamps included; the
+    ``image_skipped`` entries name the records' own indices."""
+    subset = _Subset(dialogues, indices)
+    part = _lengths_of_range(adapter, subset, (0, len(subset)), **options)
+    for item in part.image_skipped:
+        item["index"] = int(indices[item["index"]])
+    return StoredLengths(part.lengths, part.full, part.images, part.stats, image_stamps(subset), part.skipped_ids,
+                         part.image_skipped)
+
+
 def compute_lengths(
     adapter: "ModelAdapter",
     dialogues: Sequence["Dialogue"],
@@ -363,10 +388,6 @@ def compute_lengths(
         CorruptImageError: ``image_errors="strict"`` and an image cannot be counted (file,
             dialogue and turn named).
     """
-    settings = {"max_length": max_length, "truncation": truncation, "train_on": train_on,
-                "system_prompt": system_prompt, "n": len(dialogues)}
-    if image_errors == "skip":  # a strict pass never stores a table with skips (it raises)
-        settings["image_errors"] = image_errors
     options = dict(max_length=max_length, truncation=truncation, train_on=train_on, system_prompt=system_prompt,
                    image_errors=image_errors)
     job = functools.partial(_lengths_of_range, adapter, dialogues, **options)
@@ -374,8 +395,7 @@ def compute_lengths(
         stored = _measure(job, len(dialogues), chunk_size, num_proc, np.zeros(len(dialogues), dtype=np.uint64),
                           path=None, rank=rank, world_size=world_size, barrier=None)
         return _table(stored, "", from_cache=False)
-    key = _key(fingerprint or dataset_fingerprint(dialogues), adapter, settings)
-    path = os.path.join(cache_dir, f"lengths-{key}.npz")
+    key, path = table_location(adapter, dialogues, cache_dir, fingerprint=fingerprint, **options)
     stamps = image_stamps(dialogues)
     stored = load_table(path)
     if stored is not None:

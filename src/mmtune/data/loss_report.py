@@ -75,6 +75,9 @@ class SourceLoss:
     a record with several problems is named under each)."""
     samples: int = 0
     """Samples (records kept, after stacking) measured against the window."""
+    not_measured: int = 0
+    """Samples not measured yet: a windowed plan (``collator.plan``) measures them as it
+    plans their window, so its report at start-up covers the first window's records."""
     no_window: int = 0
     """Samples that fit no window: their first exchange alone is too long (or truncation
     is ``skip_sample``). They are never trained on."""
@@ -104,18 +107,22 @@ class DataLossReport:
     sources: list[SourceLoss]
 
     @classmethod
-    def build(cls, mixture: "Mixture", tables: list["LengthTable"], max_length: Optional[int]) -> "DataLossReport":
+    def build(cls, mixture: "Mixture", tables: list["LengthTable"], max_length: Optional[int], *,
+              measured: Optional[list[np.ndarray]] = None) -> "DataLossReport":
+        """The report of ``tables`` (one per source); with ``measured`` (a windowed plan's masks of
+        the records measured so far) of those records only, the others counted as not measured."""
         out = []
-        for source, table in zip(mixture.sources, tables):
+        for k, (source, table) in enumerate(zip(mixture.sources, tables)):
             report = source.report
             stats = table.stats or {}
+            mask = measured[k] if measured is not None else np.ones(len(table), dtype=bool)
             refused = {int(item["index"]) for item in table.image_skipped}
-            zero = [int(i) for i in np.flatnonzero(table.lengths == 0) if int(i) not in refused]
+            zero = [int(i) for i in np.flatnonzero((table.lengths == 0) & mask) if int(i) not in refused]
             out.append(SourceLoss(
                 source=source.name, records_read=report.records_read, records_kept=report.records_kept,
                 skipped=dict(report.skipped), skipped_records={code: list(examples) for code, examples in
                                                                report.examples.items() if examples},
-                samples=int(len(table)), no_window=len(zero),
+                samples=int(mask.sum()), not_measured=int(len(table) - mask.sum()), no_window=len(zero),
                 no_window_ids=[source.dialogues[i].id for i in zero[:5]],
                 no_window_examples=[f"{source.dialogues[i].id!r} ({int(table.full_lengths[i])} tokens)"
                                     for i in zero[:5]],
@@ -166,6 +173,11 @@ class DataLossReport:
     def render(self) -> str:
         """The start-up summary: one block per source, only the losses that happened."""
         lines = [f"data: {self.trainable_samples} trainable samples (window {self.max_length} tokens)"]
+        waiting = sum(s.not_measured for s in self.sources)
+        if waiting:
+            lines[0] = (f"data: {self.trainable_samples} trainable of the {sum(s.samples for s in self.sources)} "
+                        f"samples measured so far, {waiting} more measured window by window as they are planned "
+                        f"(collator.plan; window {self.max_length} tokens)")
         for s in self.sources:
             parts = [f"records read {s.records_read}, kept {s.records_kept}"]
             if s.skipped:

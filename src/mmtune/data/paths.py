@@ -27,6 +27,7 @@ that was tried and where it came from.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -66,8 +67,28 @@ class ResolvedImage:
         return self.path
 
 
+@functools.lru_cache(maxsize=65536)
+def _real_folder(folder: str) -> str:
+    return os.path.realpath(folder)
+
+
+def real_path(path: str) -> str:
+    """``os.path.realpath(path)`` with the folder's resolution remembered: a data file names
+    hundreds of thousands of images in a few folders, and resolving every component of every
+    path again (an ``lstat`` each) was most of the cost of reading llava-665k. The file itself
+    is still checked (one ``lstat``): a symlinked image resolves in full."""
+    path = os.path.abspath(path)
+    if os.path.islink(path):
+        return os.path.realpath(path)
+    folder, name = os.path.split(path)
+    return os.path.join(_real_folder(folder), name) if name else _real_folder(folder)
+
+
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
-    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+    for root in roots:
+        if real == root or (real.startswith(root) and (real[len(root):len(root) + 1] == os.sep or root.endswith(os.sep))):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -90,9 +111,13 @@ class ImagePathRules:
     """More folders whose files absolute paths may name: mmtune's own (the embedded images
     of a Parquet input, stored under the data cache by :mod:`mmtune.data.tables`)."""
 
-    @property
+    @functools.cached_property
     def real_root(self) -> str:
-        return os.path.realpath(self.root)
+        return real_path(self.root)
+
+    @functools.cached_property
+    def abs_root(self) -> str:
+        return os.path.normpath(os.path.abspath(self.root))
 
     def describe(self) -> str:
         """The rule in one line, for ``mmtune data check``."""
@@ -104,13 +129,13 @@ class ImagePathRules:
 
     def _contained(self, joined: str, how: str) -> ResolvedImage:
         joined = os.path.normpath(joined)
-        if not _inside(joined, (os.path.normpath(os.path.abspath(self.root)),)):
+        if not _inside(joined, (self.abs_root,)):
             return ResolvedImage(
                 joined, how, "path_outside_root",
                 f"{joined} ({how}) climbs out of the image root {os.path.abspath(self.root)} through '..'; "
                 "fix the path in the data file or point image_root at the folder holding it",
             )
-        real = os.path.realpath(joined)
+        real = real_path(joined)
         if _inside(real, (self.real_root,)):
             return ResolvedImage(joined, how, root=self.real_root)
         if self.allow_absolute:
@@ -135,13 +160,13 @@ class ImagePathRules:
             path = path[len(self.strip_prefix):]
         if path.startswith("file://"):
             path = path[len("file://"):]
-        root = os.path.abspath(self.root)
+        root = self.abs_root
         if not os.path.isabs(path):
             return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
-        if _inside(os.path.realpath(path), (self.real_root,)):
+        if _inside(real_path(path), (self.real_root,)):
             return ResolvedImage(os.path.normpath(path), "absolute path inside the image root", root=self.real_root)
-        for extra in map(os.path.realpath, self.extra_roots):
-            if _inside(os.path.realpath(path), (extra,)):
+        for extra in map(real_path, self.extra_roots):
+            if _inside(real_path(path), (extra,)):
                 return ResolvedImage(os.path.normpath(path), "embedded image, stored by content", root=extra)
         if self.join_rooted:
             joined = os.path.join(root, path.lstrip("/"))

@@ -230,7 +230,8 @@ class SFTRecipe:
         layout = self.layout
         self.data = SFTDataModule(cfg.data, cfg.collator, seed=t.seed, num_workers=t.num_workers)
         self.data.connect(self.adapter, max_length=cfg.context.max_length, rank=layout.data_rank,
-                          world_size=layout.data_ranks, gradient_accumulation_steps=layout.accumulation)
+                          world_size=layout.data_ranks, gradient_accumulation_steps=layout.accumulation,
+                          max_steps=t.max_steps)
         self.data.setup()
         if acc.is_main_process:  # what the data pipeline left out, per source and reason
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -299,9 +300,11 @@ class SFTRecipe:
         self.logger = RunLogger(cfg.logging, output_dir=str(self.output_dir), resolved_config=self.resolved_config,
                                 is_main=acc.is_main_process, total_steps=self.total_steps, initial_step=self.step,
                                 run_name=cfg.logging.run_name or cfg.run_name, secret_names=self.secret_names)
+        per_epoch = (f"{'/'.join(map(str, self.steps_per_epoch))} per epoch" if self.steps_per_epoch
+                     else "the epochs planned window by window")
         acc.print(
             f"model: {self.num_params / 1e6:.2f}M parameters, {self.num_trainable / 1e6:.2f}M trainable; "
-            f"{self.total_steps} optimizer steps ({'/'.join(map(str, self.steps_per_epoch))} per epoch) "
+            f"{self.total_steps} optimizer steps ({per_epoch}) "
             f"on {acc.num_processes} process(es); "
             f"window {self.max_length} tokens"
             + (f" ({self.context_extension.rope_type} RoPE x{self.context_extension.factor:g})"
@@ -396,7 +399,7 @@ class SFTRecipe:
             if self.step % cfg.logging.every_steps == 0 or self.step == self.total_steps:
                 self.logger.log(self.step, step_metrics(
                     stats, elapsed=elapsed, loss=self.objective.step_loss(float(stats[0])), loss_tokens=global_tokens,
-                    epoch=self.epoch + self.micro_batches_done / self.data.num_micro_batches(self.epoch),
+                    epoch=self.epoch + self.data.epoch_fraction(self.epoch, self.micro_batches_done),
                     lrs=[(g["name"], lr) for g, lr in zip(self.optim_groups, self.scheduler.get_last_lr())],
                     grad_norm=self.grad_norm, mfu=mfu(self.num_params, float(stats[1]) / elapsed, device_name,
                                                       acc.num_processes)))
@@ -519,6 +522,8 @@ def count_steps(data: Any, training: Any) -> tuple[list[int], int]:
         ValueError: when the batch plan is empty.
     """
     per_epoch: list[int] = []
+    if getattr(data, "windowed", False):  # the epochs' lengths come with their last windows
+        return per_epoch, training.max_steps
     for epoch in range(training.epochs):
         if training.max_steps is not None and sum(per_epoch) >= training.max_steps:
             break  # later epochs are never reached; no need to plan them
@@ -550,6 +555,10 @@ def report_skipped(accelerator: Any, data: Any, output_dir: Path) -> None:
     items = data.skipped_items
     if accelerator.num_processes > 1:
         items = gather_object(items)
+    if accelerator.is_main_process and getattr(data, "windowed", False):  # over every record measured by now
+        data.lengths.save()  # what this run measured, for the next launch
+        data.loss_report = data.windowed_report()
+        data.loss_report.write(str(output_dir / "data_report.json"))
     if accelerator.is_main_process and items:
         data.merge_skipped(items)
         data.loss_report.write(str(output_dir / "data_report.json"))
