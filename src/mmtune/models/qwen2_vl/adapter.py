@@ -37,19 +37,17 @@ from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     PieceAdapter,
     Plan,
-    build_random_model,
     iter_pieces,
-    load_dtype_and_attention,
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups
-from mmtune.models.base import unwrap_model as base_unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
+from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.qwen2_vl.images import QwenVLImages
 from mmtune.models.positions import RopeIndex
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
-from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, generation_classes, model_classes
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, model_classes
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,12 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.core.dialogue import Dialogue
 
-__all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
-
-def unwrap_model(model: "nn.Module") -> "nn.Module":
-    """The transformers ``…ForConditionalGeneration`` inside peft / distributed-engine wrappers."""
-    return base_unwrap_model(model, generation_classes())
-
+__all__ = ["Qwen2VLAdapter", "model_classes", "load_chat_template"]
 
 def load_chat_template(path: str, tokenizer: Any) -> str | None:
     """The checkpoint's chat template: the processor's (``chat_template.jinja`` /
@@ -105,7 +98,7 @@ class Qwen2VLSettings(FamilySettings):
 
 
 @register_adapter
-class Qwen2VLAdapter(PieceAdapter):
+class Qwen2VLAdapter(TransformersModelHooks, PieceAdapter):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
     token counts, M-RoPE positions, official fine-tuning labels (see the package docs).
 
@@ -121,6 +114,10 @@ class Qwen2VLAdapter(PieceAdapter):
     #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and merger (and what a
     #: 4-bit base model keeps in full precision)
     lora_exclude_modules = r".*\bvisual\b.*"
+    #: the projector is the vision tower's ``merger`` (the module the official ``tune_mm_mlp``
+    #: switch trains); the tower's other children (patch embedding, blocks, Qwen3-VL's position
+    #: embedding and DeepStack mergers) are vision
+    vision_projector_children = ("merger",)
     #: rows of ``position_ids`` per sample: M-RoPE's temporal, height and width
     position_id_rows = 3
     #: the model inputs images become (both concatenate along dim 0 in image order)
@@ -142,7 +139,7 @@ class Qwen2VLAdapter(PieceAdapter):
         model_config = AutoConfig.for_model(**checkpoint_config)
         with torch.device("meta"):
             model = generation_class._from_config(model_config)
-        return model, _module_groups(model)
+        return model, cls.group_modules(model)
 
     @classmethod
     def routed_family(cls, config: ModelConfig) -> str | None:
@@ -387,66 +384,19 @@ class Qwen2VLAdapter(PieceAdapter):
         grid = torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
         return self.rope_index.with_delta(input_ids, grid)
 
-    # -- model -------------------------------------------------------------------------------------
-    def load_model(self, **kwargs: Any) -> "nn.Module":
-        """Load the checkpoint (or build the random-weight tiny model when ``path`` is None).
+    # -- model (the hooks of models/hooks.py) ------------------------------------------------------
+    def generation_class(self) -> type:
+        """The class of the checkpoint's ``model_type``."""
+        return model_classes(self.model_type)[0]
 
-        Keyword arguments: ``torch_dtype`` / ``attn_implementation`` (default from the
-        ModelConfig), ``seed`` (random-weight model only), anything else goes to
-        ``from_pretrained``.
-        """
-        generation_class, _ = model_classes(self.model_type)
-        dtype, attn = load_dtype_and_attention(kwargs, self.config)
-        seed = kwargs.pop("seed", 0)
-        if self.config.path is None:
-            return build_random_model(
-                generation_class, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
-            )
-        return generation_class.from_pretrained(
-            self.config.path, dtype=dtype, attn_implementation=attn, trust_remote_code=self.config.trust_remote_code,
-            **kwargs,
-        )  # fmt: skip
-
-    def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        """Vision: every module of ``model.visual`` but the merger (patch embedding, blocks, and
-        Qwen3-VL's position embedding and DeepStack mergers); projector: ``visual.merger``, the
-        module the official ``tune_mm_mlp`` switch trains; language model: decoder and lm_head."""
-        return _module_groups(unwrap_model(model))
-
-    def text_config(self, config: Any) -> Any:
-        return config.text_config
-
-    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
-        """The multimodal body (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
-        inner = unwrap_model(model)
-        return inner.model, inner.lm_head
-
-    def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
-        """0 x (the vision tower + merger, and Qwen3-VL's DeepStack mergers) on one blank
-        image of the smallest grid (1 x merge x merge patches): every rank runs the same vision
-        modules each step (ZeRO-3) and their parameters get zero, not missing, gradients."""
+    @property
+    def _dummy_image_inputs(self) -> dict[str, "torch.Tensor"]:
+        """One blank image of the smallest grid (1 x merge x merge patches)."""
         import torch
 
-        inner = unwrap_model(model)
-        visual = inner.model.visual
-        param = next(visual.parameters())
-        merge = int(inner.config.vision_config.spatial_merge_size)
-        grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=param.device)
-        pixels = torch.zeros(merge * merge, self.images.patch_dim, dtype=param.dtype, device=param.device)
-        out = inner.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
-        total = sum(feature.float().sum() for feature in out.pooler_output)
-        for level in getattr(out, "deepstack_features", None) or []:
-            total = total + sum(feature.float().sum() for feature in level)
-        return total * 0.0
-
-
-def _module_groups(inner: "nn.Module") -> ModuleGroups:
-    visual = inner.model.visual
-    return ModuleGroups(
-        vision=[module for name, module in visual.named_children() if name != "merger"],
-        projector=[visual.merger],
-        language_model=[inner.model.language_model, inner.lm_head],
-    )
+        merge = int(self.model_config.vision_config.spatial_merge_size)
+        return {"pixel_values": torch.zeros(merge * merge, self.images.patch_dim),
+                "image_grid_thw": torch.tensor([[1, merge, merge]], dtype=torch.long)}
 
 
 def _override_pixels(image_processor: Any, config: ModelConfig) -> None:
