@@ -44,7 +44,7 @@ from mmtune.models.base import ModuleGroups
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.qwen2_vl.images import QwenVLImages
-from mmtune.models.positions import RopeIndex
+from mmtune.models.positions import RopeIndex, RopePositions
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, model_classes
@@ -98,7 +98,7 @@ class Qwen2VLSettings(FamilySettings):
 
 
 @register_adapter
-class Qwen2VLAdapter(TransformersModelHooks, PieceAdapter):
+class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
     token counts, M-RoPE positions, official fine-tuning labels (see the package docs).
 
@@ -224,7 +224,7 @@ class Qwen2VLAdapter(TransformersModelHooks, PieceAdapter):
         stops = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.stop_token_ids = [int(i) for i in stops if i is not None]
         _, inner_class = model_classes(model_type)
-        self.rope_index = RopeIndex(
+        self._rope = RopeIndex(
             self.model_config, inner_class, self.image_token_id, self.model_config.vision_config.spatial_merge_size
         )
         # A tokenizer of our own that keeps control-token strings inside dialogue text as plain
@@ -364,25 +364,13 @@ class Qwen2VLAdapter(TransformersModelHooks, PieceAdapter):
             "use adapter.image_inputs(paths), which returns pixel_values and image_grid_thw"
         )
 
-    def position_ids(
-        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
-    ) -> "torch.Tensor":
-        """M-RoPE ``position_ids`` [3, L] of one sample: transformers' ``get_rope_index`` of the
-        model class on ``input_ids`` [L] and that sample's ``image_inputs`` (its images only, in
-        order). A packed row concatenates the per-sample results, each starting again at 0."""
-        grid = (image_inputs or {}).get("image_grid_thw")
-        return self.rope_index(input_ids, grid)
-
-    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
-        """:meth:`position_ids` of a generation prompt, its images' grids read from the file
-        headers (what the processor gives them; no pixel decode), and the rope delta
-        transformers' ``get_rope_index`` returns with them (what its ``generate`` keeps in
-        ``model.rope_deltas``): a generated token at index ``i`` has position ``i + delta`` in
-        all three rows."""
+    # positions: RopePositions (models/positions.py), the prompt's grids from the file headers
+    def _prompt_grid(self, image_paths: Sequence[str]) -> "torch.Tensor":
+        """The grids of a prompt's images from the file headers (what the processor gives them;
+        no pixel decode)."""
         import torch
 
-        grid = torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
-        return self.rope_index.with_delta(input_ids, grid)
+        return torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
 
     # -- model (the hooks of models/hooks.py) ------------------------------------------------------
     def generation_class(self) -> type:
