@@ -40,7 +40,6 @@ from mmtune.models._utils import (
     check_template_words,
     deep_update,
     find_sentencepiece_model,
-    iter_pieces,
     load_sentencepiece,
     sentencepiece_from_fast_tokenizer,
     state_fingerprint,
@@ -463,38 +462,8 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def _tokenize_many(self, texts: list[str]) -> list[tuple[int, ...]]:
-        return [tuple(ids) for ids in self._encode_texts(texts)]
-
-    def measure_many(
-        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
-    ) -> list[tuple[int, list[int], list[int], list[str]]]:
-        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length,
-        turn lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives,
-        without building id tuples and chunk objects."""
-        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
-        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
-        counts = iter([len(ids) for ids in self._encode_texts(texts)])
-        per_image = self.num_image_tokens
-
-        def size(pieces) -> tuple[int, int]:
-            length = images = 0
-            for piece in pieces:
-                if piece.kind == "text":
-                    length += next(counts)
-                elif piece.kind == "ids":
-                    length += len(piece.value)
-                else:
-                    length += per_image
-                    images += 1
-            return length, images
-
-        out = []
-        for prefix, rendered, suffix in plans:
-            fixed = size(prefix)[0] + size(suffix)[0]  # no images outside turns in this template
-            sizes = [size(pieces) for _, pieces in rendered]
-            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
-        return out
+    def _tokenize_many(self, texts: list[str]) -> list[Sequence[int]]:
+        return self._encode_texts(texts)
 
     # -- images -------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:

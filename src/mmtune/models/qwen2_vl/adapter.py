@@ -37,7 +37,6 @@ from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     PieceAdapter,
     Plan,
-    iter_pieces,
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups
@@ -284,35 +283,6 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
         unique = list(dict.fromkeys(texts))
         ids = dict(zip(unique, (e.ids for e in self._encoder.encode_batch(unique, add_special_tokens=False))))
         return [ids[text] for text in texts]
-
-    def measure_many(
-        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
-    ) -> list[tuple[int, list[int], list[int], list[str]]]:
-        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length, turn
-        lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives."""
-        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
-        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
-        counts = iter([len(ids) for ids in self._tokenize_many(texts)])
-
-        def size(pieces) -> tuple[int, int]:
-            length = images = 0
-            for piece in pieces:
-                if piece.kind == "text":
-                    length += next(counts)
-                elif piece.kind == "ids":
-                    length += len(piece.value)
-                else:
-                    length += self.image_token_count(piece.value)
-                    images += 1
-            return length, images
-
-        out = []
-        for prefix, rendered, suffix in plans:
-            fixed = size(prefix)[0]
-            sizes = [size(pieces) for _, pieces in rendered]
-            fixed += size(suffix)[0]
-            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
-        return out
 
     # -- images ------------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:
