@@ -320,6 +320,36 @@ class PieceAdapter(ModelAdapter):
             out.append(EncodedDialogue(dialogue.id, prefix_chunks, turns, chunks(suffix)))
         return out
 
+    def measure_many(
+        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
+    ) -> list[tuple[int, list[int], list[int], list[str]]]:
+        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length, turn
+        lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives, without
+        building chunk objects (one batched tokenizer call)."""
+        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
+        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
+        counts = iter([len(ids) for ids in self._tokenize_many(texts)])
+
+        def size(pieces: list[Piece]) -> tuple[int, int]:
+            length = images = 0
+            for piece in pieces:
+                if piece.kind == "text":
+                    length += next(counts)
+                elif piece.kind == "ids":
+                    length += len(piece.value)
+                else:
+                    length += self.image_token_count(piece.value)
+                    images += 1
+            return length, images
+
+        out = []
+        for prefix, rendered, suffix in plans:
+            fixed = size(prefix)[0]  # in sequence order: the text counts are consumed as they come
+            sizes = [size(pieces) for _, pieces in rendered]
+            fixed += size(suffix)[0]
+            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
+        return out
+
     def encode_dialogue(
         self,
         dialogue: "Dialogue",

@@ -37,18 +37,15 @@ from mmtune.models._utils import (
     Piece,
     PieceAdapter,
     Plan,
-    build_random_model,
     check_template_words,
     deep_update,
     find_sentencepiece_model,
-    iter_pieces,
     load_sentencepiece,
-    load_dtype_and_attention,
     sentencepiece_from_fast_tokenizer,
     state_fingerprint,
 )
-from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
+from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.vicuna import VICUNA_V1_CHAT_TEMPLATE, VICUNA_V1_SYSTEM, vicuna_v1_chat_template
@@ -103,13 +100,6 @@ TINY_ARCHITECTURE: dict[str, Any] = {
 }
 
 
-def _llava(model: "nn.Module") -> "nn.Module":
-    """The ``LlavaForConditionalGeneration`` inside peft / distributed-engine wrappers."""
-    from transformers import LlavaForConditionalGeneration
-
-    return unwrap_model(model, LlavaForConditionalGeneration)
-
-
 def _merge_text(segments) -> list:
     """Adjacent text segments joined (the official prompt is one string)."""
     out: list = []
@@ -140,7 +130,7 @@ class LlavaSettings(FamilySettings):
 
 
 @register_adapter
-class LlavaAdapter(SquareImageAdapter, PieceAdapter):
+class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
     """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
 
     ``encode_dialogue`` / ``encode_many`` render with the Vicuna v1 template: a leading
@@ -472,38 +462,8 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def _tokenize_many(self, texts: list[str]) -> list[tuple[int, ...]]:
-        return [tuple(ids) for ids in self._encode_texts(texts)]
-
-    def measure_many(
-        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
-    ) -> list[tuple[int, list[int], list[int], list[str]]]:
-        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length,
-        turn lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives,
-        without building id tuples and chunk objects."""
-        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
-        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
-        counts = iter([len(ids) for ids in self._encode_texts(texts)])
-        per_image = self.num_image_tokens
-
-        def size(pieces) -> tuple[int, int]:
-            length = images = 0
-            for piece in pieces:
-                if piece.kind == "text":
-                    length += next(counts)
-                elif piece.kind == "ids":
-                    length += len(piece.value)
-                else:
-                    length += per_image
-                    images += 1
-            return length, images
-
-        out = []
-        for prefix, rendered, suffix in plans:
-            fixed = size(prefix)[0] + size(suffix)[0]  # no images outside turns in this template
-            sizes = [size(pieces) for _, pieces in rendered]
-            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
-        return out
+    def _tokenize_many(self, texts: list[str]) -> list[Sequence[int]]:
+        return self._encode_texts(texts)
 
     # -- images -------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:
@@ -526,61 +486,17 @@ class LlavaAdapter(SquareImageAdapter, PieceAdapter):
         out = pixels.to(torch.float32)
         return out.mul_(scale).add_(shift)
 
-    # -- model --------------------------------------------------------------------------------
-    def load_model(self, **kwargs: Any) -> "nn.Module":
-        """Load the checkpoint (or build the random-weight model when ``path`` is None).
-
-        Keyword arguments: ``torch_dtype`` / ``attn_implementation`` (default from the
-        ModelConfig), ``seed`` (random-weight model only), anything else goes to
-        ``from_pretrained``.
-        """
+    # -- model (the hooks of models/hooks.py) -----------------------------------------------
+    def generation_class(self) -> type:
         from transformers import LlavaForConditionalGeneration
 
-        dtype, attn = load_dtype_and_attention(kwargs, self.config)
-        seed = kwargs.pop("seed", 0)
-        if self.config.path is None:
-            return build_random_model(
-                LlavaForConditionalGeneration, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
-            )
-        return LlavaForConditionalGeneration.from_pretrained(
-            self.config.path,
-            dtype=dtype,
-            attn_implementation=attn,
-            trust_remote_code=self.config.trust_remote_code,
-            **kwargs,
-        )
+        return LlavaForConditionalGeneration
 
-    def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        inner = _llava(model)
-        return ModuleGroups(
-            vision=[inner.model.vision_tower],
-            projector=[inner.model.multi_modal_projector],
-            language_model=[inner.model.language_model, inner.lm_head],
-        )
-
-    def text_config(self, config: Any) -> Any:
-        return config.text_config
-
-    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
-        """``LlavaModel`` (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
-        inner = _llava(model)
-        return inner.model, inner.lm_head
-
-    def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
-        """Run the vision tower and projector on one blank image and return 0 * their output.
-
-        The value is exactly zero, but autograd reaches every vision/projector parameter
-        the real image path uses, so they get zero (not None) gradients, and every rank
-        calls the same modules (ZeRO-3 gathers parameters per forward call).
-        """
+    @property
+    def _dummy_image_inputs(self) -> dict[str, "torch.Tensor"]:
+        """One blank image at the vision tower's resolution (the dummy vision pass)."""
         import torch
 
-        inner = _llava(model)
-        vc = inner.config.vision_config
-        projector = inner.model.multi_modal_projector
-        param = next(projector.parameters())
-        pixel_values = torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size, dtype=param.dtype, device=param.device)
-        features = inner.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
-        features = torch.cat(list(features), dim=0) if isinstance(features, (list, tuple)) else features
-        return features.sum() * 0.0
+        vc = self.model_config.vision_config
+        return {"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size)}
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["RopeIndex"]
+__all__ = ["RopeIndex", "RopePositions"]
 
 
 class RopeIndex:
@@ -129,3 +129,36 @@ class RopeIndex:
             image_grid_thw=None if grid is None else grid.to(input_ids.device),
         )  # fmt: skip
         return positions[:, 0], int(deltas.reshape(-1)[0])
+
+
+class RopePositions:
+    """The batch-positions stage shared by the families whose model has its own rope index (the
+    ``auto`` family's M-RoPE classes, the ``qwen2_vl`` family): an adapter mixin over a
+    :class:`RopeIndex` in ``_rope`` (``None``: the model counts one running position, the base
+    class's default). A family differs only in :meth:`_prompt_grid`, where a generation
+    prompt's image grids come from."""
+
+    _rope: "RopeIndex | None"
+
+    def position_ids(
+        self, input_ids: "torch.Tensor", image_inputs: "dict[str, torch.Tensor] | None" = None
+    ) -> "torch.Tensor":
+        """``position_ids`` [rows, L] of one sample: the model's own ``get_rope_index`` on
+        ``input_ids`` [L] and that sample's ``image_inputs`` (its images only, in order). A packed
+        row concatenates the per-sample results, each starting again at 0."""
+        if self._rope is None:
+            return super().position_ids(input_ids, image_inputs)
+        return self._rope(input_ids, (image_inputs or {}).get("image_grid_thw"))
+
+    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
+        """:meth:`position_ids` of a generation prompt and the rope delta ``get_rope_index``
+        returns with them (what transformers' ``generate`` keeps in ``model.rope_deltas``): a
+        generated token at index ``i`` has position ``i + delta`` in every row."""
+        if self._rope is None:
+            return super().prompt_positions(input_ids, image_paths)
+        return self._rope.with_delta(input_ids, self._prompt_grid(image_paths))
+
+    def _prompt_grid(self, image_paths: Sequence[str]) -> "torch.Tensor | None":
+        """The ``image_grid_thw`` of a prompt's images: the processor's own, from :meth:`image_inputs`."""
+        inputs = self.image_inputs(image_paths) if image_paths else None
+        return None if inputs is None else inputs.get("image_grid_thw")

@@ -76,6 +76,22 @@ def _pixels(n, size=56, seed=0):
     return torch.randn(n, 3, size, size, generator=g)
 
 
+def test_length_pass_counts_what_is_encoded(adapter):
+    """``measure_many`` (the piece families' one length pass) gives the lengths ``encode_many`` does."""
+    dialogues = [_dialogue(i) for i in range(3)]
+    dialogues.append(Dialogue("text", "t", (Turn("user", ("Hi",)), Turn("assistant", ("Hello",)),
+                                            Turn("user", ("More?",)), Turn("assistant", ("No.",)))))
+    for system_prompt in (None, "Be brief."):
+        encoded = adapter.encode_many(dialogues, system_prompt=system_prompt)
+        measured = adapter.measure_many(dialogues, system_prompt=system_prompt)
+        for enc, (fixed, turns, images, roles) in zip(encoded, measured):
+            assert roles == [t.role for t in enc.turns]
+            assert turns == [sum(len(c) if isinstance(c, TokenChunk) else c.num_tokens for c in t.chunks)
+                             for t in enc.turns]
+            assert images == [sum(isinstance(c, ImageChunk) for c in t.chunks) for t in enc.turns]
+            assert fixed + sum(turns) == len(_flatten(adapter, enc)[0])
+
+
 # -- model --------------------------------------------------------------------------------------
 
 

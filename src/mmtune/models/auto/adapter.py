@@ -20,6 +20,7 @@ from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAd
 from mmtune.models.checkpoint_guard import check_chat_template, check_model_folder
 from mmtune.models.config import FamilySettings, ModelConfig
 from mmtune.models.hooks import TransformersModelHooks
+from mmtune.models.positions import RopePositions
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,8 +55,8 @@ class AutoSettings(FamilySettings):
 
 
 @register_adapter
-class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, AuthorityStage,
-                  TransformersModelHooks, ModelAdapter):
+class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, RopePositions,
+                  AuthorityStage, TransformersModelHooks, ModelAdapter):
     """Processor-driven adapter for transformers image-text-to-text checkpoints."""
 
     family = "auto"

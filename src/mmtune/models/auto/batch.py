@@ -1,5 +1,6 @@
 """Stage 5: the batch's image inputs (as the processor made them, joined as it joins them), its
-token inputs (Gemma 3's ``token_type_ids``) and positions (the model's own rope index)."""
+token inputs (Gemma 3's ``token_type_ids``) and the model's own rope index (the positions from it:
+:class:`~mmtune.models.positions.RopePositions`, shared with the ``qwen2_vl`` family)."""
 
 from __future__ import annotations
 
@@ -159,23 +160,6 @@ class BatchStage:
 
         return {name: torch.isin(input_ids, torch.tensor(marked, dtype=input_ids.dtype)).long()
                 for name, marked in self._token_marks.items()}
-
-    # -- the batch: position ids -----------------------------------------------------------------
-    def position_ids(
-        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
-    ) -> "torch.Tensor":
-        """One running position, or the model's own ``get_rope_index`` rows (M-RoPE models)."""
-        if self._rope is None:
-            return super().position_ids(input_ids, image_inputs)
-        grid = None if image_inputs is None else image_inputs.get("image_grid_thw")
-        return self._rope(input_ids, grid)
-
-    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
-        if self._rope is None:
-            return super().prompt_positions(input_ids, image_paths)
-        inputs = self.image_inputs(image_paths) if image_paths else None
-        grid = None if inputs is None else inputs.get("image_grid_thw")
-        return self._rope.with_delta(input_ids, grid)
 
     @functools.cached_property
     def _dummy_image_inputs(self) -> dict:

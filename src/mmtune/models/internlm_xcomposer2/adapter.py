@@ -26,6 +26,7 @@ from mmtune.models._utils import (
 )
 from mmtune.models.base import ModuleGroups, unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
+from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.internlm_xcomposer2.configuration import InternLMXComposer2Config
 from mmtune.models.internlm_xcomposer2.conversion import (
@@ -120,7 +121,7 @@ class InternLMXComposer2Settings(FamilySettings):
 
 
 @register_adapter
-class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
+class InternLMXComposer2Adapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
 
     Rendering (no system prompt in the official fine-tuning data)::
@@ -385,27 +386,14 @@ class InternLMXComposer2Adapter(SquareImageAdapter, PieceAdapter):
     def module_groups(self, model: nn.Module) -> ModuleGroups:
         return _module_groups(unwrap_model(model, InternLMXComposer2ForCausalLM))
 
-    def loss_modules(self, model: nn.Module) -> tuple[nn.Module, nn.Module]:
-        """The InternLM2 decoder (``model``, output normed) and the output head (``output``)."""
-        inner = unwrap_model(model, InternLMXComposer2ForCausalLM)
-        return inner.model, inner.output
+    def generation_class(self) -> type:
+        return InternLMXComposer2ForCausalLM
 
-    def text_config(self, config: Any) -> Any:
-        return getattr(config, "text_config", config)
-
-    def vision_dummy_loss(self, model: nn.Module) -> torch.Tensor:
-        """Run the vision tower and projector on one blank image and return 0 * their output.
-
-        Exactly zero, but autograd reaches every vision/projector parameter, so they get
-        zero (not None) gradients and every rank calls the same modules (ZeRO-3).
-        """
-        inner = unwrap_model(model, InternLMXComposer2ForCausalLM)
-        vision = inner.config.vision_config
-        param = inner.vision_proj[0].weight
-        pixel_values = torch.zeros(
-            1, vision.num_channels, vision.image_size, vision.image_size, dtype=param.dtype, device=param.device
-        )
-        return inner.get_image_features(pixel_values).sum() * 0.0
+    @property
+    def _dummy_image_inputs(self) -> dict[str, torch.Tensor]:
+        """One blank image at the vision tower's resolution (the dummy vision pass)."""
+        vision = self.model_config.vision_config
+        return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
 
 
 def _module_groups(model: InternLMXComposer2ForCausalLM) -> ModuleGroups:

@@ -4,7 +4,7 @@
   the official fine-tuning code's conversation building and labels);
 - :mod:`.images`: image token counts from the file header, pixel inputs equal to the
   image processor's (``pixel_values`` + ``image_grid_thw``);
-- :mod:`.positions`: M-RoPE position ids from the model class's own rope index;
+- M-RoPE position ids: :class:`~mmtune.models.positions.RopeIndex` (shared with the ``auto`` family);
 - :mod:`.adapter`: :class:`Qwen2VLAdapter` (``model.family: qwen2_vl``);
 - tiny random-weight checkpoints for tests and CPU runs: :mod:`mmtune.testing.qwen2_vl` (its names
   are looked up here on first use, so the registry's import of this package does not load them).
@@ -12,7 +12,7 @@
 See ``docs/qwen2_vl.md``.
 """
 
-from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template, unwrap_model
+from mmtune.models.qwen2_vl.adapter import Qwen2VLAdapter, load_chat_template
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes
 from mmtune.models.qwen2_vl.images import QwenVLImages, UnsupportedImageError, oriented_size
 from mmtune.models.positions import RopeIndex
@@ -30,7 +30,6 @@ __all__ = [
     "Qwen2VLAdapter",
     "load_chat_template",
     "model_classes",
-    "unwrap_model",
     "QwenVLImages",
     "UnsupportedImageError",
     "oriented_size",

@@ -37,19 +37,16 @@ from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     PieceAdapter,
     Plan,
-    build_random_model,
-    iter_pieces,
-    load_dtype_and_attention,
     state_fingerprint,
 )
 from mmtune.models.base import ModuleGroups
-from mmtune.models.base import unwrap_model as base_unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
+from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.qwen2_vl.images import QwenVLImages
-from mmtune.models.positions import RopeIndex
+from mmtune.models.positions import RopeIndex, RopePositions
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
-from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, generation_classes, model_classes
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, model_classes
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,12 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.core.dialogue import Dialogue
 
-__all__ = ["Qwen2VLAdapter", "model_classes", "unwrap_model", "load_chat_template"]
-
-def unwrap_model(model: "nn.Module") -> "nn.Module":
-    """The transformers ``…ForConditionalGeneration`` inside peft / distributed-engine wrappers."""
-    return base_unwrap_model(model, generation_classes())
-
+__all__ = ["Qwen2VLAdapter", "model_classes", "load_chat_template"]
 
 def load_chat_template(path: str, tokenizer: Any) -> str | None:
     """The checkpoint's chat template: the processor's (``chat_template.jinja`` /
@@ -105,7 +97,7 @@ class Qwen2VLSettings(FamilySettings):
 
 
 @register_adapter
-class Qwen2VLAdapter(PieceAdapter):
+class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
     token counts, M-RoPE positions, official fine-tuning labels (see the package docs).
 
@@ -121,6 +113,10 @@ class Qwen2VLAdapter(PieceAdapter):
     #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and merger (and what a
     #: 4-bit base model keeps in full precision)
     lora_exclude_modules = r".*\bvisual\b.*"
+    #: the projector is the vision tower's ``merger`` (the module the official ``tune_mm_mlp``
+    #: switch trains); the tower's other children (patch embedding, blocks, Qwen3-VL's position
+    #: embedding and DeepStack mergers) are vision
+    vision_projector_children = ("merger",)
     #: rows of ``position_ids`` per sample: M-RoPE's temporal, height and width
     position_id_rows = 3
     #: the model inputs images become (both concatenate along dim 0 in image order)
@@ -142,7 +138,7 @@ class Qwen2VLAdapter(PieceAdapter):
         model_config = AutoConfig.for_model(**checkpoint_config)
         with torch.device("meta"):
             model = generation_class._from_config(model_config)
-        return model, _module_groups(model)
+        return model, cls.group_modules(model)
 
     @classmethod
     def routed_family(cls, config: ModelConfig) -> str | None:
@@ -227,7 +223,7 @@ class Qwen2VLAdapter(PieceAdapter):
         stops = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.stop_token_ids = [int(i) for i in stops if i is not None]
         _, inner_class = model_classes(model_type)
-        self.rope_index = RopeIndex(
+        self._rope = RopeIndex(
             self.model_config, inner_class, self.image_token_id, self.model_config.vision_config.spatial_merge_size
         )
         # A tokenizer of our own that keeps control-token strings inside dialogue text as plain
@@ -288,35 +284,6 @@ class Qwen2VLAdapter(PieceAdapter):
         ids = dict(zip(unique, (e.ids for e in self._encoder.encode_batch(unique, add_special_tokens=False))))
         return [ids[text] for text in texts]
 
-    def measure_many(
-        self, dialogues: Sequence["Dialogue"], *, system_prompt: str | None = None
-    ) -> list[tuple[int, list[int], list[int], list[str]]]:
-        """Lengths only, for the length pass: per dialogue ``(prefix + suffix length, turn
-        lengths, images per turn, roles)``, equal to what :meth:`encode_many` gives."""
-        plans = [self._pieces(d, system_prompt, "all_assistant", False) for d in dialogues]
-        texts = [p.value for plan in plans for p in iter_pieces(*plan) if p.kind == "text"]
-        counts = iter([len(ids) for ids in self._tokenize_many(texts)])
-
-        def size(pieces) -> tuple[int, int]:
-            length = images = 0
-            for piece in pieces:
-                if piece.kind == "text":
-                    length += next(counts)
-                elif piece.kind == "ids":
-                    length += len(piece.value)
-                else:
-                    length += self.image_token_count(piece.value)
-                    images += 1
-            return length, images
-
-        out = []
-        for prefix, rendered, suffix in plans:
-            fixed = size(prefix)[0]
-            sizes = [size(pieces) for _, pieces in rendered]
-            fixed += size(suffix)[0]
-            out.append((fixed, [n for n, _ in sizes], [k for _, k in sizes], [role for role, _ in rendered]))
-        return out
-
     # -- images ------------------------------------------------------------------------------------
     def image_token_count(self, image: Image) -> int:
         """``grid_t * grid_h * grid_w / merge_size**2`` from the file header (no pixel decode)."""
@@ -367,86 +334,27 @@ class Qwen2VLAdapter(PieceAdapter):
             "use adapter.image_inputs(paths), which returns pixel_values and image_grid_thw"
         )
 
-    def position_ids(
-        self, input_ids: "torch.Tensor", image_inputs: dict[str, "torch.Tensor"] | None = None
-    ) -> "torch.Tensor":
-        """M-RoPE ``position_ids`` [3, L] of one sample: transformers' ``get_rope_index`` of the
-        model class on ``input_ids`` [L] and that sample's ``image_inputs`` (its images only, in
-        order). A packed row concatenates the per-sample results, each starting again at 0."""
-        grid = (image_inputs or {}).get("image_grid_thw")
-        return self.rope_index(input_ids, grid)
-
-    def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
-        """:meth:`position_ids` of a generation prompt, its images' grids read from the file
-        headers (what the processor gives them; no pixel decode), and the rope delta
-        transformers' ``get_rope_index`` returns with them (what its ``generate`` keeps in
-        ``model.rope_deltas``): a generated token at index ``i`` has position ``i + delta`` in
-        all three rows."""
+    # positions: RopePositions (models/positions.py), the prompt's grids from the file headers
+    def _prompt_grid(self, image_paths: Sequence[str]) -> "torch.Tensor":
+        """The grids of a prompt's images from the file headers (what the processor gives them;
+        no pixel decode)."""
         import torch
 
-        grid = torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
-        return self.rope_index.with_delta(input_ids, grid)
+        return torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
 
-    # -- model -------------------------------------------------------------------------------------
-    def load_model(self, **kwargs: Any) -> "nn.Module":
-        """Load the checkpoint (or build the random-weight tiny model when ``path`` is None).
+    # -- model (the hooks of models/hooks.py) ------------------------------------------------------
+    def generation_class(self) -> type:
+        """The class of the checkpoint's ``model_type``."""
+        return model_classes(self.model_type)[0]
 
-        Keyword arguments: ``torch_dtype`` / ``attn_implementation`` (default from the
-        ModelConfig), ``seed`` (random-weight model only), anything else goes to
-        ``from_pretrained``.
-        """
-        generation_class, _ = model_classes(self.model_type)
-        dtype, attn = load_dtype_and_attention(kwargs, self.config)
-        seed = kwargs.pop("seed", 0)
-        if self.config.path is None:
-            return build_random_model(
-                generation_class, self.model_config, seed=seed, attn_implementation=attn, dtype=dtype
-            )
-        return generation_class.from_pretrained(
-            self.config.path, dtype=dtype, attn_implementation=attn, trust_remote_code=self.config.trust_remote_code,
-            **kwargs,
-        )  # fmt: skip
-
-    def module_groups(self, model: "nn.Module") -> ModuleGroups:
-        """Vision: every module of ``model.visual`` but the merger (patch embedding, blocks, and
-        Qwen3-VL's position embedding and DeepStack mergers); projector: ``visual.merger``, the
-        module the official ``tune_mm_mlp`` switch trains; language model: decoder and lm_head."""
-        return _module_groups(unwrap_model(model))
-
-    def text_config(self, config: Any) -> Any:
-        return config.text_config
-
-    def loss_modules(self, model: "nn.Module") -> tuple["nn.Module", "nn.Module"]:
-        """The multimodal body (its ``last_hidden_state`` is the normed decoder output) and ``lm_head``."""
-        inner = unwrap_model(model)
-        return inner.model, inner.lm_head
-
-    def vision_dummy_loss(self, model: "nn.Module") -> "torch.Tensor":
-        """0 x (the vision tower + merger, and Qwen3-VL's DeepStack mergers) on one blank
-        image of the smallest grid (1 x merge x merge patches): every rank runs the same vision
-        modules each step (ZeRO-3) and their parameters get zero, not missing, gradients."""
+    @property
+    def _dummy_image_inputs(self) -> dict[str, "torch.Tensor"]:
+        """One blank image of the smallest grid (1 x merge x merge patches)."""
         import torch
 
-        inner = unwrap_model(model)
-        visual = inner.model.visual
-        param = next(visual.parameters())
-        merge = int(inner.config.vision_config.spatial_merge_size)
-        grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=param.device)
-        pixels = torch.zeros(merge * merge, self.images.patch_dim, dtype=param.dtype, device=param.device)
-        out = inner.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
-        total = sum(feature.float().sum() for feature in out.pooler_output)
-        for level in getattr(out, "deepstack_features", None) or []:
-            total = total + sum(feature.float().sum() for feature in level)
-        return total * 0.0
-
-
-def _module_groups(inner: "nn.Module") -> ModuleGroups:
-    visual = inner.model.visual
-    return ModuleGroups(
-        vision=[module for name, module in visual.named_children() if name != "merger"],
-        projector=[visual.merger],
-        language_model=[inner.model.language_model, inner.lm_head],
-    )
+        merge = int(self.model_config.vision_config.spatial_merge_size)
+        return {"pixel_values": torch.zeros(merge * merge, self.images.patch_dim),
+                "image_grid_thw": torch.tensor([[1, merge, merge]], dtype=torch.long)}
 
 
 def _override_pixels(image_processor: Any, config: ModelConfig) -> None:

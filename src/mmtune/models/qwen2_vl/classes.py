@@ -6,7 +6,7 @@ dispatch on ``model_type`` through this table, never on names of checkpoints.
 
 from __future__ import annotations
 
-__all__ = ["MODEL_TYPES", "ROUTED_MODEL_TYPES", "model_classes", "generation_classes"]
+__all__ = ["MODEL_TYPES", "ROUTED_MODEL_TYPES", "model_classes"]
 
 #: the ``model_type`` values of the transformers classes this family covers
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -35,7 +35,3 @@ def model_classes(model_type: str) -> tuple[type, type]:
     generation, inner = _CLASSES[model_type]
     return getattr(transformers, generation), getattr(transformers, inner)
 
-
-def generation_classes() -> tuple[type, ...]:
-    """Every ``…ForConditionalGeneration`` class of the family."""
-    return tuple(model_classes(t)[0] for t in MODEL_TYPES)
