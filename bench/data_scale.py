@@ -2,7 +2,7 @@
 
     python bench/data_scale.py --n 665000 --n-mmdu 45000      # the paper's sizes (hours on 2 cores)
     python bench/data_scale.py --n 20000 --n-mmdu 2000        # minutes
-    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1   # a 10M-record JSONL mix
+    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1   # a 10M-record mix (a JSON list)
 
 It generates a mix shaped like the paper's own data (``data=add_to_pool``): a
 llava-665k-shaped JSON list (COCO records named by their image id, several conversations per
