@@ -2,7 +2,7 @@
 
     python bench/data_scale.py --n 665000 --n-mmdu 45000      # the paper's sizes (hours on 2 cores)
     python bench/data_scale.py --n 20000 --n-mmdu 2000        # minutes
-    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1   # a 10M-record JSONL mix
+    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1   # a 10M-record mix (a JSON list)
 
 It generates a mix shaped like the paper's own data (``data=add_to_pool``): a
 llava-665k-shaped JSON list (COCO records named by their image id, several conversations per
@@ -45,7 +45,7 @@ WORDS = ("the image shows a large red building near river with people walking al
 # Runs inside each launched process (any rank); times the phases by wrapping the functions the
 # data module calls, which both trees have.
 DRIVER = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 T0 = float(os.environ["BENCH_T0"])
 phases = {}
 def timed(name, owner, attr):
@@ -75,7 +75,9 @@ first_step = time.time() - T0
 rank = int(os.environ.get("RANK", "0"))
 metrics = [json.loads(l) for l in open(os.path.join(recipe.output_dir, "metrics.jsonl"))] if rank == 0 else []
 out = {"rank": rank, "first_step_s": first_step, "phases": phases,
-       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+       # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a launched process would report
+       # the bench's own peak (generating the records) when it is higher
+       "rss_mb": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024,
        "loss": metrics[0].get("train/loss") if metrics else None, "samples": int(len(recipe.data.lengths))}
 with open(os.environ["BENCH_OUT"] + f".rank{rank}.json", "w") as f:
     json.dump(out, f)
