@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=64, help="distinct images in the pool")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--only", choices=("head", "base"), help="run one side only")
+    ap.add_argument("--kinds", nargs="+", choices=("cold", "warm"), default=["cold", "warm"],
+                    help="launches per side (cold alone: the older side's full-size warm launch takes 15+ minutes)")
+    ap.add_argument("--no-files", action="store_true", help="skip the Parquet / data.files runs of this tree")
     ap.add_argument("--base", default=BASE_COMMIT, help="the commit compared with (default: before this work)")
     ap.add_argument("--work", help="folder for data and runs (default: a temporary one, removed)")
     args = ap.parse_args(argv)
@@ -239,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks:
             for side, tree in sorted(trees.items()):
                 cache = tmp / "runs" / f"{side}-{ranks}" / "cache"
-                for launch_kind in ("cold", "warm"):
+                for launch_kind in args.kinds:
                     name = f"{side} {ranks}r {launch_kind}"
                     results[name] = launch(tree, ranks, tmp / "runs" / f"{side}-{ranks}" / launch_kind, cache, data)
                     print(_row(name, results[name]), flush=True)
-        if "head" in trees:
+        if "head" in trees and not args.no_files:
             llava = str(data / "llava" / "llava_v1_5_mix665k.json")
             mmdu = str(data / "mmdu" / "mmdu-45k.json")
             pq_glob = str(data / "llava_parquet" / "data" / "train-*.parquet")
