@@ -18,7 +18,8 @@ out by the bench into a temporary ``git worktree``), side by side in one run, it
 caches) and warm (a second launch, no other setting), and prints per phase: reading and
 caching, the length pass, the batch plan, and the wall time from the launch to the end of
 the first optimizer step (interpreter start and imports included), and the peak RSS of
-every rank (its forked length-pass workers apart). Last, ``head`` trains the first step on
+every rank (VmHWM; its forked length-pass workers apart) with, at the end, its private
+memory and its mapped file pages (libraries and the memory-mapped Arrow cache). Last, ``head`` trains the first step on
 the Parquet copy and on the JSON and prints both losses.
 """
 
@@ -78,6 +79,10 @@ out = {"rank": rank, "first_step_s": first_step, "phases": phases,
        # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a launched process would report
        # the bench's own peak (generating the records) when it is higher
        "rss_mb": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024,
+       # of it, at the end: private memory, and the file pages mapped (libraries, the memory-mapped Arrow cache:
+       # shared by the ranks, dropped by the kernel under pressure; random record reads fault in pages around each)
+       "anon_mb": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) / 1024,
+       "file_mb": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssFile")) / 1024,
        "loss": metrics[0].get("train/loss") if metrics else None, "samples": int(len(recipe.data.lengths))}
 with open(os.environ["BENCH_OUT"] + f".rank{rank}.json", "w") as f:
     json.dump(out, f)
@@ -199,7 +204,8 @@ def launch(tree: Path, ranks: int, out: Path, cache: Path, data_root: Path, file
     if proc.returncode != 0:
         raise RuntimeError(f"{tree} ({ranks} rank(s)) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     found = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
-    return {**found[0], "rss_mb": [r["rss_mb"] for r in found]}
+    return {**found[0], "rss_mb": [r["rss_mb"] for r in found], "anon_mb": [r.get("anon_mb", 0) for r in found],
+            "file_mb": [r.get("file_mb", 0) for r in found]}
 
 
 def _base_tree(tmp: Path, commit: str) -> Path:
@@ -212,7 +218,8 @@ def _base_tree(tmp: Path, commit: str) -> Path:
 def _row(name: str, r: dict) -> str:
     p = r["phases"]
     return (f"{name:<24} {r['first_step_s']:>9.1f} {p.get('read_cache', 0):>9.1f} {p.get('lengths', 0):>9.1f} "
-            f"{p.get('plan', 0):>8.1f}  {'/'.join(f'{m:.0f}' for m in r['rss_mb']):>12}")
+            f"{p.get('plan', 0):>8.1f}  {'/'.join(f'{m:.0f}' for m in r['rss_mb']):>12}"
+            f"  {'/'.join(f'{a:.0f}+{f:.0f}' for a, f in zip(r['anon_mb'], r['file_mb'])):>16}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(trees["base"])], cwd=REPO, capture_output=True)
         if not args.work:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{'run':<24} {'1st step':>9} {'read':>9} {'lengths':>9} {'plan':>8}  {'RSS MB/rank':>12}")
+    print(f"\n{'run':<24} {'1st step':>9} {'read':>9} {'lengths':>9} {'plan':>8}  {'RSS MB/rank':>12}  {'end: anon+file':>16}")
     for name, r in results.items():
         print(_row(name, r))
     for ranks in args.ranks:
