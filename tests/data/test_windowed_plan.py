@@ -164,6 +164,13 @@ def test_a_windowed_position_resumes_exactly_and_a_changed_plan_is_refused(synth
         whole.check_state(saved)
 
 
+def test_a_windowed_module_builds_no_whole_plan_from_lengths_it_has_not_measured(synthetic, adapter, tmp_path):
+    dm = _module(synthetic, adapter, tmp_path / "f", plan="windowed", max_steps=50, **PACKING)
+    for whole_plan in (dm.stats, lambda: dm.rank_plan(0), lambda: dm.num_micro_batches(0)):
+        with pytest.raises(RuntimeError, match="collator.plan=whole"):
+            whole_plan()
+
+
 def test_windowed_without_a_run_length_is_refused_at_setup(synthetic, adapter, tmp_path):
     with pytest.raises(ValueError, match="training.max_steps"):
         _module(synthetic, adapter, tmp_path / "d", plan="windowed", **PACKING)

@@ -250,6 +250,9 @@ class SFTDataModule:
         """
         from mmtune.data.batching import rank_plan
 
+        if self.windowed:  # its lengths are measured as windows are planned: no whole plan to build
+            raise RuntimeError("this run's plan is windowed (collator.plan): its epochs are served by dataloader() "
+                               "window by window; set collator.plan=whole for the whole epoch's plan")
         if epoch not in self._plans:
             plan = self._global_plan(epoch)
             self._plans = {epoch: rank_plan(plan, self.rank, self.world_size, self.accumulation)}  # one in memory
