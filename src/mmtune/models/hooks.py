@@ -146,7 +146,9 @@ class TransformersModelHooks:
             for k, v in self._dummy_image_inputs.items()
             if isinstance(v, torch.Tensor)
         }
-        total = param.new_zeros((), dtype=torch.float32)
+        # a plain tensor: under FSDP2 a parameter outside its unit's forward is a DTensor, and a DTensor
+        # zero would make the step's whole loss one (its gradient then meets plain tensors in backward)
+        total = torch.zeros((), dtype=torch.float32, device=param.device)
         stack = [image_features_method(top)(**inputs)]
         while stack:
             item = stack.pop()
