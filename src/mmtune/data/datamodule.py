@@ -196,6 +196,13 @@ class SFTDataModule:
         tables, masks = self.lengths.source_tables()
         return DataLossReport.build(self.mixture, tables, self.collator_config.max_length, measured=masks)
 
+    def refresh_report(self) -> None:
+        """At the end of training: a windowed plan's data report over every record measured by now,
+        and its lengths stored for the next launch (a whole plan's report is complete already)."""
+        if self.windowed:
+            self.lengths.save()
+            self.loss_report = self.windowed_report()
+
     def _stream(self, epoch: int, *, to_serve: bool = False) -> Any:
         """This rank's windowed plan of ``epoch`` (one epoch's in memory; a new one ``to_serve``
         where the kept one has served micro-batches already)."""

@@ -311,16 +311,13 @@ def _table(stored: StoredLengths, key: str, from_cache: bool) -> LengthTable:
                        image_skipped=stored.image_skipped)
 
 
-def _remeasure_changed(stored: StoredLengths, stamps: np.ndarray, dialogues, measure) -> bool:
-    """Measure again the records whose image stamp changed; whether any did."""
+def _remeasure_changed(stored: StoredLengths, stamps: np.ndarray, adapter: "ModelAdapter", dialogues,
+                       options: dict[str, Any]) -> bool:
+    """Measure again the records whose image stamp changed (:func:`measure_records`); whether any did."""
     changed = np.flatnonzero(stored.stamps != stamps)
     if not len(changed):
         return False
-    part = measure(_Subset(dialogues, changed))
-    for item in part.image_skipped:  # numbered within the subset: back to the records' own indices
-        item["index"] = int(changed[item["index"]])
-    stored.patch(changed, StoredLengths(part.lengths, part.full, part.images, part.stats, stamps[changed],
-                                        part.skipped_ids, part.image_skipped))
+    stored.patch(changed, measure_records(adapter, dialogues, changed, **options))
     return True
 
 
@@ -399,8 +396,7 @@ def compute_lengths(
     stamps = image_stamps(dialogues)
     stored = load_table(path)
     if stored is not None:
-        measure = lambda subset: _lengths_of_range(adapter, subset, (0, len(subset)), **options)  # noqa: E731
-        if _remeasure_changed(stored, stamps, dialogues, measure) and rank == 0:
+        if _remeasure_changed(stored, stamps, adapter, dialogues, options) and rank == 0:
             save_table(path, stored)
         return _table(stored, key, from_cache=True)
     stored = _measure(job, len(dialogues), chunk_size, num_proc, stamps, path=path, rank=rank,

@@ -85,10 +85,7 @@ def real_path(path: str) -> str:
 
 
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
-    for root in roots:
-        if real == root or (real.startswith(root) and (real[len(root):len(root) + 1] == os.sep or root.endswith(os.sep))):
-            return True
-    return False
+    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
 
 
 @dataclass(frozen=True)
@@ -163,10 +160,11 @@ class ImagePathRules:
         root = self.abs_root
         if not os.path.isabs(path):
             return self._contained(os.path.join(root, path), f"image_root {root} + relative path {path!r}")
-        if _inside(real_path(path), (self.real_root,)):
+        real = real_path(path)
+        if _inside(real, (self.real_root,)):
             return ResolvedImage(os.path.normpath(path), "absolute path inside the image root", root=self.real_root)
         for extra in map(real_path, self.extra_roots):
-            if _inside(real_path(path), (extra,)):
+            if _inside(real, (extra,)):
                 return ResolvedImage(os.path.normpath(path), "embedded image, stored by content", root=extra)
         if self.join_rooted:
             joined = os.path.join(root, path.lstrip("/"))

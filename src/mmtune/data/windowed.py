@@ -145,36 +145,36 @@ class MeasuredLengths:
         if self._unsaved >= SAVE_EVERY or (len(todo) and self.measured.all()):
             self.save()
 
+    def _source_part(self, k: int) -> StoredLengths:
+        """Source ``k``'s entries, its image skips numbered within the source (as its stored table)."""
+        a, b = self.offsets[k], self.offsets[k + 1]
+        t = self.table
+        return StoredLengths(t.lengths[a:b], t.full[a:b], t.images[a:b], t.stats[a:b], t.stamps[a:b], t.skipped_ids,
+                             [{**it, "index": int(it["index"]) - int(a)} for it in t.image_skipped
+                              if a <= it["index"] < b])
+
     def save(self) -> None:
         """Rank 0 stores what was measured: each source's whole table, or a partial one."""
         self._unsaved = 0
         if self.rank != 0:
             return
         for k, path in enumerate(self.paths):
-            a, b = self.offsets[k], self.offsets[k + 1]
-            t = self.table
-            part = StoredLengths(t.lengths[a:b], t.full[a:b], t.images[a:b], t.stats[a:b], t.stamps[a:b],
-                                 t.skipped_ids, [{**it, "index": int(it["index"]) - int(a)} for it in t.image_skipped
-                                                 if a <= it["index"] < b])
-            if self.measured[a:b].all():
-                save_table(path, part)
+            measured = self.measured[self.offsets[k]:self.offsets[k + 1]]
+            if measured.all():
+                save_table(path, self._source_part(k))
                 if os.path.exists(_partial_path(path)):
                     os.remove(_partial_path(path))
-            elif self.measured[a:b].any():
-                save_table(_partial_path(path), part, extra={"measured": self.measured[a:b]})
+            elif measured.any():
+                save_table(_partial_path(path), self._source_part(k), extra={"measured": measured})
 
     def source_tables(self) -> tuple[list[LengthTable], list[np.ndarray]]:
         """Each source's table and mask of measured records (for the data report)."""
         tables, masks = [], []
         for k in range(len(self.mixture.sources)):
-            a, b = self.offsets[k], self.offsets[k + 1]
-            mask = self.measured[a:b]
-            totals = self.table.stats[a:b][mask].sum(axis=0)
-            stats = {name: int(v) for name, v in zip(STAT_FIELDS, totals)}
-            skipped = [{**it, "index": int(it["index"]) - int(a)} for it in self.table.image_skipped
-                       if a <= it["index"] < b]
-            tables.append(LengthTable(self.table.lengths[a:b], self.table.full[a:b], self.table.images[a:b], "",
-                                      stats, image_skipped=skipped))
+            part, mask = self._source_part(k), self.measured[self.offsets[k]:self.offsets[k + 1]]
+            stats = {name: int(v) for name, v in zip(STAT_FIELDS, part.stats[mask].sum(axis=0))}
+            tables.append(LengthTable(part.lengths, part.full, part.images, "", stats,
+                                      image_skipped=part.image_skipped))
             masks.append(mask)
         return tables, masks
 

@@ -555,13 +555,16 @@ def report_skipped(accelerator: Any, data: Any, output_dir: Path) -> None:
     items = data.skipped_items
     if accelerator.num_processes > 1:
         items = gather_object(items)
-    if accelerator.is_main_process and getattr(data, "windowed", False):  # over every record measured by now
-        data.lengths.save()  # what this run measured, for the next launch
-        data.loss_report = data.windowed_report()
-        data.loss_report.write(str(output_dir / "data_report.json"))
-    if accelerator.is_main_process and items:
+    if not accelerator.is_main_process:
+        return
+    windowed = getattr(data, "windowed", False)
+    if windowed:  # the report over every record measured by now
+        data.refresh_report()
+    if items:
         data.merge_skipped(items)
+    if windowed or items:
         data.loss_report.write(str(output_dir / "data_report.json"))
+    if items:
         accelerator.print(data.loss_report.render_skipped())
 
 
