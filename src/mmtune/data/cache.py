@@ -96,6 +96,11 @@ class CacheWriter:
             self._writer.write_batch(self._batch)
             self._batch = {k: [] for k in FEATURES}
 
+    def add_table(self, table) -> None:
+        """Rows already in the cache's layout (an Arrow table of :data:`FEATURES`), after the rows added."""
+        self._flush()
+        self._writer.write_table(table)
+
     def commit(self, report: dict[str, Any]) -> None:
         self._flush()
         self._writer.finalize()

@@ -30,13 +30,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.core.dialogue import Dialogue
 
-__all__ = ["RecordKeys", "record_key"]
+__all__ = ["RecordKeys", "content_hash", "record_key"]
 
 
 def record_key(dialogue: "Dialogue") -> str:
     """The unique key of a dialogue read from a source's cache (its id when it has none:
     dialogues built in memory, whose ids are their keys)."""
     return dialogue.meta.get("key", dialogue.id)
+
+
+def content_hash(dialogue: "Dialogue") -> int:
+    """The 64-bit hash exact duplicates are compared by: of (id, turns)."""
+    return hash((dialogue.id, dialogue.turns))
 
 
 class RecordKeys:
@@ -61,8 +66,11 @@ class RecordKeys:
 
     def add(self, dialogue: "Dialogue", position: int) -> tuple[str, bool]:
         """``(key, exact_duplicate)`` of the record at ``position`` of the file."""
-        rid = dialogue.id
-        content = hash((rid, dialogue.turns))
+        return self.add_content(dialogue.id, content_hash(dialogue), position)
+
+    def add_content(self, rid: str, content: int, position: int) -> tuple[str, bool]:
+        """:meth:`add` of a record known by its id and :func:`content_hash` (records read on
+        other processes: the hash is Python's, the same in processes forked from one)."""
         exact = content in self._contents
         self._contents.add(content)
         first = self._first.get(rid)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -33,11 +33,20 @@ from mmtune.data.formats import ConvertContext, get_format
 from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDER
 from mmtune.data.formats.base import ROLE_MAP
 from mmtune.data.keys import RecordKeys
+from mmtune.data import parallel_read
 from mmtune.data.paths import ImagePathRules
 from mmtune.data.records import MAX_RECORD_BYTES, iter_json_array, iter_jsonl, iter_records, surrogate_problem
 from mmtune.data.tables import EmbeddedImages, default_image_root, input_files, is_table_input, iter_table_records
 from mmtune.data.validation import (DataValidationError, ImageChecker, Problem, TextLimits, ValidationReport,
                                     check_dialogue)
+
+
+def available_cores() -> int:
+    """The cores this process may use (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def _context(fmt: str, source: str, rules: ImagePathRules, move_image_to_start: bool | None) -> ConvertContext:
@@ -156,6 +165,7 @@ def load_source(
     text_limits: TextLimits | None = None,
     unique_ids: bool = True,
     drop_exact_duplicates: bool = False,
+    num_proc: int = 1,
 ) -> SourceData:
     """Read, convert and validate one source, through the Arrow cache.
 
@@ -179,6 +189,8 @@ def load_source(
             (:mod:`mmtune.data.keys`).
         drop_exact_duplicates: with ``unique_ids=False``, leave out records equal to an
             earlier one (same id, images and conversation), counted in the report.
+        num_proc: processes that read a large training source (:mod:`mmtune.data.parallel_read`);
+            the entry does not depend on it.
 
     Raises:
         FileNotFoundError: the data file does not exist.
@@ -218,7 +230,8 @@ def load_source(
     else:
         report = _build(source_cfg, ctx, mode, ImageChecker(check_images, limits), max_examples, arrow_path,
                         report_path, max_record_bytes, text_limits, unique_ids=unique_ids,
-                        drop_exact_duplicates=drop_exact_duplicates, images=EmbeddedImages(embedded_images_dir(cache_dir)))
+                        drop_exact_duplicates=drop_exact_duplicates, images=EmbeddedImages(embedded_images_dir(cache_dir)),
+                        num_proc=num_proc)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
 
@@ -231,27 +244,32 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
     return replace(problem, detail=f"tried {problem.detail}, built as {how}") if how else problem
 
 
-def _records(path: str, images: EmbeddedImages, max_record_bytes: int):
-    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`)."""
+def _records(path: str, images: EmbeddedImages, max_record_bytes: int, wanted: Callable[[int], bool] | None = None):
+    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`;
+    ``wanted``: the rows whose embedded images are stored; a row's index is its position)."""
     if is_table_input(path):
-        return iter_table_records(path, images, max_record_bytes)
+        return iter_table_records(path, images, max_record_bytes, wanted)
     return iter_records(path, max_record_bytes)
 
 
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,
                      max_record_bytes: int = MAX_RECORD_BYTES, text_limits: TextLimits | None = None,
                      unique_ids: bool = True, images: EmbeddedImages | None = None,
-                     ) -> Iterator[tuple[Dialogue | None, list[Problem]]]:
-    """``(dialogue, problems)`` of every record of the source, in file order: each record
-    converted and checked (:func:`check_dialogue`, and with ``unique_ids`` a repeated id as
-    ``duplicate_id``); ``dialogue`` is None when the record could not be converted.
-    ``limit``: only the first records."""
+                     wanted: Callable[[int], bool] | None = None,
+                     ) -> Iterator[tuple[int, Dialogue | None, list[Problem]]]:
+    """``(position, dialogue, problems)`` of every record of the source, in file order: each
+    record converted and checked (:func:`check_dialogue`, and with ``unique_ids`` a repeated
+    id as ``duplicate_id``); ``dialogue`` is None when the record could not be converted.
+    ``limit``: only the first records. ``wanted``: only the records at the positions it
+    accepts are converted and yielded (the others are parsed, to find where records are)."""
     seen: set[str] = set()
     fmt = get_format(source_cfg.format)
     images = images or EmbeddedImages(embedded_images_dir(None))
-    for index, obj, problem in _records(source_cfg.path, images, max_record_bytes):
+    for position, (index, obj, problem) in enumerate(_records(source_cfg.path, images, max_record_bytes, wanted)):
         if limit is not None and index >= limit:
             return
+        if wanted is not None and not wanted(position):
+            continue
         dialogue = None
         if problem is not None:
             problems = [problem]
@@ -268,20 +286,32 @@ def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: Ima
                     seen.add(dialogue.id)
             if problems and fmt.system_first(obj):
                 problems = [replace(p, system_first=True) for p in problems]
-        yield dialogue, problems
+        yield position, dialogue, problems
 
 
 def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path,
            max_record_bytes: int, text_limits: TextLimits | None = None, *, unique_ids: bool = True,
-           drop_exact_duplicates: bool = False, images: EmbeddedImages | None = None) -> ValidationReport:
+           drop_exact_duplicates: bool = False, images: EmbeddedImages | None = None,
+           num_proc: int = 1) -> ValidationReport:
     path = source_cfg.path
-    report = ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
+
+    def new_report() -> ValidationReport:
+        return ValidationReport(source_cfg.name, path, source_cfg.format, checker.level, max_examples)
+
+    def records(wanted: Callable[[int], bool] | None = None):
+        return _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes, text_limits=text_limits,
+                                unique_ids=unique_ids, images=images, wanted=wanted)
+
+    files = input_files(path) if is_table_input(path) else [path]
+    if (num_proc > 1 and not unique_ids and not drop_exact_duplicates
+            and parallel_read.input_bytes(files) >= parallel_read.MIN_PARALLEL_BYTES):
+        job = parallel_read.ReadJob(records, num_proc, mode, path, new_report, f"{arrow_path}.tmp-{os.getpid()}")
+        return parallel_read.read_in_parallel(job, arrow_path, report_path, max_examples)
+    report = new_report()
     writer = CacheWriter(arrow_path, report_path)
     keys = RecordKeys(max_examples)
     try:
-        records = _checked_records(source_cfg, ctx, checker, max_record_bytes=max_record_bytes,
-                                   text_limits=text_limits, unique_ids=unique_ids, images=images)
-        for position, (dialogue, problems) in enumerate(records):
+        for position, dialogue, problems in records():
             if problems:
                 if mode == "strict":
                     raise DataValidationError(problems[0].message(path))
@@ -325,15 +355,16 @@ def read_source(
         raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
     ctx = _context(source_cfg.format, source_cfg.name, image_rules(source_cfg, allow_absolute_image_paths),
                    source_cfg.move_image_to_start)
-    return list(_checked_records(source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes,
-                                 text_limits))
+    return [(dialogue, problems) for _, dialogue, problems in _checked_records(
+        source_cfg, ctx, ImageChecker(check_images, image_limits), limit, max_record_bytes, text_limits)]
 
 
 def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refresh: bool = False,
                          image_limits: "ImageLimits | None" = None) -> SourceData:
     """One training source with its data config's validation and cache settings (and the
     model's image limits): every record kept under a unique key, repeated ids counted in
-    the report (:mod:`mmtune.data.keys`). Training, ``mmtune plan`` and ``mmtune data check``
+    the report (:mod:`mmtune.data.keys`), read on ``data.num_proc`` processes (default: the
+    cores this process may use; one rank reads while the others wait for its entry). Training, ``mmtune plan`` and ``mmtune data check``
     read sources through it, so all three count the same records."""
     v = data_cfg.validation
     return load_source(
@@ -349,6 +380,7 @@ def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refr
         text_limits=TextLimits.of(v),
         unique_ids=False,
         drop_exact_duplicates=v.drop_exact_duplicates,
+        num_proc=data_cfg.num_proc or available_cores(),
     )
 
 

@@ -33,7 +33,8 @@ import hashlib
 import io
 import json
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Callable, Iterator
 
 from mmtune.data.validation import Problem
 
@@ -88,6 +89,9 @@ def input_identity(path: str) -> list[list[Any]]:
     return [[os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in input_files(path)]
 
 
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
 class EmbeddedImages:
     """Writes embedded image bytes once, named by their SHA-256, under ``folder``.
 
@@ -105,7 +109,8 @@ class EmbeddedImages:
             with PILImage.open(io.BytesIO(data)) as im:
                 ext = "." + (im.format or "img").lower()
         except Exception as err:  # PIL raises many types for bytes that are no image
-            raise ValueError(f"{type(err).__name__}: {err}") from None
+            # without the reprs of PIL's in-memory file (an address, different at every read)
+            raise ValueError(f"{type(err).__name__}: {_OBJECT_REPR.sub('the bytes', str(err))}") from None
         name = os.path.join(self.folder, hashlib.sha256(data).hexdigest() + ext)
         if self.write and not os.path.exists(name):
             os.makedirs(self.folder, exist_ok=True)
@@ -179,10 +184,11 @@ def _shard_rows(shard: str, max_record_bytes: int) -> Iterator[tuple[Any, Proble
 
 
 def iter_table_records(path: str, images: EmbeddedImages, max_record_bytes: int,
-                       ) -> Iterator[tuple[int, Any, Problem | None]]:
+                       wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Any, Problem | None]]:
     """``(index, record, problem)`` of every row of a tabular input (:func:`is_table_input`),
     shard by shard, its embedded images stored by ``images``; a problem names the shard and
-    the row in it (and the column of bytes that are no image)."""
+    the row in it (and the column of bytes that are no image). ``wanted``: only the images of
+    the rows it accepts are stored (the other rows are read by another process)."""
     index = 0
     for shard in input_files(path):
         for row_in_shard, (row, problem) in enumerate(_shard_rows(shard, max_record_bytes)):
@@ -190,7 +196,7 @@ def iter_table_records(path: str, images: EmbeddedImages, max_record_bytes: int,
                 problem = Problem(problem.code, problem.record_id, index, problem.turn_index,
                                   problem.detail if problem.code == "unreadable_shard"
                                   else f"{shard} row {row_in_shard}: {problem.detail}")
-            elif isinstance(row, dict):
+            elif isinstance(row, dict) and (wanted is None or wanted(index)):
                 bad = _unpack_images(row, images)
                 if bad is not None:
                     problem = Problem("corrupt_image", _record_id(row, index), index, None,
