@@ -8,7 +8,8 @@ the records of a JSON list are) but converts, checks and writes only the blocks 
 ``b % P == w``, each into its own Arrow shard. The parent then writes the entry: the blocks'
 rows in file order, each record's key (:mod:`mmtune.data.keys`, given in file order from the
 ids and content hashes the workers return) and the workers' reports merged, with the first
-examples and the first problem of the file, as one process would find them. So the entry,
+examples and the first problem of the file, as one process would find them. That merge runs
+in a worker too, so the training process never holds the records or their ids. So the entry,
 its report, and a strict run's error do not depend on the number of processes.
 
 Used for training sources (``unique_ids=False``) of at least :data:`MIN_PARALLEL_BYTES`
@@ -18,8 +19,10 @@ read by one process.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -143,9 +146,32 @@ def _merged_report(shares: list[_Share], report: ValidationReport) -> Validation
 _JOB: ReadJob | None = None
 
 
-def _forked_share(worker: int) -> _Share:
+def _forked_share(worker: int) -> str:
+    """Read ``worker``'s blocks; its :class:`_Share` is written beside its shard (the parent
+    never holds the records' ids), and the file's path returned."""
     assert _JOB is not None
-    return _read_share(_JOB, worker)
+    share = _read_share(_JOB, worker)
+    path = share.shard + ".share.pkl"
+    with open(path, "wb") as f:
+        pickle.dump(share, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def _forked_entry(share_paths: list[str], arrow_path: str, report_path: str, max_examples: int) -> ValidationReport:
+    """The entry written from the workers' shares (in a worker: the keys of every record and
+    the slices of the shards are built there, not in the training process)."""
+    assert _JOB is not None
+    shares = []
+    for path in share_paths:
+        with open(path, "rb") as f:
+            shares.append(pickle.load(f))
+    failures = [s.failure for s in shares if s.failure is not None]
+    if failures:
+        raise DataValidationError(min(failures)[1])
+    report = _merged_report(shares, _JOB.new_report())
+    keys = _keys_in_file_order(shares, report, max_examples)
+    _write_entry(shares, keys, report, arrow_path, report_path)
+    return report
 
 
 def read_in_parallel(job: ReadJob, arrow_path: str, report_path: str, max_examples: int) -> ValidationReport:
@@ -159,22 +185,12 @@ def read_in_parallel(job: ReadJob, arrow_path: str, report_path: str, max_exampl
     _JOB = job
     try:
         with multiprocessing.get_context("fork").Pool(job.workers) as pool:
-            shares = pool.map(_forked_share, range(job.workers))
+            share_paths = pool.map(_forked_share, range(job.workers))
+            return pool.apply(_forked_entry, (share_paths, arrow_path, report_path, max_examples))
     finally:
         _JOB = None
-    try:
-        failures = [s.failure for s in shares if s.failure is not None]
-        if failures:
-            raise DataValidationError(min(failures)[1])
-        report = _merged_report(shares, job.new_report())
-        keys = _keys_in_file_order(shares, report, max_examples)
-        _write_entry(shares, keys, report, arrow_path, report_path)
-        return report
-    finally:
-        for share in shares:
-            for name in (share.shard, share.shard + ".report.json"):
-                if os.path.exists(name):
-                    os.remove(name)
+        for name in glob.glob(glob.escape(job.shard_base) + ".part*"):
+            os.remove(name)
 
 
 def _keys_in_file_order(shares: list[_Share], report: ValidationReport, max_examples: int) -> list[str]:
