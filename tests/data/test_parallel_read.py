@@ -63,8 +63,7 @@ def _write(kind: str, records: list, root: Path) -> str:
     if kind == "json":
         path = root / "data.json"
         path.write_text(json.dumps(records, indent=1))
-    elif kind == "jsonl":  # blank lines and broken lines between the records
-        path = root / "data.jsonl"
+    elif kind in ("jsonl", "jsonl_shards"):  # blank, broken and too long lines between the records
         lines = []
         for i, record in enumerate(records):
             lines.append(json.dumps(record))
@@ -72,7 +71,16 @@ def _write(kind: str, records: list, root: Path) -> str:
                 lines.append("")
             if i % 10 == 6:
                 lines.append('{"id": "broken", ')
-        path.write_text("\n".join(lines) + "\n")
+            if i % 19 == 9:
+                lines.append(json.dumps({"id": f"long{i}", "conversations": [{"from": "human", "value": "x" * 3000}]}))
+        if kind == "jsonl":
+            path = root / "data.jsonl"
+            path.write_text("\n".join(lines) + "\n")
+        else:
+            (root / "parts").mkdir()
+            for k in range(3):
+                (root / "parts" / f"part-{k}.jsonl").write_text("\n".join(lines[k::3]) + "\n")
+            return str(root / "parts" / "part-*.jsonl")
     else:  # Parquet shards, the images embedded as bytes with "parquet_embedded"
         (root / "shards").mkdir()
         objects = [r for r in records if isinstance(r, dict)]
@@ -92,18 +100,22 @@ def _rows(loaded, cache: Path) -> str:
 
 
 def _load(path: str, root: Path, cache: Path, num_proc: int, **options):
+    """The source read through the cache; JSONL lines over 2,000 bytes are ``record_too_large``."""
     source = SourceConfig(name="s", format="llava", path=path, image_root=str(root))
-    return load_source(source, cache_dir=str(cache), unique_ids=False, num_proc=num_proc, **options)
+    return load_source(source, cache_dir=str(cache), unique_ids=False, num_proc=num_proc, max_record_bytes=2000,
+                       **options)
 
 
-@pytest.mark.parametrize("kind", ["json", "jsonl", "parquet", "parquet_embedded"])
+@pytest.mark.parametrize("kind", ["json", "jsonl", "jsonl_shards", "parquet", "parquet_embedded"])
 @pytest.mark.parametrize("bad", [False, True])
 def test_entry_and_report_do_not_depend_on_the_processes(kind, bad, tmp_path, parallel_reads):
     path = _write(kind, _records(tmp_path, 61, bad), tmp_path)
     one = _load(path, tmp_path, tmp_path / "c1", 1)
     assert len(one) > 20 and one.report.repeated_ids > 5 and one.report.exact_duplicates > 0
-    if bad:
+    if bad or kind.startswith("jsonl"):
         assert len(one.report.skipped) >= 2, one.report.render()
+    if kind.startswith("jsonl"):
+        assert {"record_too_large", "invalid_json"} <= set(one.report.skipped), one.report.render()
     for workers in (2, 3):
         many = _load(path, tmp_path, tmp_path / f"c{workers}", workers)
         assert _rows(many, tmp_path / f"c{workers}") == _rows(one, tmp_path / "c1")

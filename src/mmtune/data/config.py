@@ -200,9 +200,10 @@ class DataConfig:
     large share is repeated (``mmtune plan`` says how often). Empty: each file once."""
 
     num_proc: Optional[int] = None
-    """Processes of the length pass on each rank (batched tokenisation, forked workers).
-    ``None``: the cores this rank may use (its CPU affinity divided by the ranks on the
-    node). The lengths do not depend on it."""
+    """Forked processes that read a large source into the cache (rank 0 reads while the other
+    ranks wait; ``None``: the cores it may use) and that measure lengths on each rank
+    (``None``: its CPU affinity divided by the ranks on the node). Neither the cache entries
+    nor the lengths depend on it."""
 
     image_root: Optional[str] = None
     """The image root of the sources made from ``files`` (``None``: each file's own

@@ -245,11 +245,11 @@ def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
 
 
 def _records(path: str, images: EmbeddedImages, max_record_bytes: int, wanted: Callable[[int], bool] | None = None):
-    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`;
-    ``wanted``: the rows whose embedded images are stored; a row's index is its position)."""
+    """``(index, record, problem)`` of a JSON / JSONL file or a tabular input (:mod:`mmtune.data.tables`);
+    ``wanted``: the positions whose records are decoded (where the format allows skipping the others)."""
     if is_table_input(path):
         return iter_table_records(path, images, max_record_bytes, wanted)
-    return iter_records(path, max_record_bytes)
+    return iter_records(path, max_record_bytes, wanted)
 
 
 def _checked_records(source_cfg: SourceConfig, ctx: ConvertContext, checker: ImageChecker, limit: int | None = None,

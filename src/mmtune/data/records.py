@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, BinaryIO, Iterator, TextIO
+from typing import Any, BinaryIO, Callable, Iterator, TextIO
 
 from mmtune.data.validation import DataValidationError, Problem
 
@@ -342,8 +342,11 @@ def _named_id(raw: bytes) -> str | None:
     return _element_extent(text, len(text) - len(text.lstrip()))[2]
 
 
-def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
+def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES,
+               wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Any, Problem | None]]:
     """Yield ``(line_index, value, problem)`` for each non-blank line of a JSONL file.
+    ``wanted``: the lines whose position among those yielded it refuses are not decoded
+    (yielded as ``(line_index, None, None)``: another process reads them).
 
     A line that is not UTF-8, not JSON, nested deeper than the parser follows, or holds
     an escape such as ``\\ud800`` that is no character is yielded with its problem; the
@@ -353,7 +356,7 @@ def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[
     so memory stays bounded by the limit however long the line is.
     """
     with open(path, "rb") as f:
-        index = -1
+        index = position = -1
         while True:
             raw, size, found = _read_line(f, max_record_bytes)
             if not size:
@@ -361,12 +364,17 @@ def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[
             index += 1
             rid = f"line {index + 1}"
             if raw is None:
+                position += 1
                 named = f"record id {found!r}, " if found else ""
                 yield index, None, Problem("record_too_large", rid, index, None,
                                            f"{named}{size} bytes, above data.validation.max_record_bytes="
                                            f"{max_record_bytes}")
                 continue
             if not raw.strip():
+                continue
+            position += 1
+            if wanted is not None and not wanted(position):
+                yield index, None, None
                 continue
             try:
                 text = raw.decode("utf-8")
@@ -389,10 +397,13 @@ def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[
             yield index, value, problem
 
 
-def iter_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, Any, Problem | None]]:
+def iter_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES,
+                 wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Any, Problem | None]]:
     """Records of a JSON list or JSONL file, whichever it is, none read past ``max_record_bytes``
     (a JSONL line above it is a ``record_too_large`` problem; a JSON list element above it
-    fails the file, whose structure cannot then be followed)."""
+    fails the file, whose structure cannot then be followed). ``wanted``: a JSONL file's lines
+    at the positions it refuses are not decoded (see :func:`iter_jsonl`; a JSON list is parsed
+    whole, to find its elements)."""
     head = b""
     with open(path, "rb") as f:
         while not head:
@@ -403,4 +414,4 @@ def iter_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterato
     if head.startswith(b"["):
         yield from iter_json_array(path, max_record_bytes=max_record_bytes)
     else:
-        yield from iter_jsonl(path, max_record_bytes)
+        yield from iter_jsonl(path, max_record_bytes, wanted)

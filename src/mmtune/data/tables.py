@@ -152,31 +152,48 @@ def _record_id(row: Any, index: int) -> str:
     return str(rid) if rid is not None else f"#{index}"
 
 
-def _arrow_batches(shard: str) -> Iterator[list[dict]]:
-    """Rows of one Parquet or Arrow shard, a batch of Python dicts at a time."""
+def _arrow_batches(shard: str) -> Iterator[Any]:
+    """Record batches of one Parquet or Arrow shard."""
     if shard.lower().endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(shard).iter_batches(batch_size=_ROWS_PER_BATCH):
-            yield batch.to_pylist()
+        yield from pq.ParquetFile(shard).iter_batches(batch_size=_ROWS_PER_BATCH)
         return
     from datasets import Dataset
 
     table = Dataset.from_file(shard).data  # memory-mapped, as datasets wrote it
-    for batch in table.to_batches(max_chunksize=_ROWS_PER_BATCH):
-        yield batch.to_pylist()
+    yield from table.to_batches(max_chunksize=_ROWS_PER_BATCH)
 
 
-def _shard_rows(shard: str, max_record_bytes: int) -> Iterator[tuple[Any, Problem | None]]:
-    """``(row, problem)`` of one shard; a shard that cannot be opened is one problem row."""
+def _batch_rows(batch: Any, first: int, wanted: Callable[[int], bool] | None) -> list:
+    """A batch's rows as Python dicts, ``None`` for the rows (at ``first + k``) ``wanted`` refuses."""
+    if wanted is None:
+        return batch.to_pylist()
+    keep = [wanted(first + k) for k in range(batch.num_rows)]
+    if all(keep):
+        return batch.to_pylist()
+    if not any(keep):
+        return [None] * batch.num_rows
+    rows = iter(batch.filter(keep).to_pylist())
+    return [next(rows) if kept else None for kept in keep]
+
+
+def _shard_rows(shard: str, max_record_bytes: int, first: int = 0,
+                wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[Any, Problem | None]]:
+    """``(row, problem)`` of one shard, whose first row is record ``first`` of the input; a shard
+    that cannot be opened is one problem row; rows ``wanted`` refuses are ``None`` (not converted)."""
+    local = None if wanted is None else (lambda k: wanted(first + k))
     if shard.lower().endswith((".json", ".jsonl")):
         from mmtune.data.records import iter_records
 
-        for _, obj, problem in iter_records(shard, max_record_bytes):
+        for _, obj, problem in iter_records(shard, max_record_bytes, local):
             yield obj, problem
         return
     try:
-        for rows in _arrow_batches(shard):
+        done = 0
+        for batch in _arrow_batches(shard):
+            rows = _batch_rows(batch, done, local)
+            done += batch.num_rows
             yield from ((row, None) for row in rows)
     except Exception as err:  # pyarrow / datasets raise many types for a broken shard
         yield None, Problem("unreadable_shard", os.path.basename(shard), 0, None,
@@ -187,11 +204,12 @@ def iter_table_records(path: str, images: EmbeddedImages, max_record_bytes: int,
                        wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, Any, Problem | None]]:
     """``(index, record, problem)`` of every row of a tabular input (:func:`is_table_input`),
     shard by shard, its embedded images stored by ``images``; a problem names the shard and
-    the row in it (and the column of bytes that are no image). ``wanted``: only the images of
-    the rows it accepts are stored (the other rows are read by another process)."""
+    the row in it (and the column of bytes that are no image). ``wanted``: only the rows it
+    accepts are converted and their images stored (another process reads the others: they
+    are yielded as ``None``)."""
     index = 0
     for shard in input_files(path):
-        for row_in_shard, (row, problem) in enumerate(_shard_rows(shard, max_record_bytes)):
+        for row_in_shard, (row, problem) in enumerate(_shard_rows(shard, max_record_bytes, index, wanted)):
             if problem is not None:
                 problem = Problem(problem.code, problem.record_id, index, problem.turn_index,
                                   problem.detail if problem.code == "unreadable_shard"
