@@ -2,7 +2,8 @@
 
     python bench/data_scale.py --n 665000 --n-mmdu 45000      # the paper's sizes (hours on 2 cores)
     python bench/data_scale.py --n 20000 --n-mmdu 2000        # minutes
-    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1   # a 10M-record mix (a JSON list)
+    python bench/data_scale.py --n 10000000 --n-mmdu 0 --only head --ranks 1 --kinds cold --jsonl-shards 20
+        # a 10M-record mix as 20 JSONL shards
 
 It generates a mix shaped like the paper's own data (``data=add_to_pool``): a
 llava-665k-shaped JSON list (COCO records named by their image id, several conversations per
@@ -164,14 +165,33 @@ def _write_parquet(llava_json: Path, folder: Path, image_root: Path, shards: int
         pq.write_table(table, folder / f"train-{s:05d}-of-{shards:05d}.parquet")
 
 
-def generate(root: Path, n: int, n_mmdu: int, pool: int, parquet: bool) -> None:
+def _write_jsonl_shards(folder: Path, records, shards: int, n: int) -> None:
+    """``records`` (``n`` of them) as ``part-0000k.jsonl`` shards of equal size, in order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per = -(-n // shards)
+    out = None
+    for k, record in enumerate(records):
+        if k % per == 0:
+            if out:
+                out.close()
+            out = open(folder / f"part-{k // per:05d}.jsonl", "w", encoding="utf-8")
+        out.write(json.dumps(record) + "\n")
+    if out:
+        out.close()
+
+
+def generate(root: Path, n: int, n_mmdu: int, pool: int, parquet: bool, jsonl_shards: int = 0) -> None:
     rng = random.Random(0)
     for k in range(pool):
         colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
         for rel in (f"llava/coco/train2017/{k:012d}.jpg", f"llava/gqa/images/{k}.jpg", f"mmdu/mmdu-45k_pics/{k}.jpg"):
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_bytes(_jpeg(colour))
-    _write_json_list(root / "llava" / "llava_v1_5_mix665k.json", _llava_records(n, rng, pool))
+    if jsonl_shards:  # the llava part as JSONL shards instead of one JSON list (no Parquet copy)
+        _write_jsonl_shards(root / "llava", _llava_records(n, rng, pool), jsonl_shards, n)
+        parquet = False
+    else:
+        _write_json_list(root / "llava" / "llava_v1_5_mix665k.json", _llava_records(n, rng, pool))
     _write_json_list(root / "mmdu" / "mmdu-45k.json", _mmdu_records(n_mmdu, rng, pool))
     if parquet:
         _write_parquet(root / "llava" / "llava_v1_5_mix665k.json", root / "llava_parquet" / "data", root / "llava",
@@ -234,11 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-files", action="store_true", help="skip the Parquet / data.files runs of this tree")
     ap.add_argument("--base", default=BASE_COMMIT, help="the commit compared with (default: before this work)")
     ap.add_argument("--work", help="folder for data and runs (default: a temporary one, removed)")
+    ap.add_argument("--jsonl-shards", type=int, default=0, metavar="K",
+                    help="write the llava part as K JSONL shards, read through data.files (this tree only)")
     args = ap.parse_args(argv)
+    if args.jsonl_shards and args.only != "head":
+        ap.error("--jsonl-shards reads a glob of shards, which the older commit cannot: add --only head")
     tmp = Path(args.work or tempfile.mkdtemp(prefix="data_scale-"))
     data = tmp / "data"
     t = time.time()
-    generate(data, args.n, args.n_mmdu, args.images, parquet=args.only != "base")
+    generate(data, args.n, args.n_mmdu, args.images, parquet=args.only != "base" and not args.no_files,
+             jsonl_shards=args.jsonl_shards)
     print(f"generated {args.n} llava-shaped + {args.n_mmdu} MMDU-shaped records in {time.time() - t:.0f} s "
           f"(not counted) under {data}")
     trees: dict[str, Path] = {} if args.only == "base" else {"head": REPO}
@@ -249,11 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in args.ranks:
             for side, tree in sorted(trees.items()):
                 cache = tmp / "runs" / f"{side}-{ranks}" / "cache"
+                files = None
+                if args.jsonl_shards:
+                    files = [str(data / "llava" / "part-*.jsonl")]  # beside the images: the default image root
+                    files += [str(data / "mmdu" / "mmdu-45k.json")] if args.n_mmdu else []
                 for launch_kind in args.kinds:
                     name = f"{side} {ranks}r {launch_kind}"
-                    results[name] = launch(tree, ranks, tmp / "runs" / f"{side}-{ranks}" / launch_kind, cache, data)
+                    results[name] = launch(tree, ranks, tmp / "runs" / f"{side}-{ranks}" / launch_kind, cache, data,
+                                           files)
                     print(_row(name, results[name]), flush=True)
-        if "head" in trees and not args.no_files:
+        if "head" in trees and not args.no_files and not args.jsonl_shards:
             llava = str(data / "llava" / "llava_v1_5_mix665k.json")
             mmdu = str(data / "mmdu" / "mmdu-45k.json")
             pq_glob = str(data / "llava_parquet" / "data" / "train-*.parquet")

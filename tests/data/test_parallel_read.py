@@ -153,3 +153,11 @@ def test_a_broken_json_list_fails_as_on_one_process(tmp_path, parallel_reads):
     with pytest.raises(DataValidationError) as many:
         _load(str(path), tmp_path, tmp_path / "c2", 2)
     assert str(many.value) == str(one.value) and parallel_reads == [2]
+
+
+@pytest.mark.parametrize("text", ["[]", "", "\n\n"])
+def test_an_empty_source_gives_an_empty_entry(text, tmp_path, parallel_reads):
+    path = tmp_path / ("data.json" if text == "[]" else "data.jsonl")
+    path.write_text(text)
+    loaded = _load(str(path), tmp_path, tmp_path / "c", 2)
+    assert len(loaded) == 0 and loaded.report.records_read == 0 and parallel_reads == [2]
