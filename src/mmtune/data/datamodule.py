@@ -125,6 +125,7 @@ class SFTDataModule:
         from mmtune.data.collator import MultiImageDataset
         from mmtune.data.loss_report import DataLossReport, lengths_per_source
         from mmtune.data.mixture import build_mixture
+        from mmtune.data.parallel_read import available_cores
 
         if self.adapter is None:
             raise RuntimeError("SFTDataModule.setup() needs connect(adapter, ...) first")
@@ -133,7 +134,11 @@ class SFTDataModule:
         cfg = self.collator_config
         cfg.validate()
         with self._rank_zero_first():  # one rank reads and caches the files; the others open its cache
-            self.mixture = build_mixture(self.data_config,
+            # rank 0 reads alone (all its cores); the others find its entries, or on a node
+            # that does not share the cache build theirs at once, a share of the cores each
+            readers = self.data_config.num_proc or (available_cores() if self.rank == 0
+                                                    else rank_cores(self.world_size))
+            self.mixture = build_mixture(self.data_config, num_proc=readers,
                                          image_limits=getattr(self.adapter.config, "image_limits", None))
         # The plan is built over all ranks' samples and then dealt out by batch (not by
         # sample), so token-budget and packed batches stay whole and ranks never overlap.
@@ -457,12 +462,10 @@ def rank_cores(world_size: int) -> int:
     """The cores one rank may use: this process's CPU affinity shared by the ranks on the node."""
     import os
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cores = os.cpu_count() or 1
+    from mmtune.data.parallel_read import available_cores
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
-    return max(1, cores // max(1, local))
+    return max(1, available_cores() // max(1, local))
 
 
 def layout_problem(state: dict[str, Any], world_size: int, accumulation: int, *, processes_per_rank: int = 1) -> str:

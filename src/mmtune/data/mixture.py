@@ -287,14 +287,16 @@ class Mixture:
         return np.concatenate([s.estimated_tokens(tpi) for s in self.sources]) if self.sources else np.zeros(0)
 
 
-def build_mixture(data_cfg: DataConfig, *, refresh: bool = False, image_limits: Any = None) -> Mixture:
+def build_mixture(data_cfg: DataConfig, *, refresh: bool = False, image_limits: Any = None,
+                  num_proc: int | None = None) -> Mixture:
     """Load (through the cache), validate, optionally stack, and mix a data config's sources;
-    ``image_limits``: the model's ``model.image_limits`` (default: the defaults)."""
+    ``image_limits``: the model's ``model.image_limits`` (default: the defaults); ``num_proc``:
+    processes reading a large source (default: ``data.num_proc``, else this process's cores)."""
     from mmtune.data.readers import load_sources
     from mmtune.data.stacking import stack_source
 
     data_cfg.validate()
-    sources: list[Any] = load_sources(data_cfg, refresh=refresh, image_limits=image_limits)
+    sources: list[Any] = load_sources(data_cfg, refresh=refresh, image_limits=image_limits, num_proc=num_proc)
     st = data_cfg.stacking
     if st.enabled:
         tpi = data_cfg.mixture.tokens_per_image

@@ -32,7 +32,7 @@ from mmtune.data.cache import CacheWriter, cache_row
 from mmtune.data.keys import RecordKeys, content_hash
 from mmtune.data.validation import DataValidationError, Problem, ValidationReport
 
-__all__ = ["BLOCK", "MIN_PARALLEL_BYTES", "ReadJob", "read_in_parallel", "input_bytes"]
+__all__ = ["BLOCK", "MIN_PARALLEL_BYTES", "ReadJob", "available_cores", "input_bytes", "read_in_parallel"]
 
 BLOCK = 2048
 """Records per block dealt to one worker (long enough that a worker's skipped blocks cost
@@ -42,6 +42,14 @@ MIN_PARALLEL_BYTES = 16 << 20
 """Smallest input read by several processes: below it, forking costs more than it saves."""
 
 Records = Callable[[Callable[[int], bool]], Iterator[tuple[int, Any, list[Problem]]]]
+
+
+def available_cores() -> int:
+    """The cores this process may use (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def input_bytes(files: list[str]) -> int:

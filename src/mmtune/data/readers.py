@@ -41,14 +41,6 @@ from mmtune.data.validation import (DataValidationError, ImageChecker, Problem, 
                                     check_dialogue)
 
 
-def available_cores() -> int:
-    """The cores this process may use (its CPU affinity)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
-
-
 def _context(fmt: str, source: str, rules: ImagePathRules, move_image_to_start: bool | None) -> ConvertContext:
     """The conversion context of a source; ``move_image_to_start=None``: the format's default."""
     default = get_format(fmt).image_to_start
@@ -360,11 +352,11 @@ def read_source(
 
 
 def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refresh: bool = False,
-                         image_limits: "ImageLimits | None" = None) -> SourceData:
+                         image_limits: "ImageLimits | None" = None, num_proc: int | None = None) -> SourceData:
     """One training source with its data config's validation and cache settings (and the
     model's image limits): every record kept under a unique key, repeated ids counted in
-    the report (:mod:`mmtune.data.keys`), read on ``data.num_proc`` processes (default: the
-    cores this process may use; one rank reads while the others wait for its entry). Training, ``mmtune plan`` and ``mmtune data check``
+    the report (:mod:`mmtune.data.keys`), read on ``num_proc`` processes (default:
+    ``data.num_proc``, else the cores this process may use). Training, ``mmtune plan`` and ``mmtune data check``
     read sources through it, so all three count the same records."""
     v = data_cfg.validation
     return load_source(
@@ -380,14 +372,14 @@ def load_training_source(source_cfg: SourceConfig, data_cfg: DataConfig, *, refr
         text_limits=TextLimits.of(v),
         unique_ids=False,
         drop_exact_duplicates=v.drop_exact_duplicates,
-        num_proc=data_cfg.num_proc or available_cores(),
+        num_proc=num_proc or data_cfg.num_proc or parallel_read.available_cores(),
     )
 
 
-def load_sources(data_cfg: DataConfig, *, refresh: bool = False,
-                 image_limits: "ImageLimits | None" = None) -> list[SourceData]:
+def load_sources(data_cfg: DataConfig, *, refresh: bool = False, image_limits: "ImageLimits | None" = None,
+                 num_proc: int | None = None) -> list[SourceData]:
     """Every source of a data config as training reads it (:func:`load_training_source`)."""
-    return [load_training_source(s, data_cfg, refresh=refresh, image_limits=image_limits)
+    return [load_training_source(s, data_cfg, refresh=refresh, image_limits=image_limits, num_proc=num_proc)
             for s in data_cfg.mixture.sources]
 
 
