@@ -262,10 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(args.work or tempfile.mkdtemp(prefix="data_scale-"))
     data = tmp / "data"
     t = time.time()
-    generate(data, args.n, args.n_mmdu, args.images, parquet=args.only != "base" and not args.no_files,
-             jsonl_shards=args.jsonl_shards)
-    print(f"generated {args.n} llava-shaped + {args.n_mmdu} MMDU-shaped records in {time.time() - t:.0f} s "
-          f"(not counted) under {data}")
+    shape = {"n": args.n, "n_mmdu": args.n_mmdu, "images": args.images, "jsonl_shards": args.jsonl_shards,
+             "parquet": args.only != "base" and not args.no_files}
+    marker = data / "generated.json"
+    if marker.exists() and json.loads(marker.read_text()) == shape:  # a --work folder of the same mix
+        print(f"using the {args.n} + {args.n_mmdu} records generated earlier under {data}")
+    else:
+        shutil.rmtree(data, ignore_errors=True)
+        generate(data, args.n, args.n_mmdu, args.images, parquet=shape["parquet"], jsonl_shards=args.jsonl_shards)
+        marker.write_text(json.dumps(shape))
+        print(f"generated {args.n} llava-shaped + {args.n_mmdu} MMDU-shaped records in {time.time() - t:.0f} s "
+              f"(not counted) under {data}")
     trees: dict[str, Path] = {} if args.only == "base" else {"head": REPO}
     if args.only != "head":
         trees["base"] = _base_tree(tmp, args.base)

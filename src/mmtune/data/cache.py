@@ -73,8 +73,10 @@ def entry_paths(cache_dir: str, source: str, key: str) -> tuple[str, str]:
 class CacheWriter:
     """Streams rows into a new cache entry; :meth:`commit` makes it visible atomically.
 
-    Rows are buffered and written in batches because ``write_batch`` converts a whole
-    column at once, which is several times faster than row by row.
+    Rows are buffered as flat columns (every segment's text and image path in two lists, with
+    the offsets of each turn's segments and each row's turns) and written a batch at a time
+    as Arrow arrays built from them: no Python dict per segment, and one conversion per
+    column, several times faster than row by row.
     """
 
     def __init__(self, arrow_path: str, report_path: str, batch_size: int = 1000):
@@ -82,19 +84,70 @@ class CacheWriter:
         self.arrow_path, self.report_path = arrow_path, report_path
         self._tmp = f"{arrow_path}.tmp-{os.getpid()}"
         self._writer = ArrowWriter(features=FEATURES, path=self._tmp, writer_batch_size=batch_size)
-        self._batch: dict[str, list] = {k: [] for k in FEATURES}
         self._batch_size = batch_size
+        self._clear()
 
-    def add(self, row: dict[str, Any]) -> None:
-        for k, col in self._batch.items():
-            col.append(row[k])
-        if len(self._batch["id"]) >= self._batch_size:
+    def _clear(self) -> None:
+        self._rows: dict[str, list] = {k: [] for k in ("id", "key", "source", "roles", "num_images", "num_chars")}
+        self._texts: list[str | None] = []
+        self._images: list[str | None] = []
+        self._segment_starts = [0]  # per turn
+        self._turn_starts = [0]  # per row
+
+    def add_dialogue(self, d: Dialogue, key: str | None = None) -> None:
+        """One dialogue as a row (its key: default its id), with its image and character counts."""
+        texts, images, starts = self._texts, self._images, self._segment_starts
+        n_img = n_chars = 0
+        roles = []
+        for turn in d.turns:
+            roles.append(turn.role)
+            for segment in turn.segments:
+                if isinstance(segment, str):
+                    texts.append(segment)
+                    images.append(None)
+                    n_chars += len(segment)
+                else:
+                    texts.append(None)
+                    images.append(segment.path)
+                    n_img += 1
+            starts.append(len(texts))
+        self._turn_starts.append(len(starts) - 1)
+        rows = self._rows
+        rows["id"].append(d.id)
+        rows["key"].append(d.id if key is None else key)
+        rows["source"].append(d.source)
+        rows["roles"].append(roles)
+        rows["num_images"].append(n_img)
+        rows["num_chars"].append(n_chars)
+        if len(rows["id"]) >= self._batch_size:
             self._flush()
 
+    def add(self, row: dict[str, Any]) -> None:
+        """A row in the cache's layout: :meth:`Dialogue.to_record` with its ``key`` (and counts,
+        recomputed)."""
+        turns = tuple(Turn(role, tuple(seg["text"] if seg["image"] is None else Image(seg["image"]) for seg in segs))
+                      for role, segs in zip(row["roles"], row["segments"]))
+        self.add_dialogue(Dialogue(row["id"], row["source"], turns), row["key"])
+
     def _flush(self) -> None:
-        if self._batch["id"]:
-            self._writer.write_batch(self._batch)
-            self._batch = {k: [] for k in FEATURES}
+        if not self._rows["id"]:
+            return
+        import pyarrow as pa
+
+        segments = pa.StructArray.from_arrays([pa.array(self._texts, pa.string()), pa.array(self._images, pa.string())],
+                                              names=["text", "image"])
+        per_turn = pa.ListArray.from_arrays(pa.array(self._segment_starts, pa.int32()), segments)
+        columns = {
+            "id": pa.array(self._rows["id"], pa.string()),
+            "key": pa.array(self._rows["key"], pa.string()),
+            "source": pa.array(self._rows["source"], pa.string()),
+            "roles": pa.array(self._rows["roles"], pa.list_(pa.string())),
+            "segments": pa.ListArray.from_arrays(pa.array(self._turn_starts, pa.int32()), per_turn),
+            "num_images": pa.array(self._rows["num_images"], pa.int32()),
+            "num_chars": pa.array(self._rows["num_chars"], pa.int64()),
+        }
+        self._writer.write_table(pa.table({name: columns[name] for name in FEATURES}))
+        self._clear()
 
     def add_table(self, table) -> None:
         """Rows already in the cache's layout (an Arrow table of :data:`FEATURES`), after the rows added."""
@@ -207,21 +260,5 @@ def _dialogues_from_arrow(table) -> Iterator[Dialogue]:
         yield Dialogue(id=dialogue_id, source=sources[row], turns=turns, meta={"key": keys[row]})
 
 
-def cache_row(d: Dialogue, key: str | None = None) -> dict[str, Any]:
-    """A dialogue as a cache row: :meth:`Dialogue.to_record`, its unique key (default: its id)
-    and its image and character counts."""
-    row = d.to_record()
-    row["key"] = d.id if key is None else key
-    n_img = n_chars = 0
-    for t in d.turns:
-        for s in t.segments:
-            if isinstance(s, str):
-                n_chars += len(s)
-            else:
-                n_img += 1
-    row["num_images"], row["num_chars"] = n_img, n_chars
-    return row
-
-
-__all__ = ["READER_VERSION", "FEATURES", "cache_key", "entry_paths", "CacheWriter", "open_entry", "cache_row",
+__all__ = ["READER_VERSION", "FEATURES", "cache_key", "entry_paths", "CacheWriter", "open_entry",
            "DialogueSequence"]

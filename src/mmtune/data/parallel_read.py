@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from mmtune.data.cache import CacheWriter, cache_row
+from mmtune.data.cache import CacheWriter
 from mmtune.data.keys import RecordKeys, content_hash
 from mmtune.data.validation import DataValidationError, Problem, ValidationReport
 
@@ -103,7 +103,7 @@ def _read_share(job: ReadJob, worker: int) -> _Share:
                 _add_skipped(share, position, problems)
                 continue
             report.add_kept(dialogue)
-            writer.add(cache_row(dialogue))
+            writer.add_dialogue(dialogue)
             block = position // BLOCK
             share.rows_per_block[block] = share.rows_per_block.get(block, 0) + 1
             positions.append(position)

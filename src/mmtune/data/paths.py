@@ -77,15 +77,27 @@ def real_path(path: str) -> str:
     hundreds of thousands of images in a few folders, and resolving every component of every
     path again (an ``lstat`` each) was most of the cost of reading llava-665k. The file itself
     is still checked (one ``lstat``): a symlinked image resolves in full."""
-    path = os.path.abspath(path)
+    return _real_of_normal(os.path.abspath(path))
+
+
+def _real_of_normal(path: str) -> str:
+    """:func:`real_path` of an absolute, normalised path."""
     if os.path.islink(path):
         return os.path.realpath(path)
-    folder, name = os.path.split(path)
-    return os.path.join(_real_folder(folder), name) if name else _real_folder(folder)
+    folder, sep, name = path.rpartition(os.sep)
+    if not name or not sep:
+        return _real_folder(path)
+    real = _real_folder(folder or os.sep)
+    return real + name if real.endswith(os.sep) else real + os.sep + name
 
 
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
     return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+def _under(path: str, root: str, prefix: str) -> bool:
+    """``path`` is ``root`` or inside it (``prefix``: the root with one trailing separator)."""
+    return path == root or path.startswith(prefix)
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,11 @@ class ImagePathRules:
     def abs_root(self) -> str:
         return os.path.normpath(os.path.abspath(self.root))
 
+    @functools.cached_property
+    def _prefixes(self) -> tuple[str, str]:
+        """The absolute and the real root, each with one trailing separator."""
+        return self.abs_root.rstrip(os.sep) + os.sep, self.real_root.rstrip(os.sep) + os.sep
+
     def describe(self) -> str:
         """The rule in one line, for ``mmtune data check``."""
         rooted = "relative and rooted (/dir/x.jpg) paths" if self.join_rooted else "relative paths"
@@ -126,14 +143,15 @@ class ImagePathRules:
 
     def _contained(self, joined: str, how: str) -> ResolvedImage:
         joined = os.path.normpath(joined)
-        if not _inside(joined, (self.abs_root,)):
+        abs_prefix, real_prefix = self._prefixes
+        if not _under(joined, self.abs_root, abs_prefix):
             return ResolvedImage(
                 joined, how, "path_outside_root",
                 f"{joined} ({how}) climbs out of the image root {os.path.abspath(self.root)} through '..'; "
                 "fix the path in the data file or point image_root at the folder holding it",
             )
-        real = real_path(joined)
-        if _inside(real, (self.real_root,)):
+        real = _real_of_normal(joined)  # joined is absolute: the root is
+        if _under(real, self.real_root, real_prefix):
             return ResolvedImage(joined, how, root=self.real_root)
         if self.allow_absolute:
             return ResolvedImage(joined, how)

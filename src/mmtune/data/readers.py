@@ -27,7 +27,7 @@ import numpy as np
 
 from mmtune.core.dialogue import Dialogue
 from mmtune.core.images import ImageLimits
-from mmtune.data.cache import CacheWriter, DialogueSequence, cache_key, cache_row, entry_paths, open_entry
+from mmtune.data.cache import CacheWriter, DialogueSequence, cache_key, entry_paths, open_entry
 from mmtune.data.config import IMAGE_CHECKS, MODES, DataConfig, SourceConfig, default_cache_dir
 from mmtune.data.formats import ConvertContext, get_format
 from mmtune.data.formats.conversations import LLAVA_PLACEHOLDER, MMDU_PLACEHOLDER
@@ -314,7 +314,7 @@ def _build(source_cfg, ctx, mode, checker, max_examples, arrow_path, report_path
                 report.add_dropped()
                 continue
             report.add_kept(dialogue)
-            writer.add(cache_row(dialogue, key))
+            writer.add_dialogue(dialogue, key)
         report.add_repeats(keys.repeated, keys.exact, keys.examples)
         writer.commit(report.to_dict())
     except BaseException:

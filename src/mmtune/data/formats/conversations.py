@@ -21,6 +21,8 @@ MMDU_PLACEHOLDER = "<ImageHere>"
 
 
 def _split(text: str, placeholder: str, images: Iterator[Image]) -> tuple:
+    if placeholder not in text:  # most turns
+        return (text,) if text else ()
     parts = text.split(placeholder)
     segments: list = []
     for i, part in enumerate(parts):
