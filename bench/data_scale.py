@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     data = tmp / "data"
     t = time.time()
     shape = {"n": args.n, "n_mmdu": args.n_mmdu, "images": args.images, "jsonl_shards": args.jsonl_shards,
-             "parquet": args.only != "base" and not args.no_files}
+             "parquet": args.only != "base" and not args.no_files and not args.jsonl_shards}
     marker = data / "generated.json"
     if marker.exists() and json.loads(marker.read_text()) == shape:  # a --work folder of the same mix
         print(f"using the {args.n} + {args.n_mmdu} records generated earlier under {data}")

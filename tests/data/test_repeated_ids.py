@@ -140,3 +140,29 @@ def test_llava_shaped_file_trains_every_record_once_per_epoch_and_resumes_exactl
     ref = {m["step"]: m["train/loss"] for m in read_jsonl(run.reference_dir / "metrics.jsonl")}
     assert [m["train/loss"] for m in metrics if m["step"] > run.resume_step] == \
         [ref[m["step"]] for m in metrics if m["step"] > run.resume_step]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keys_of_whole_arrays_equal_record_keys(seed):
+    """keys_in_file_order (what a parallel read computes) gives RecordKeys' keys, counts and examples:
+    ids repeated near and far, exact duplicates, records out of position order, and ids holding '@'
+    (some equal to a key generated for an earlier record)."""
+    import random
+
+    import numpy as np
+
+    from mmtune.data.keys import RecordKeys, keys_in_file_order
+
+    rng = random.Random(seed)
+    n = rng.randint(0, 300)
+    pool = [f"id{k}" for k in range(rng.randint(1, 60))]
+    if seed % 2:
+        pool += ["id3@7", "x@1", "id1@4"]
+    ids = [rng.choice(pool) for _ in range(n)]
+    contents = np.array([hash((rid, rng.randint(0, 2))) for rid in ids], dtype=np.int64)
+    positions = np.cumsum([rng.randint(1, 3) for _ in range(n)]).astype(np.int64) if n else np.zeros(0, np.int64)
+    reference = RecordKeys(3)
+    expected = [reference.add_content(rid, int(c), int(p))[0] for rid, c, p in zip(ids, contents, positions)]
+    keys, repeated, exact, examples = keys_in_file_order(ids, contents, positions, 3)
+    assert keys.to_pylist() == expected
+    assert (repeated, exact, examples) == (reference.repeated, reference.exact, reference.examples)

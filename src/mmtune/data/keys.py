@@ -28,9 +28,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    import pyarrow as pa
+
     from mmtune.core.dialogue import Dialogue
 
-__all__ = ["RecordKeys", "content_hash", "record_key"]
+__all__ = ["RecordKeys", "content_hash", "keys_in_file_order", "record_key"]
 
 
 def record_key(dialogue: "Dialogue") -> str:
@@ -87,3 +90,39 @@ class RecordKeys:
             key = f"{key}@{position}"
         self._first[key] = position
         return key, exact
+
+
+def keys_in_file_order(ids: "list[str] | pa.Array", contents: "np.ndarray", positions: "np.ndarray",
+                       max_examples: int = 5) -> tuple["pa.Array", int, int, list[str]]:
+    """What :class:`RecordKeys` gives records added in file order (their ids, content hashes and
+    positions), computed on whole arrays: ``(keys, repeated, exact, examples)``. For millions
+    of records read by several processes (:mod:`mmtune.data.parallel_read`); ids holding ``@``
+    (which a generated key could equal) go through :class:`RecordKeys` itself."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    names = ids if isinstance(ids, pa.Array) else pa.array(ids, pa.string())
+    if len(names) and pc.any(pc.match_substring(names, "@")).as_py():
+        keys = RecordKeys(max_examples)
+        found = [keys.add_content(rid, int(c), int(p))[0] for rid, c, p in zip(names.to_pylist(), contents, positions)]
+        return pa.array(found, pa.string()), keys.repeated, keys.exact, keys.examples
+    n = len(names)
+    codes = names.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    unique, first = np.unique(codes, return_index=True)
+    repeat = np.ones(n, dtype=bool)
+    repeat[first] = False
+    # an exact duplicate: the id and content hash of an earlier record
+    by_content = np.lexsort((np.arange(n), contents, codes))
+    same = (codes[by_content][1:] == codes[by_content][:-1]) & (contents[by_content][1:] == contents[by_content][:-1])
+    exact = np.zeros(n, dtype=bool)
+    exact[by_content[1:][same]] = True
+    generated = pc.binary_join_element_wise(names, pa.array(positions).cast(pa.string()), "@")
+    keys = pc.if_else(pa.array(repeat), generated, names)
+    first_of = np.zeros(int(unique.max()) + 1 if n else 0, dtype=np.int64)
+    first_of[unique] = positions[first]
+    examples = []
+    for i in np.flatnonzero(repeat)[:max_examples].tolist():
+        same_text = "the same conversation" if exact[i] else "another conversation"
+        examples.append(f"{names[i].as_py()!r} at #{first_of[codes[i]]} and #{positions[i]} ({same_text})")
+    return keys, int(repeat.sum()), int(exact.sum()), examples

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import pyarrow as pa
 
 from mmtune.data.cache import CacheWriter
-from mmtune.data.keys import RecordKeys, content_hash
+from mmtune.data.keys import content_hash, keys_in_file_order
 from mmtune.data.validation import DataValidationError, Problem, ValidationReport
 
 __all__ = ["BLOCK", "MIN_PARALLEL_BYTES", "ReadJob", "available_cores", "input_bytes", "read_in_parallel"]
@@ -78,7 +79,8 @@ class _Share:
     shard: str
     rows_per_block: dict[int, int]
     positions: np.ndarray
-    ids: list[str]
+    ids: Any
+    """The kept records' ids: a list while reading, an Arrow array when returned."""
     contents: np.ndarray
     report: ValidationReport
     example_positions: dict[str, list[int]] = field(default_factory=dict)
@@ -115,6 +117,7 @@ def _read_share(job: ReadJob, worker: int) -> _Share:
         raise
     share.positions = np.asarray(positions, dtype=np.int64)
     share.contents = np.asarray(contents, dtype=np.int64)
+    share.ids = pa.array(share.ids, pa.string())  # pickled as buffers, joined in C
     return share
 
 
@@ -201,22 +204,20 @@ def read_in_parallel(job: ReadJob, arrow_path: str, report_path: str, max_exampl
             os.remove(name)
 
 
-def _keys_in_file_order(shares: list[_Share], report: ValidationReport, max_examples: int) -> list[str]:
-    """Every kept record's key, in file order, and the report's repeated ids."""
+def _keys_in_file_order(shares: list[_Share], report: ValidationReport, max_examples: int) -> Any:
+    """Every kept record's key (an Arrow array), in file order, and the report's repeated ids."""
     positions = np.concatenate([s.positions for s in shares])
     contents = np.concatenate([s.contents for s in shares])
-    ids = [rid for s in shares for rid in s.ids]
-    keys = RecordKeys(max_examples)
-    found = [keys.add_content(ids[i], int(contents[i]), int(positions[i]))[0]
-             for i in np.argsort(positions, kind="stable").tolist()]
-    report.add_repeats(keys.repeated, keys.exact, keys.examples)
-    return found
+    order = np.argsort(positions, kind="stable")
+    ids = pa.concat_arrays([s.ids for s in shares]).take(pa.array(order))
+    keys, repeated, exact, examples = keys_in_file_order(ids, contents[order], positions[order], max_examples)
+    report.add_repeats(repeated, exact, examples)
+    return keys
 
 
-def _write_entry(shares: list[_Share], keys: list[str], report: ValidationReport, arrow_path: str,
+def _write_entry(shares: list[_Share], keys: Any, report: ValidationReport, arrow_path: str,
                  report_path: str) -> None:
     """The shards' rows block by block in file order, with their keys, as one entry."""
-    import pyarrow as pa
     from datasets import Dataset
 
     tables = [Dataset.from_file(s.shard).data.table for s in shares]
@@ -233,7 +234,7 @@ def _write_entry(shares: list[_Share], keys: list[str], report: ValidationReport
                 continue
             piece = tables[worker].slice(taken[worker], rows)
             taken[worker] += rows
-            piece = piece.set_column(column, "key", pa.array(keys[done:done + rows], pa.string()))
+            piece = piece.set_column(column, "key", keys.slice(done, rows))
             done += rows
             writer.add_table(piece)
         writer.commit(report.to_dict())
