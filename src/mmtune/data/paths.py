@@ -161,8 +161,21 @@ class ImagePathRules:
             f"point image_root at the real folder, or {ALLOW_ABSOLUTE_HINT.split(', or ', 1)[1]}",
         )
 
+    @functools.cached_property
+    def _resolved(self) -> dict[str, ResolvedImage]:
+        return {}
+
     def resolve(self, raw: str) -> ResolvedImage:
-        """Resolve one path exactly as written in the data file."""
+        """Resolve one path exactly as written in the data file (remembered: records share
+        images, as llava-665k's COCO records do, and a file's images do not move while it is read)."""
+        known = self._resolved.get(raw)
+        if known is None:
+            if len(self._resolved) >= 1 << 17:  # bounded
+                self._resolved.clear()
+            known = self._resolved[raw] = self._resolve(raw)
+        return known
+
+    def _resolve(self, raw: str) -> ResolvedImage:
         if "\0" in raw:
             # The OS refuses such a name (Python raises "embedded null byte" on any use);
             # it is one record's problem, not the whole file's.
