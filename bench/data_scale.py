@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         marker.write_text(json.dumps(shape))
         print(f"generated {args.n} llava-shaped + {args.n_mmdu} MMDU-shaped records in {time.time() - t:.0f} s "
               f"(not counted) under {data}")
+    shutil.rmtree(tmp / "runs", ignore_errors=True)  # an earlier bench's launches in a reused --work folder
     trees: dict[str, Path] = {} if args.only == "base" else {"head": REPO}
     if args.only != "head":
         trees["base"] = _base_tree(tmp, args.base)
