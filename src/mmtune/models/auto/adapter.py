@@ -13,7 +13,12 @@ from mmtune.models._utils import state_fingerprint
 from mmtune.models.auto.authority import AuthorityStage
 from mmtune.models.auto.batch import BatchStage
 from mmtune.models.auto.image_text import ImageTextStage
-from mmtune.models.auto.profile import ProfileStage, check_remote_code, load_processor_and_template
+from mmtune.models.auto.profile import (
+    LoadedProcessor,
+    ProfileStage,
+    check_remote_code,
+    load_processor_and_template,
+)
 from mmtune.models.auto.render import RenderStage
 from mmtune.models.auto.stops import AnswerStopStage
 from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAdapter, TokenChunk
@@ -65,23 +70,12 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
     lora_exclude_modules = r".*(vision_tower|visual|vision_model|multi_modal_projector|connector|merger).*"
 
     def __init__(self, config: ModelConfig):
-        from transformers import AutoConfig
-
         config.validate()
-        if config.path is None:
-            raise ValueError(
-                "model.family=auto needs model.path: a checkpoint directory (or hub id) with a processor and a "
-                "chat template; for a random-weight tiny model use model.family=llava with model.path=null"
-            )
         self.config = config
-        check_model_folder(config.path, config.image_limits)  # its files' sizes and depths, before any is parsed
-        check_remote_code(config.path, config.trust_remote_code)
-        loaded = load_processor_and_template(config.path, config.trust_remote_code)
-        check_chat_template(loaded.chat_template, config.path, loaded.tokenizer.special_tokens_map)  # renders, bounded
+        loaded, self.model_config = self._load_profile()
         self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
         self.chat_template, self.image_token = loaded.chat_template, loaded.image_token
         self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
-        self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
         # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
         # not the <start_of_image> placeholder its template renders)
         feature_id = getattr(self.model_config, "image_token_id", None)
@@ -106,6 +100,24 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         self.prefix_stable = self._prefix_stable
         self._state_policy()
         self._check_against_processor()
+
+    def _load_profile(self) -> tuple[LoadedProcessor, Any]:
+        """The step a family specialisation replaces: the processor (with its tokenizer, chat
+        template and image placeholder) and the model config, here read from ``model.path`` after
+        the folder's checks (sizes and depths, remote code, a bounded render of its template)."""
+        from transformers import AutoConfig
+
+        config = self.config
+        if config.path is None:
+            raise ValueError(
+                "model.family=auto needs model.path: a checkpoint directory (or hub id) with a processor and a "
+                "chat template; for a random-weight tiny model use model.family=llava with model.path=null"
+            )
+        check_model_folder(config.path, config.image_limits)  # its files' sizes and depths, before any is parsed
+        check_remote_code(config.path, config.trust_remote_code)
+        loaded = load_processor_and_template(config.path, config.trust_remote_code)
+        check_chat_template(loaded.chat_template, config.path, loaded.tokenizer.special_tokens_map)  # renders, bounded
+        return loaded, AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
 
     def _state_policy(self) -> None:
         """Say at start-up how answers are labelled where that is not the obvious rule."""
