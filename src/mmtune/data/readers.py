@@ -189,21 +189,8 @@ def load_source(
         DataValidationError: strict mode and a problem (also when the problem was found
             by an earlier cached run), or a broken JSON list in any mode.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is unknown: use skip or strict")
-    if check_images not in IMAGE_CHECKS:
-        raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
-    try:
-        get_format(source_cfg.format)
-    except ValueError as err:
-        raise ValueError(f"source {source_cfg.name!r}: {err}") from None
+    _check_source_arguments(source_cfg, mode, check_images)
     path = source_cfg.path
-    if not (os.path.isfile(path) or (is_table_input(path) and input_files(path))):
-        raise FileNotFoundError(
-            f"source {source_cfg.name!r}: data file {path!r} does not exist "
-            + ("or holds no Parquet / Arrow / JSONL shard " if is_table_input(path) else "")
-            + "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
-        )
     image_root = os.path.abspath(source_cfg.image_root) if source_cfg.image_root else None
     limits = image_limits or ImageLimits()
     cache_dir = cache_dir or default_cache_dir()
@@ -226,6 +213,25 @@ def load_source(
                         num_proc=num_proc)
         dataset = open_entry(arrow_path, report_path)[0]
     return SourceData(source_cfg.name, source_cfg, DialogueSequence(dataset), report, arrow_path)
+
+
+def _check_source_arguments(source_cfg: SourceConfig, mode: str, check_images: str) -> None:
+    """:func:`load_source`'s refusals: an unknown mode, image check or format, a missing input."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown: use skip or strict")
+    if check_images not in IMAGE_CHECKS:
+        raise ValueError(f"check_images={check_images!r} is unknown: use one of {', '.join(IMAGE_CHECKS)}")
+    try:
+        get_format(source_cfg.format)
+    except ValueError as err:
+        raise ValueError(f"source {source_cfg.name!r}: {err}") from None
+    path = source_cfg.path
+    if not (os.path.isfile(path) or (is_table_input(path) and input_files(path))):
+        raise FileNotFoundError(
+            f"source {source_cfg.name!r}: data file {path!r} does not exist "
+            + ("or holds no Parquet / Arrow / JSONL shard " if is_table_input(path) else "")
+            + "(set the source's path, or MMTUNE_DATA_ROOT for the shipped configs)"
+        )
 
 
 def _explain(problem: Problem, ctx: ConvertContext) -> Problem:
