@@ -152,6 +152,9 @@ class FakeJudgeServer:
                 if reply.framing == "headers":
                     self._endless_headers(reply)
                     return
+                # the handler closes after this reply; HTTP/1.1 asks a closing server to say so, or a
+                # client reusing the connection races the close ("Server disconnected without ...")
+                self.send_header("Connection", "close")
                 self.send_header("Content-Type", "application/json")
                 if reply.framing == "length":
                     self.send_header("Content-Length", str(reply.declared))
