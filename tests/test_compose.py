@@ -87,8 +87,11 @@ def test_experiment_is_spelled_for_each_recipe_and_every_experiment_names_its_re
 
 @pytest.mark.parametrize("script, args, expected", [
     ("recipes/sft.py", ["training.epoch=2"], "recipes/sft.py: unknown config key 'training.epoch' (closest: training.epochs)"),
-    ("recipes/evaluate.py", ["experiment=demo"], "run it with `mmtune train experiment=demo`"),
-    ("recipes/evaluate.py", ["+eval.judge.modl=x"], "eval.judge.modl (did you mean eval.judge.model?)"),
+    # one process each: the default suite starts the first, the others run with the slow tests
+    pytest.param("recipes/evaluate.py", ["experiment=demo"], "run it with `mmtune train experiment=demo`",
+                 marks=pytest.mark.slow),
+    pytest.param("recipes/evaluate.py", ["+eval.judge.modl=x"], "eval.judge.modl (did you mean eval.judge.model?)",
+                 marks=pytest.mark.slow),
 ])
 def test_the_recipes_answer_a_typo_with_one_message_and_status_2(script, args, expected):
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)

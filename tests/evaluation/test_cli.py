@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from mmtune.evaluation.cli import main
 from tests.support.fake_judge import FakeJudgeServer, Scripted
 
@@ -143,6 +145,7 @@ def test_checkpoint_command_generates_with_the_benchmark_defaults(tmp_path):
     assert result["counts"]["turns"] == sum(sum(m["from"] == "user" for m in r["conversations"]) for r in records)
 
 
+@pytest.mark.slow  # two evaluations end to end
 def test_two_evaluations_into_one_folder_the_second_is_refused(tmp_path):
     """Two real processes score two models' answers into the same --out. Unlocked, both exit 0
     and the folder ends up holding a mix; locked, the second stops at once naming the first

@@ -43,6 +43,7 @@ def _tiny_xc2():
     return adapter, adapter.load_model(seed=0).eval()
 
 
+@pytest.mark.slow  # the default suite runs lmms-eval through the mmtune model in test_lmms_model_auto.py
 def test_lmms_eval_runs_the_mmtune_model_through_its_entry_point_and_evaluator(llava_final, tmp_path):
     final, adapter, model = llava_final
     _, docs = write_task(tmp_path / "probe", "probe", list(COLOURS))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,18 +62,22 @@ def _recipe(tmp_path, *overrides):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_expected_refusals_are_one_message_not_a_hydra_traceback(tmp_path):
+# one recipe process each: the default suite starts the first, the others run with the slow tests
+@pytest.mark.parametrize("case", ["invalid-value", pytest.param("used-output-dir", marks=pytest.mark.slow),
+                                  pytest.param("fsdp2-without-ranks", marks=pytest.mark.slow)])
+def test_expected_refusals_are_one_message_not_a_hydra_traceback(tmp_path, case):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
-    cases = {
-        ("training.max_nonfinite_steps=-1",): "recipes/sft.py: invalid SFT config:\n  - training.max_nonfinite_steps=-1 must be >= 0",
-        (f"training.output_dir={out}", "training.resume=null"): f"recipes/sft.py: {out} holds an earlier run (metrics.jsonl)",
-        (f"training.output_dir={tmp_path / 'other'}", "training.backend.engine=fsdp2"):
-            "recipes/sft.py: training.backend.engine=fsdp2 shards the model over a process group",
-    }
-    for overrides, message in cases.items():
-        proc = _recipe(tmp_path, *overrides)
-        assert proc.returncode == 2, proc.stderr[-3000:]
-        assert message in proc.stderr and "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
-        assert proc.stderr.count("recipes/sft.py: ") == 1
+    overrides, message = {
+        "invalid-value": (("training.max_nonfinite_steps=-1",),
+                          "recipes/sft.py: invalid SFT config:\n  - training.max_nonfinite_steps=-1 must be >= 0"),
+        "used-output-dir": ((f"training.output_dir={out}", "training.resume=null"),
+                            f"recipes/sft.py: {out} holds an earlier run (metrics.jsonl)"),
+        "fsdp2-without-ranks": ((f"training.output_dir={tmp_path / 'other'}", "training.backend.engine=fsdp2"),
+                                "recipes/sft.py: training.backend.engine=fsdp2 shards the model over a process group"),
+    }[case]
+    proc = _recipe(tmp_path, *overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert proc.stderr.count("recipes/sft.py: ") == 1

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -18,6 +20,7 @@ def _run(script: str, overrides: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow  # two recipe processes; the default suite trains the tiny XComposer2 in tests/training
 def test_xcomposer2_trains_with_sft_recipe_and_evaluates_with_evaluate_recipe(tmp_path):
     from mmtune.data.synthetic import generate_synthetic
 
