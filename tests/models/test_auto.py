@@ -390,12 +390,14 @@ def test_an_unknown_answer_stop_is_refused_at_start_up():
         ModelConfig(family="auto", path="unused", **{"auto": {"answer_stop": "always"}}).validate()
 
 
-def test_qwen2_vl_family_routes_qwen3_5_to_the_auto_encoder():
-    """``model.family=qwen2_vl`` on a Qwen3.5 checkpoint builds the auto adapter (its processor and
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen4_exp"])
+def test_qwen2_vl_family_routes_the_later_classes_of_the_line_to_the_auto_encoder(kind):
+    """``model.family=qwen2_vl`` on a Qwen3.5 (or Qwen4-Exp: a class transformers pairs with
+    Qwen3VLProcessor, routed without being named) checkpoint builds the auto adapter (its processor and
     template, positions from the model's own rope index); a qwen2_vl key it would ignore is refused."""
     from tests.support.auto_checkpoints import checkpoint
 
-    path = checkpoint("qwen3_5")
+    path = checkpoint(kind)
     adapter = build_adapter(ModelConfig(family="qwen2_vl", path=path))
     assert isinstance(adapter, AutoAdapter) and adapter.config.family == "auto"
     assert adapter.position_id_rows == 3 and not adapter._prefix_stable and adapter.prefix_stable is False

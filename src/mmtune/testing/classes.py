@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmtune.models.qwen2_vl.template import QWEN2_VL_CHAT_TEMPLATE
 from mmtune.testing.kind import TinyKind
 
 __all__ = ["CLASSES"]
@@ -248,6 +249,47 @@ def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagge
                     fidelity_reference_template=tagged, projector_in_vision=True)
 
 
+
+# -- Qwen4-Exp (Qwen4ExpForConditionalGeneration, Qwen3VLProcessor): Qwen3.5-MoE's layout with
+# hyper-connections, per-layer n-gram embeddings (PLE) and QSA-indexed full attention; its template
+# logic is Qwen3.5's
+_QWEN4_EXP_TEXT = {"hc_count": 2, "hc_lowrank": 8, "ple_layer_ids": [1], "ple_embed_dim": 16, "ngram_size": 3,
+                   "heads_per_ngram": 2, "ngram_vocab_size_base": 1000, "make_ngram_vocab_size_divisible_by": 8,
+                   "split_ngram_parts": 1, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                   "indexer_budget": 16, "indexer_compress_ratio": 4, "output_gate_type": "sigmoid"}  # fmt: skip
+
+
+def _qwen4_exp_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    layers = {"layer_types": ["linear_attention", "indexed_attention"]}
+    return {"text_config": {**text, **_QWEN35_TEXT, **_MOE, "shared_expert_intermediate_size": 32, **_QWEN4_EXP_TEXT,
+                            **layers},
+            "vision_config": _qwen3vl_vision(), **_qwen_ids(tokenizer)}
+
+
+# -- Qwen2.5-VL on the auto path (Qwen/Qwen2.5-VL-*-Instruct: the released ChatML template, which the
+# qwen2_vl family encodes after the official fine-tuning code instead)
+def _qwen25vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    factor = 28  # patch 14 x merge 2
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
+    image = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=low,
+                                     max_pixels=high)  # fmt: skip
+    return Qwen2_5_VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
+                               chat_template=template)  # fmt: skip
+
+
+def _qwen25vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64, "window_size": 56,
+              "fullatt_block_indexes": [1]}  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    return {"text_config": {**text, "head_dim": 16, "rope_parameters": rope}, "vision_config": vision,
+            **_qwen_ids(tokenizer)}
+
+
 # -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
 # ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
 _MOLMO2_TEMPLATE = (
@@ -326,4 +368,13 @@ CLASSES: dict[str, TinyKind] = {
                                                              "false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
                                                              "{%- else %}{{- '<think>\\n' }}{%- endif %}", ""),
                                "Qwen/Qwen3-VL-30B-A3B-Instruct (ChatML)", _qwen3vl_moe_config),
+    "qwen4_exp": _qwen_kind("qwen4_exp", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
+                            "Qwen4-Exp (Qwen3.5's template logic)", _qwen4_exp_config,
+                            _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")),
+    "qwen2_5_vl": TinyKind("qwen2_5_vl", QWEN2_VL_CHAT_TEMPLATE, "Qwen/Qwen2.5-VL-7B-Instruct",
+                           ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                            "<|image_pad|>", "<|video_pad|>"), add_bos=False,
+                           named_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+                           processor=_qwen25vl_processor, config=_qwen25vl_config, projector_in_vision=True,
+                           released_sizes={"min_pixels": 4 * 28 * 28, "max_pixels": 12845056}),
 }

@@ -46,7 +46,7 @@ from mmtune.models.qwen2_vl.images import QwenVLImages
 from mmtune.models.positions import RopeIndex, RopePositions
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
-from mmtune.models.qwen2_vl.classes import MODEL_TYPES, ROUTED_MODEL_TYPES, model_classes
+from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes, routed_model_types
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,7 +142,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
 
     @classmethod
     def routed_family(cls, config: ModelConfig) -> str | None:
-        """``auto`` for a checkpoint of :data:`ROUTED_MODEL_TYPES` (Qwen3.5 ...), read from its config."""
+        """``auto`` for a later class of the line (:func:`routed_model_types`: Qwen3.5 ...), read from its config."""
         if config.path is None:
             return None
         from transformers import PretrainedConfig
@@ -151,7 +151,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
             values, _ = PretrainedConfig.get_config_dict(config.path)
         except (OSError, ValueError):
             return None  # the adapter names the problem when it loads the config
-        return "auto" if values.get("model_type") in ROUTED_MODEL_TYPES else None
+        return "auto" if values.get("model_type") in routed_model_types() else None
 
     @classmethod
     def planned_image_tokens(cls, config: ModelConfig, model_config: Any) -> int | None:
