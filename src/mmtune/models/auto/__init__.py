@@ -24,7 +24,8 @@ and labels the assistant turns as the template renders them:
   turns equal the whole dialogue's render (checked per dialogue); otherwise every prefix is
   rendered.
 - **images**: each image placeholder (``processor.image_token``) is replaced by the text the
-  processor itself puts there (``return_text_replacement_offsets``), which depends only on the
+  processor itself puts there (``return_text_replacement_offsets``, or, where its own ``__call__``
+  gives none, read off the text it hands its tokenizer), which depends only on the
   image's size: it is computed once per size on a blank image, and the image's size is read
   from the file header (no pixel decode). The whole expanded text is tokenized once as the
   processor tokenizes it (no added special tokens when the template already starts with BOS),

@@ -101,8 +101,8 @@ class ImageTextStage:
         """The text the processor puts in place of an image of this size."""
         from PIL import Image as PILImage
 
-        out = self._call([PILImage.new("RGB", (width, height), (127, 127, 127))])
-        return out["text_replacement_offsets"][0][0]["replacement"]
+        image = PILImage.new("RGB", (width, height), (127, 127, 127))
+        return self._replacements(self._call([image]), [image])[0]
 
     def _image_text(self, image: Image, dialogue_id: str | None = None, turn: int | None = None,
                     system_first: bool = False) -> str:

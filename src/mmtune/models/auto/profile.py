@@ -144,6 +144,45 @@ class ProfileStage:
         text = self._image_item_text * (len(images) if count is None else count)
         return self.processor(text=[text], images=images, return_text_replacement_offsets=True, return_tensors="pt")
 
+    def _replacements(self, out: dict[str, Any], images: list) -> list[str]:
+        """The text that replaces each image's placeholder in ``out``, a :meth:`_call` on ``images``:
+        the processor's ``text_replacement_offsets``, or, where its own ``__call__`` does not give them
+        (Idefics2's, Mllama's), read off the text it hands its tokenizer (:meth:`_replacements_seen`)."""
+        if "text_replacement_offsets" in out:
+            return [r["replacement"] for r in out["text_replacement_offsets"][0]]
+        return self._replacements_seen(images)
+
+    def _replacements_seen(self, images: list) -> list[str]:
+        """Each image's text from the one text the processor tokenizes for :attr:`_image_item_text`
+        per image: that text is the processor's prefix (:attr:`_text_change`), then per image the
+        item's text around the placeholder with the image's text in its place, then its suffix. For
+        several images each must be its text alone (else the list is the whole text, which the
+        caller finds different from the one-by-one texts and names)."""
+        recorder = _TokenizerRecorder(self.processor.tokenizer)
+        self.processor.tokenizer = recorder
+        try:
+            self.processor(text=[self._image_item_text * len(images)], images=images, return_tensors="pt")
+        finally:
+            self.processor.tokenizer = recorder.tokenizer
+        if len(recorder.texts) != 1:
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} ({type(self.processor).__name__}) returns no "
+                f"text_replacement_offsets and tokenizes {len(recorder.texts)} texts for one, so the text it puts "
+                "for an image cannot be read: use a family adapter")
+        seen = recorder.texts[0]
+        prefix, suffix = self._text_change
+        lead, trail = self._image_item_text.split(self.image_token, 1)
+        if len(images) > 1:
+            alone = [self._replacements_seen([image])[0] for image in images]
+            return alone if prefix + "".join(lead + r + trail for r in alone) + suffix == seen else [seen]
+        head, tail = prefix + lead, trail + suffix
+        if not (seen.startswith(head) and seen.endswith(tail) and len(seen) >= len(head) + len(tail)):
+            raise UnsupportedProcessorError(
+                f"the processor of {self.config.path!r} ({type(self.processor).__name__}) returns no "
+                f"text_replacement_offsets, and the text it tokenizes for one image ({seen[:200]!r}) does not keep "
+                f"{head!r} before and {tail!r} after the image: use a family adapter")
+        return [seen[len(head):len(seen) - len(tail)]]
+
     @functools.cached_property
     def _image_item_text(self) -> str:
         """The placeholder alone where the processor accepts it (every class tested before HunYuan-VL);
@@ -199,8 +238,8 @@ class ProfileStage:
                 f"{type(err).__name__}: {err}"
             ) from err
         problems = []
-        replaced = [r["replacement"] for r in joint["text_replacement_offsets"][0]]
-        one_by_one = [a["text_replacement_offsets"][0][0]["replacement"] for a in alone]
+        replaced = self._replacements(joint, [first, second])
+        one_by_one = [self._replacements(a, [image])[0] for a, image in zip(alone, (first, second))]
         if replaced != one_by_one:
             problems.append("the text that replaces an image depends on the other images of the call")
         self._token_marks = {}
