@@ -122,6 +122,8 @@ class BatchStage:
             raise ImageInputError(path, self.config.path, err) from err
         arrays = {}
         for name in self.image_input_names:
+            if name not in out and name in self._empty_parts:
+                continue  # this image has no rows of it (the join adds none: join_image_inputs)
             try:
                 arrays[name] = to_array(out[name])
             except Exception as err:  # noqa: BLE001 - the file decoded: a conversion failure, named as one
@@ -137,6 +139,21 @@ class BatchStage:
 
     def image_inputs(self, paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
         return self.image_batch([self.load_image(p) for p in paths])
+
+    def join_image_inputs(self, parts: Sequence[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Tensor"]:
+        """:meth:`ModelAdapter.join_image_inputs`, where the processor leaves an input out for an image
+        that has no rows of it (Step3p7's ``pixel_values_local`` for an image it makes no local crops
+        of): such a part adds no rows, and an input no part has rows of is left out, as the processor
+        leaves it out of a call on such images only."""
+        import torch
+
+        empty = self._empty_parts
+        if not empty:
+            return super().join_image_inputs(parts)
+        filled = [{**{name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in empty.items()
+                      if name not in part}, **part} for part in parts]
+        joined = super().join_image_inputs(filled)
+        return {name: value for name, value in joined.items() if not (name in empty and value.numel() == 0)}
 
     def pixel_settings(self) -> dict[str, Any]:
         """The processor's settings (image processor included): the pixel cache's key."""
@@ -166,4 +183,4 @@ class BatchStage:
         from PIL import Image as PILImage
 
         out = self._call([PILImage.new("RGB", (64, 64), (0, 0, 0))])
-        return {name: out[name] for name in self.image_input_names}
+        return {name: out[name] for name in self.image_input_names if name in out}

@@ -20,9 +20,10 @@ from mmtune.models.base import InputJoin
 
 __all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "noise_image"]
 
-#: processor outputs that are text inputs, not image inputs
+#: processor outputs that are text inputs, not image inputs (PaliGemma's processor also returns
+#: ``labels`` of its own, which the collator builds itself)
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
-                        "text_replacement_offsets"})
+                        "text_replacement_offsets", "labels"})
 
 
 
@@ -251,7 +252,7 @@ class ProfileStage:
                     problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
                 self._token_marks[name] = marked.tolist()
         joins: dict[str, InputJoin] = {}
-        self._input_dtypes = {}
+        self._input_dtypes, self._empty_parts = {}, {}
         for name in [k for k in joint if k not in _TEXT_KEYS]:
             value = joint[name]
             parts = [a.get(name) for a in alone]
@@ -267,6 +268,9 @@ class ProfileStage:
                 if joined.shape == value.shape and joined.dtype == value.dtype and torch.equal(joined, value):
                     joins[name] = candidate
                     self._input_dtypes[name] = value.dtype
+                    if not candidate.stack:  # an image without rows of it (Step3p7's local crops) adds none
+                        self._empty_parts[name] = (value.shape[:candidate.axis] + (0,)
+                                                   + value.shape[candidate.axis + 1:], value.dtype)
                     break
             else:
                 problems.append(
