@@ -70,3 +70,42 @@ def test_a_processor_whose_image_text_depends_on_its_neighbours_is_refused_at_st
     AutoConfig.for_model("idefics2", image_token_id=tokenizer.convert_tokens_to_ids("<image>")).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedProcessorError, match="the text that replaces an image depends on the other images"):
         build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+
+
+def test_a_processor_that_numbers_the_images_of_a_call_is_followed_image_by_image(tmp_path):
+    """MiniCPM-V writes each image's number into its text (``<image_id_start_token>k<image_id_end_token>``):
+    the rule is found at start-up (checked on a call of twelve images), and a dialogue's k-th image gets
+    number k, as the processor's call on the whole dialogue gives it."""
+    from transformers import AutoConfig, MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor, MiniCPMV4_6VideoProcessor
+
+    from mmtune.data.dialogue import Dialogue, Image, Turn
+    from mmtune.data.encoding import encode_example
+    from mmtune.testing.tokenizers import class_tokenizer
+
+    named = {name: f"<{name}>" for name in ("image_start_token", "image_end_token", "image_id_start_token",
+                                             "image_id_end_token", "slice_start_token", "slice_end_token",
+                                             "video_token")}
+    named["image_token"] = "<image>"
+    tokenizer = class_tokenizer(("<|endoftext|>", "<|im_start|>", "<|im_end|>", *named.values()), bos=None,
+                                eos="<|im_end|>", pad="<|endoftext|>", named_tokens=named, add_bos=False)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+                "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    processor = MiniCPMV4_6Processor(image_processor=MiniCPMV4_6ImageProcessor(max_slice_nums=2), tokenizer=tokenizer,
+                                     video_processor=MiniCPMV4_6VideoProcessor(), chat_template=template)
+    processor.save_pretrained(tmp_path)
+    AutoConfig.for_model("minicpmv4_6", image_token_id=tokenizer.convert_tokens_to_ids("<image>")).save_pretrained(tmp_path)
+    adapter = build_adapter(ModelConfig(family="auto", path=str(tmp_path)))
+    assert adapter._index_rule == ("<image_id_start_token>", 0)
+    files = []
+    for k, size in enumerate([(40, 30), (30, 90), (64, 64)]):
+        files.append(str(tmp_path / f"{k}.png"))
+        PILImage.new("RGB", size, (50 * k, 100, 150)).save(files[-1])
+    dialogue = Dialogue("d", "test", (Turn("user", ("Look ", Image(files[0]), Image(files[1]))),
+                                      Turn("assistant", ("Two.",)), Turn("user", (Image(files[2]), "and?")),
+                                      Turn("assistant", ("Three.",))))
+    messages = [{"role": t.role, "content": [{"type": "image"} if isinstance(s, Image) else {"type": "text", "text": s}
+                                             for s in t.segments]} for t in dialogue.turns]
+    theirs = processor(text=[processor.apply_chat_template(messages, tokenize=False)],
+                       images=[PILImage.open(f).convert("RGB") for f in files], return_tensors="pt")
+    assert encode_example(adapter, dialogue, max_length=None).input_ids == theirs["input_ids"][0].tolist()

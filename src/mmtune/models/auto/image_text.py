@@ -105,7 +105,9 @@ class ImageTextStage:
         return self._replacements(self._call([image]), [image])[0]
 
     def _image_text(self, image: Image, dialogue_id: str | None = None, turn: int | None = None,
-                    system_first: bool = False) -> str:
+                    system_first: bool = False, index: int = 0) -> str:
+        """The text the processor puts for ``image``, the ``index``-th of its dialogue (the number a
+        processor that numbers images writes: :attr:`_index_rule`)."""
         try:
             width, height = self._size(image.path)
         except CorruptImageError:
@@ -113,7 +115,8 @@ class ImageTextStage:
         except Exception as err:  # noqa: BLE001 - PIL raises many types
             raise CorruptImageError(image.path, dialogue_id, turn, err, system_first) from err
         try:
-            return self._replacement(height, width)
+            text = self._replacement(height, width)
+            return text if self._index_rule is None else self._numbered(text, index, self._index_rule)
         except Exception as err:  # noqa: BLE001 - the processor's refusal, named with the image
             raise UnsupportedImageError(image.path, dialogue_id, turn, f"{type(err).__name__}: {err}",
                                         system_first) from err
@@ -140,7 +143,7 @@ class ImageTextStage:
                         f"dialogue {dialogue.id!r}: the chat template renders image {found} (of turn {turn_index}) "
                         f"outside its turn; it must render each image in its own turn"
                     )
-                replacement = self._image_text(image, dialogue.id, turn_index, offset == 1)
+                replacement = self._image_text(image, dialogue.id, turn_index, offset == 1, found)
                 out.append(Span(length, length + at - cursor, span.turn, span.trainable))
                 pieces.append(text[cursor:at])
                 length += at - cursor
@@ -216,7 +219,8 @@ class ImageTextStage:
         return Tokens(ids, starts, ends, cores, moved)
 
     def image_token_count(self, image: Image) -> int:
-        """Tokens of the processor's text for the image (its size read from the file header)."""
+        """Tokens of the processor's text for the image (its size read from the file header; as the
+        first image of a dialogue where the processor numbers images)."""
         return self._count(self._image_text(image))
 
     @functools.lru_cache(maxsize=65536)

@@ -119,6 +119,41 @@ class _TokenizerRecorder:
 class ProfileStage:
     """Stop tokens and image-input joins of the processor (mixed into the adapter)."""
 
+    #: ``(text before the index, index of the first image)`` where the processor numbers the images
+    #: of a call in their text (MiniCPM-V's ``<image_id_start_token>0<image_id_end_token>...``)
+    _index_rule: tuple[str, int] | None = None
+
+    def _image_index_rule(self, replaced: list[str], one_by_one: list[str], image: Any) -> tuple[str, int] | None:
+        """The rule by which the k-th image's text differs from its text alone: the same text with the
+        decimal number after a fixed lead counting up from the first image's; checked on a call of
+        twelve images (numbers of two digits). ``None`` where the difference is no such number."""
+        if len(replaced) != len(one_by_one):
+            return None
+        alone, second = one_by_one[1], replaced[1]
+        lead = common_prefix(alone, second)
+        digits = len(alone[lead:]) - len(alone[lead:].lstrip("0123456789"))
+        if replaced[0] != one_by_one[0] or not digits or alone[lead - 1:lead].isdigit():
+            return None
+        base = int(alone[lead:lead + digits])
+        rule = (alone[:lead], base)
+        count = 12
+        try:
+            joint = self._replacements(self._call([image] * count), [image] * count)
+            single = self._replacements(self._call([image]), [image])[0]
+            numbered = [self._numbered(single, k, rule) for k in range(count)]
+        except Exception:  # noqa: BLE001 - the processor's refusal of the longer call, or no number: no rule
+            return None
+        return rule if numbered == joint else None
+
+    @staticmethod
+    def _numbered(text: str, index: int, rule: tuple[str, int]) -> str:
+        """``text`` (an image's text alone) as the ``index``-th image of a call writes it."""
+        lead, base = rule
+        number = str(base)
+        if not text.startswith(lead + number):
+            raise UnsupportedProcessorError(f"an image's text {text[:80]!r} does not number it after {lead!r}")
+        return lead + str(base + index) + text[len(lead) + len(number):]
+
     def _stop_tokens(self) -> list[int]:
         """The tokenizer's EOS, the config's and the generation config's ``eos_token_id``
         (GLM-4.1V's holds ``<|user|>``, Gemma 3's ``<end_of_turn>``): where generation stops."""
@@ -242,7 +277,9 @@ class ProfileStage:
         replaced = self._replacements(joint, [first, second])
         one_by_one = [self._replacements(a, [image])[0] for a, image in zip(alone, (first, second))]
         if replaced != one_by_one:
-            problems.append("the text that replaces an image depends on the other images of the call")
+            self._index_rule = self._image_index_rule(replaced, one_by_one, first)
+            if self._index_rule is None:
+                problems.append("the text that replaces an image depends on the other images of the call")
         self._token_marks = {}
         ids = joint["input_ids"]
         for name in ("token_type_ids", "mm_token_type_ids"):  # text-aligned inputs the processor returns
