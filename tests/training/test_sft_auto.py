@@ -22,11 +22,12 @@ CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
 
 
 def _batching(kind):
-    """Padding for a model with linear-attention layers, or one whose adapter refuses packing (packed
-    rows are refused there), else the demo's."""
+    """Padding for a model with layers packed rows are refused for (linear attention ...), or one whose
+    adapter refuses packing, else the demo's."""
+    from mmtune.models.masks import unpackable_layer_types
+
     auto = adapter(kind)
-    layer_types = getattr(auto.text_config(auto.model_config), "layer_types", None) or []
-    refused = "linear_attention" in layer_types or auto.packing_problem
+    refused = unpackable_layer_types(auto.text_config(auto.model_config)) or auto.packing_problem
     return ["collator.batching=padding"] if refused else []
 
 

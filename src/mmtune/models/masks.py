@@ -2,15 +2,17 @@
 
 Shared by every family whose language model has sliding-window layers (Gemma 3, Cohere2 of Aya
 Vision): :func:`install_packed_window_masks` registers :func:`packed_window_masks` on the decoder
-when the text config names sliding-window layers.
+when the text config names sliding-window layers; a language model with layers a packed row is not
+exact under (:func:`unpackable_layer_types`) gets :func:`refuse_packed_rows` instead.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["install_packed_guards", "install_packed_window_masks", "packed_window_masks", "PackedLinearAttentionError", "refuse_packed_linear_attention"]
+__all__ = ["PACKABLE_LAYER_TYPES", "PackedStateLayersError", "install_packed_guards", "install_packed_window_masks",
+           "packed_window_masks", "refuse_packed_rows", "unpackable_layer_types"]
 
 
 def packed_window_masks(module, args, kwargs, *, window: int):
@@ -57,14 +59,28 @@ def install_packed_window_masks(model: Any, text_config: Any) -> None:
             functools.partial(packed_window_masks, window=int(window)), with_kwargs=True)
 
 
-class PackedLinearAttentionError(ValueError):
-    """A packed row reached a language model with linear-attention layers."""
+#: the layer kinds (a text config's ``layer_types``) a packed row is exact under: positions restart per
+#: sample, sliding windows are fixed by :func:`packed_window_masks`, chunked attention keeps transformers'
+#: block mask. Any other kind transformers names (``linear_attention``: Gated DeltaNet, Mamba; ``conv``:
+#: LFM2's short convolution; ``hybrid``; compressed, indexed or sparse attention over blocks of keys)
+#: carries state or blocks from one packed sample into the next.
+PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
-def refuse_packed_linear_attention(module, args, kwargs):
-    """Forward pre-hook of a language model with linear-attention layers (Qwen3.5's Gated DeltaNet):
-    refuse a packed row (positions restarting, no cache). Its recurrent state and short convolution
-    run across the whole row, so a packed sample would read the samples before it: not exact."""
+def unpackable_layer_types(text_config: Any) -> list[str]:
+    """The kinds of ``text_config``'s layers a packed row is not exact under (none: ``[]``)."""
+    return sorted(set(getattr(text_config, "layer_types", None) or []) - PACKABLE_LAYER_TYPES)
+
+
+class PackedStateLayersError(ValueError):
+    """A packed row reached a language model with layers that read across a packed sample's start."""
+
+
+def refuse_packed_rows(module, args, kwargs, kinds: Sequence[str] = ()):
+    """Forward pre-hook of a language model with layers of :func:`unpackable_layer_types` (Qwen3.5's
+    Gated DeltaNet ``linear_attention``, LFM2's ``conv``): refuse a packed row (positions restarting, no
+    cache). Their recurrent state, short convolution or key blocks run across the whole row, so a packed
+    sample would read the samples before it: not exact."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     positions = kwargs.get("position_ids")
@@ -74,15 +90,18 @@ def refuse_packed_linear_attention(module, args, kwargs):
         return None
     text = positions[0] if positions.ndim == 3 else positions  # M-RoPE: the text row first
     if text.ndim == 2 and find_packed_sequence_indices(text) is not None:
-        raise PackedLinearAttentionError(
-            f"{type(module).__name__} has linear-attention layers, whose recurrent state would run from one packed "
-            "sample into the next; train it without packing (collator.batching other than packing)")
+        raise PackedStateLayersError(
+            f"{type(module).__name__} has layers of kinds {list(kinds)} (recurrent state, short convolutions or "
+            "blocks of keys), which would read from one packed sample into the next; train it without packing "
+            "(collator.batching other than packing)")
     return None
 
 
 def install_packed_guards(model: Any, text_config: Any) -> None:
     """The packed-row hooks ``model``'s decoder needs: :func:`packed_window_masks` for sliding-window
-    layers, :func:`refuse_packed_linear_attention` for linear-attention ones."""
+    layers, :func:`refuse_packed_rows` for layers of :func:`unpackable_layer_types`."""
     install_packed_window_masks(model, text_config)
-    if "linear_attention" in (getattr(text_config, "layer_types", None) or []):
-        model.get_decoder().register_forward_pre_hook(refuse_packed_linear_attention, with_kwargs=True)
+    kinds = unpackable_layer_types(text_config)
+    if kinds:
+        model.get_decoder().register_forward_pre_hook(functools.partial(refuse_packed_rows, kinds=kinds),
+                                                      with_kwargs=True)
