@@ -290,6 +290,38 @@ def _qwen25vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             **_qwen_ids(tokenizer)}
 
 
+
+# -- LFM2-VL (LiquidAI/LFM2-VL-1.6B): ChatML after the tokenizer's BOS; images as tiles of 512 px in a row /
+# column grid with a thumbnail; its language model mixes short-convolution and attention layers
+_LFM2_VL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<image>' }}{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+_LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>") + tuple(
+    f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11))
+
+
+def _lfm2_vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Lfm2VlImageProcessor, Lfm2VlProcessor
+
+    values = released or {"tile_size": 64, "min_image_tokens": 4, "max_image_tokens": 16, "max_tiles": 4}
+    image = Lfm2VlImageProcessor(tile_size=values["tile_size"], size={"height": values["tile_size"],
+                                 "width": values["tile_size"]}, min_image_tokens=values["min_image_tokens"],
+                                 max_image_tokens=values["max_image_tokens"], max_tiles=values["max_tiles"])
+    return Lfm2VlProcessor(image_processor=image, tokenizer=tokenizer, chat_template=template)
+
+
+def _lfm2_vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, "model_type": "lfm2", "layer_types": ["conv", "full_attention"],
+                            "block_auto_adjust_ff_dim": False},
+            "vision_config": {"model_type": "siglip2_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                              "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 16, "num_patches": 64},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<image>"), "projector_hidden_size": 64}
+
+
 # -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
 # ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
 _MOLMO2_TEMPLATE = (
@@ -377,4 +409,11 @@ CLASSES: dict[str, TinyKind] = {
                            named_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
                            processor=_qwen25vl_processor, config=_qwen25vl_config, projector_in_vision=True,
                            released_sizes={"min_pixels": 4 * 28 * 28, "max_pixels": 12845056}),
+    "lfm2_vl": TinyKind("lfm2_vl", _LFM2_VL_TEMPLATE, "LiquidAI/LFM2-VL-1.6B",
+                        ("<|pad|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>") + _LFM2_VL_TOKENS,
+                        bos="<|startoftext|>", eos="<|im_end|>", pad="<|pad|>", add_bos=False,
+                        named_tokens={"image_token": "<image>"},
+                        processor=_lfm2_vl_processor, config=_lfm2_vl_config,
+                        released_sizes={"tile_size": 512, "min_image_tokens": 64, "max_image_tokens": 256,
+                                        "max_tiles": 10}),
 }

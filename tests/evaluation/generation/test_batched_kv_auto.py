@@ -68,8 +68,10 @@ def test_batched_kv_matches_batch1_and_reencode(kind, dialogues):
 
 
 def _recurrent(auto) -> bool:
-    """Whether the language model has recurrent (linear-attention) layers: its rows cannot share a KV cache."""
-    return "linear_attention" in (getattr(auto.text_config(auto.model_config), "layer_types", None) or [])
+    """Whether the language model has recurrent layers (Gated DeltaNet's linear attention, LFM2's short
+    convolution: their cache layers hold a state): its rows cannot share a KV cache."""
+    layer_types = getattr(auto.text_config(auto.model_config), "layer_types", None) or []
+    return bool({"linear_attention", "conv"} & set(layer_types))
 
 
 def _window(auto, dialogues):

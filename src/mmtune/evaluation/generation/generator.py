@@ -251,7 +251,8 @@ class DialogueGenerator:
         if not (self._recurrent and self.config.kv_reuse and self.batch_size > 1):
             return None
         return (f"eval.generation.batch_size={self.batch_size}: the model's language model has recurrent "
-                "(linear-attention) layers, whose state cannot be rolled back per row nor padded within a step, so "
+                "(linear-attention or short-convolution) layers, whose state cannot be rolled back per row nor padded "
+                "within a step, so "
                 "batched rows re-encode each turn's whole prompt (as kv_reuse: false); batch_size: 1 keeps the KV "
                 "cache, prefilling again from the start where a turn's prompt does not extend the cached one")
 
