@@ -99,7 +99,7 @@ def test_packing_is_refused_at_start_up_for_a_model_that_refuses_the_packed_posi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe", "qwen4_exp"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe", "qwen4_exp", "kimi_k25"])
 def test_moe_classes_train_on_two_ranks(kind, engine, tmp_path, synthetic_dir, tiny_overrides):
     """The MoE classes (experts in every layer) through the SFT recipe on 2 gloo ranks under DDP and
     FSDP2, LoRA on the default targets: finite losses, a final checkpoint."""

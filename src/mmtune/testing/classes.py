@@ -322,6 +322,46 @@ def _lfm2_vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "image_token_id": tokenizer.convert_tokens_to_ids("<image>"), "projector_hidden_size": 64}
 
 
+
+# -- Kimi K2.5 (moonshotai/Kimi-K2.5: Kimi_K25ForConditionalGeneration, a DeepSeek-V3 text model with
+# multi-head latent attention and experts): its turn markers, an image as
+# <|media_begin|>image<|media_content|><|media_pad|><|media_end|>; the thinking parts left out
+_KIMI_TEMPLATE = (
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{{- '<|im_system|>system<|im_middle|>' }}"
+    "{%- elif message['role'] == 'user' %}{{- '<|im_user|>user<|im_middle|>' }}"
+    "{%- else %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<|media_begin|>image<|media_content|><|media_pad|><|media_end|>' }}"
+    "{%- else %}{{- item['text'] }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}"
+)
+_KIMI_TOKENS = ("[BOS]", "[EOS]", "[PAD]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                "<|im_end|>", "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+                "<|kimi_k25_video_placeholder|>")
+
+
+def _kimi_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Kimi_K25ImageProcessor, Kimi_K25Processor, Kimi_K25VideoProcessor
+
+    side, patches = (released["max_side"], released["max_patches"]) if released else (112, 64)
+    image = Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side}, max_patches=patches)
+    return Kimi_K25Processor(image_processor=image, tokenizer=tokenizer, video_processor=Kimi_K25VideoProcessor(),
+                             chat_template=template)
+
+
+def _kimi_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    latent = {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
+    return {"text_config": {**text, "model_type": "deepseek_v3", **latent},
+            "vision_config": {"patch_size": 14, "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 32,
+                              "intermediate_size": 64, "pos_emb_height": 16, "pos_emb_width": 16},
+            "projection_hidden_size": 32, "image_token_id": ids("<|media_pad|>"),
+            "video_token_id": ids("<|kimi_k25_video_placeholder|>"), "vision_start_token_id": ids("<|media_begin|>"),
+            "vision_end_token_id": ids("<|media_end|>")}
+
+
 # -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
 # ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
 _MOLMO2_TEMPLATE = (
@@ -416,4 +456,8 @@ CLASSES: dict[str, TinyKind] = {
                         processor=_lfm2_vl_processor, config=_lfm2_vl_config,
                         released_sizes={"tile_size": 512, "min_image_tokens": 64, "max_image_tokens": 256,
                                         "max_tiles": 10}),
+    "kimi_k25": TinyKind("kimi_k25", _KIMI_TEMPLATE, "moonshotai/Kimi-K2.5 (its turns; thinking parts left out)",
+                         _KIMI_TOKENS, bos="[BOS]", eos="<|im_end|>", pad="[PAD]", add_bos=False,
+                         named_tokens={"image_token": "<|media_pad|>"}, processor=_kimi_processor, config=_kimi_config,
+                         released_sizes={"max_side": 512, "max_patches": 16384}),
 }
