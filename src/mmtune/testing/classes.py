@@ -362,6 +362,31 @@ def _kimi_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "vision_end_token_id": ids("<|media_end|>")}
 
 
+
+# -- MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration: a Qwen3.5 text model): ChatML turns; its processor
+# numbers the images of a call in their text (<image_id_start_token>k<image_id_end_token>) and slices them
+_MINICPM_NAMED = {name: f"<{name}>" for name in ("image_start_token", "image_end_token", "image_id_start_token",
+                                                 "image_id_end_token", "slice_start_token", "slice_end_token",
+                                                 "video_token")}
+
+
+def _minicpm_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor, MiniCPMV4_6VideoProcessor
+
+    values = released or {"scale_resolution": 112, "max_slice_nums": 2}
+    image = MiniCPMV4_6ImageProcessor(scale_resolution=values["scale_resolution"], max_slice_nums=values["max_slice_nums"])
+    return MiniCPMV4_6Processor(image_processor=image, tokenizer=tokenizer, video_processor=MiniCPMV4_6VideoProcessor(),
+                                chat_template=template)  # fmt: skip
+
+
+def _minicpm_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"text_config": {**text, **_QWEN35_TEXT, "model_type": "qwen3_5_text"},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "patch_size": 14, "image_size": 112, "insert_layer_id": 0},
+            "image_size": 112, "insert_layer_id": 0, "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
+            "video_token_id": tokenizer.convert_tokens_to_ids("<video_token>")}
+
+
 # -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
 # ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
 _MOLMO2_TEMPLATE = (
@@ -460,4 +485,9 @@ CLASSES: dict[str, TinyKind] = {
                          _KIMI_TOKENS, bos="[BOS]", eos="<|im_end|>", pad="[PAD]", add_bos=False,
                          named_tokens={"image_token": "<|media_pad|>"}, processor=_kimi_processor, config=_kimi_config,
                          released_sizes={"max_side": 512, "max_patches": 16384}),
+    "minicpmv4_6": TinyKind("minicpmv4_6", _MOLMO2_TEMPLATE.replace("<|image|>", "<image>"), "openbmb/MiniCPM-V-4.6 (ChatML)",
+                            ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", *_MINICPM_NAMED.values()),
+                            add_bos=False, named_tokens={"image_token": "<image>", **_MINICPM_NAMED},
+                            processor=_minicpm_processor, config=_minicpm_config,
+                            released_sizes={"scale_resolution": 448, "max_slice_nums": 9}),
 }
