@@ -54,6 +54,7 @@ def test_recipe_runs_synthetic_on_tiny_model(tmp_path):
     assert "synthetic:" in proc.stdout and (out / "report.md").exists()
 
 
+@pytest.mark.slow  # one recipe process; the default suite starts the SFT recipe's refusal (tests/recipes/test_sft.py)
 def test_an_expected_refusal_is_one_message_not_a_hydra_traceback(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(

@@ -242,6 +242,7 @@ def test_a_resume_with_another_global_batch_is_refused_before_the_model_is_built
     resumed.output_lock.release()
 
 
+@pytest.mark.slow  # a second interpreter holding the lock; the default suite checks the lock in tests/io
 def test_a_second_training_job_in_the_same_output_dir_is_refused(make_recipe, tmp_path, synthetic_dir, tiny_overrides):
     import os
     import subprocess
