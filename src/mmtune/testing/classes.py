@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmtune.models.qwen2_vl.template import QWEN2_VL_CHAT_TEMPLATE
+from mmtune.testing.classes_first import _AYA_VISION_TEMPLATE
 from mmtune.testing.kind import TinyKind
 
 __all__ = ["CLASSES"]
@@ -387,6 +388,30 @@ def _minicpm_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "video_token_id": tokenizer.convert_tokens_to_ids("<video_token>")}
 
 
+
+# -- Command A Vision (CohereLabs/command-a-vision-07-2025: Cohere2VisionForConditionalGeneration): Aya
+# Vision's turns, each image item as the processor's <|IMG_PATCH|> (tiles of patches and line breaks)
+_COHERE2_VISION_TEMPLATE = _AYA_VISION_TEMPLATE.replace("{{ '<image>' }}", "{{ '<|IMG_PATCH|>' }}")
+
+
+def _cohere2_vision_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Cohere2VisionImageProcessor, Cohere2VisionProcessor
+
+    values = released or {"size": 56, "max_patches": 4, "patch_size": 2}
+    image = Cohere2VisionImageProcessor(size={"height": values["size"], "width": values["size"]},
+                                        max_patches=values["max_patches"], patch_size=values["patch_size"])
+    return Cohere2VisionProcessor(image_processor=image, tokenizer=tokenizer, chat_template=template)
+
+
+def _cohere2_vision_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    return {"vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                              "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+            "text_config": {**text, "model_type": "cohere2", "head_dim": 16, "sliding_window": 16,
+                            "layer_types": ["sliding_attention", "full_attention"]},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"), "downsample_factor": 2,
+            "alignment_intermediate_size": 64}
+
+
 # -- Molmo2 (allenai/Molmo2-4B) ----------------------------------------------------------------------
 # ChatML turns, "<|image|>" per image item; no BOS in the template: its processor's call adds it
 _MOLMO2_TEMPLATE = (
@@ -490,4 +515,14 @@ CLASSES: dict[str, TinyKind] = {
                             add_bos=False, named_tokens={"image_token": "<image>", **_MINICPM_NAMED},
                             processor=_minicpm_processor, config=_minicpm_config,
                             released_sizes={"scale_resolution": 448, "max_slice_nums": 9}),
+    "cohere2_vision": TinyKind("cohere2_vision", _COHERE2_VISION_TEMPLATE, "CohereLabs/command-a-vision-07-2025",
+                               ("<PAD>", "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", "<|START_OF_TURN_TOKEN|>",
+                                "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_RESPONSE|>",
+                                "<|END_RESPONSE|>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>",
+                                "<|IMG_LINE_BREAK|>"),
+                               bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", pad="<PAD>",
+                               named_tokens={"image_token": "<|IMG_PATCH|>", "boi_token": "<|START_OF_IMG|>",
+                                             "eoi_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>"},
+                               processor=_cohere2_vision_processor, config=_cohere2_vision_config,
+                               released_sizes={"size": 512, "max_patches": 12, "patch_size": 16}),
 }
