@@ -307,13 +307,13 @@ class MultiImageCollator:
             position_ids = self.adapter.model_position_ids(rows_of, position_ids)
         image_inputs: dict[str, Any] = {name: None for name in self.image_input_names}
         if images:
-            missing = [name for name in self.image_input_names if name not in images[0]]
-            if missing:
-                raise ValueError(f"the image inputs {sorted(images[0])} lack {missing}, which the adapter declares")
             join = getattr(self.adapter, "join_image_inputs", None)
-            if join is not None:  # each input joined as the adapter declares it
+            if join is not None:  # each input joined as the adapter declares it (it names a missing one)
                 image_inputs = join(images)
             else:
+                missing = [name for name in self.image_input_names if name not in images[0]]
+                if missing:
+                    raise ValueError(f"the image inputs {sorted(images[0])} lack {missing}, which the adapter declares")
                 image_inputs = {name: torch.cat([one[name] for one in images], dim=0) for name in self.image_input_names}
         token_inputs = getattr(self.adapter, "token_inputs", None)
         return {

@@ -449,6 +449,32 @@ def _molmo2_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "frame_start_token_id": ids("<frame_start>"), "frame_end_token_id": ids("<frame_end>")}  # fmt: skip
 
 
+
+# -- Step3p7 (stepfun-ai/Step-3.7-Flash: Step3p7ForConditionalGeneration): a global view per image and local
+# crops for images far from its shape, whose input (pixel_values_local) the processor leaves out for an image
+# without crops; MoE text model
+_STEP3P7_TEMPLATE = _MOLMO2_TEMPLATE.replace("<|image|>", "<im_patch>")
+
+
+def _step3p7_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Step3p7ImageProcessor, Step3p7Processor
+
+    size, crop = (released["size"], released["crop"]) if released else (112, 56)
+    image = Step3p7ImageProcessor(size={"height": size, "width": size}, patch_size=crop)
+    return Step3p7Processor(image, tokenizer, chat_template=template)
+
+
+def _step3p7_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    experts = {"moe_intermediate_size": 32, "share_expert_dim": 32, "num_experts_per_tok": 2, "n_routed_experts": 4,
+               "num_local_experts": 4, "mlp_layer_types": ["dense", "sparse"]}
+    # one sliding-window and one full-attention layer (its model builds both masks whatever the layers)
+    return {"text_config": {**text, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+                            "sliding_window": 16, **experts},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                              "image_size": 112, "patch_size": 14, "max_position_embeddings": 64, "mlp_ratio": 2.0},
+            "image_token_id": tokenizer.convert_tokens_to_ids("<im_patch>")}
+
+
 CLASSES: dict[str, TinyKind] = {
     "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
                       (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
@@ -525,4 +551,9 @@ CLASSES: dict[str, TinyKind] = {
                                              "eoi_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>"},
                                processor=_cohere2_vision_processor, config=_cohere2_vision_config,
                                released_sizes={"size": 512, "max_patches": 12, "patch_size": 16}),
+    "step3p7": TinyKind("step3p7", _STEP3P7_TEMPLATE, "stepfun-ai/Step-3.7-Flash (ChatML)",
+                        ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<im_patch>", "<im_start>", "<im_end>",
+                         "<patch_start>", "<patch_end>", "<patch_newline>"), add_bos=False,
+                        processor=_step3p7_processor, config=_step3p7_config,
+                        released_sizes={"size": 728, "crop": 504}),
 }
