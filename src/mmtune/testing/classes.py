@@ -473,6 +473,56 @@ def _step3p7_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                               "image_size": 112, "patch_size": 14, "max_position_embeddings": 64, "mlp_ratio": 2.0},
             "image_token_id": tokenizer.convert_tokens_to_ids("<im_patch>")}
+# -- Gemma 4 (google/gemma-4-E4B-it; transformers' convert_gemma4_weights.py for tokens and sizes) -------
+# BOS written by the template (the released tokenizer adds none); a leading system message as its own
+# "<|turn>system\n...<turn|>\n" turn; "<|turn>role\n" headers with "assistant" written "model", each
+# turn ended by "<turn|>\n"; text items trimmed, "<|image|>" per image item (the processor wraps it
+# in "<|image>" / "<image|>"); the generation prompt "<|turn>model\n"
+_GEMMA4_TEMPLATE = (
+    "{{- bos_token -}}{%- set loop_messages = messages -%}"
+    "{%- if messages[0]['role'] in ['system', 'developer'] -%}{{- '<|turn>system\\n' -}}"
+    "{%- if messages[0]['content'] is string -%}{{- messages[0]['content'] | trim -}}"
+    "{%- else -%}{%- for item in messages[0]['content'] -%}{{- item['text'] | trim -}}{%- endfor -%}{%- endif -%}"
+    "{{- '<turn|>\\n' -}}{%- set loop_messages = messages[1:] -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<|turn>' + role + '\\n' -}}{%- if message['content'] is string -%}{{- message['content'] | trim -}}"
+    "{%- else -%}{%- for item in message['content'] -%}{%- if item['type'] == 'text' -%}{{- item['text'] | trim -}}"
+    "{%- elif item['type'] == 'image' -%}{{- '<|image|>' -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<turn|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
+)
+_GEMMA4_NAMED = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}  # fmt: skip
+
+
+def _gemma4_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessor, Gemma4Processor, Gemma4VideoProcessor
+
+    # the fewest soft tokens the image processor allows (70: 64 for a square image), on 4 px patches
+    values = released or {"patch_size": 4, "max_soft_tokens": 70}
+    tokens = values["max_soft_tokens"]
+    image = Gemma4ImageProcessor(patch_size=values["patch_size"], max_soft_tokens=tokens, pooling_kernel_size=3,
+                                 do_normalize=False)  # fmt: skip
+    # the processor refuses to start without its audio and video parts; they take no part here
+    return Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=image,
+                           tokenizer=tokenizer, video_processor=Gemma4VideoProcessor(), image_seq_length=tokens,
+                           chat_template=template)  # fmt: skip
+
+
+def _gemma4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    ids = tokenizer.convert_tokens_to_ids
+    # the E-series text model: per-layer input embeddings (narrowed to 16), a sliding-window layer then
+    # a full one (partial "proportional" rope), logit soft-capping; no shared KV layers in 2 layers
+    return {"text_config": {**text, "head_dim": 16, "global_head_dim": 16, "sliding_window": 16,
+                            "layer_types": ["sliding_attention", "full_attention"],
+                            "vocab_size_per_layer_input": text["vocab_size"], "hidden_size_per_layer_input": 16,
+                            "num_kv_shared_layers": 0, "final_logit_softcapping": 30.0},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4,
+                              "pooling_kernel_size": 3, "position_embedding_size": 64},
+            "image_token_id": ids("<|image|>"), "boi_token_id": ids("<|image>"), "eoi_token_id": ids("<image|>"),
+            "video_token_id": ids("<|video|>"), "audio_token_id": ids("<|audio|>"), "boa_token_id": ids("<|audio>"),
+            "eoa_token_index": ids("<audio|>")}  # fmt: skip
 
 
 CLASSES: dict[str, TinyKind] = {
@@ -556,4 +606,11 @@ CLASSES: dict[str, TinyKind] = {
                          "<patch_start>", "<patch_end>", "<patch_newline>"), add_bos=False,
                         processor=_step3p7_processor, config=_step3p7_config,
                         released_sizes={"size": 728, "crop": 504}),
+    "gemma4": TinyKind("gemma4", _GEMMA4_TEMPLATE, "google/gemma-4-E4B-it",
+                       ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool_response>", *_GEMMA4_NAMED.values(),
+                        "<|video|>"),
+                       bos="<bos>", eos="<eos>", pad="<pad>", add_bos=False, named_tokens=dict(_GEMMA4_NAMED),
+                       generation_eos=("<eos>", "<turn|>", "<|tool_response>"),
+                       processor=_gemma4_processor, config=_gemma4_config,
+                       released_sizes={"patch_size": 16, "max_soft_tokens": 280}),
 }
