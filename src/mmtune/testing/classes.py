@@ -473,6 +473,8 @@ def _step3p7_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                               "image_size": 112, "patch_size": 14, "max_position_embeddings": 64, "mlp_ratio": 2.0},
             "image_token_id": tokenizer.convert_tokens_to_ids("<im_patch>")}
+
+
 # -- Gemma 4 (google/gemma-4-E4B-it; transformers' convert_gemma4_weights.py for tokens and sizes) -------
 # BOS written by the template (the released tokenizer adds none); a leading system message as its own
 # "<|turn>system\n...<turn|>\n" turn; "<|turn>role\n" headers with "assistant" written "model", each
