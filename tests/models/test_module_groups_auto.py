@@ -70,8 +70,16 @@ def test_janus_generation_modules_are_frozen_and_its_aligner_stays_the_projector
                     "model.generation_head"}
 
 
+def _snapshot_groups(kind: str) -> dict[str, list[str]]:
+    """:func:`groups_of` as the snapshot holds it: ``frozen`` counted with the projector, as before it
+    was a group of its own (what :func:`test_module_groups_are_what_they_were` compares)."""
+    found = groups_of(kind)
+    found["projector"] = sorted(found["projector"] + found.pop("frozen"))
+    return {group: names for group, names in found.items() if names}
+
+
 def _write() -> None:  # pragma: no cover - run by hand, see the module docstring
-    table = {kind: {g: names for g, names in groups_of(kind).items() if names} for kind in sorted(KINDS)}
+    table = {kind: _snapshot_groups(kind) for kind in sorted(KINDS)}
     SNAPSHOT.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {SNAPSHOT} ({len(table)} classes)")
 
