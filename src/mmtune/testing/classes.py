@@ -195,17 +195,25 @@ _QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|
                  "<|video_pad|>", "<think>", "</think>")  # fmt: skip
 
 
+def _qwen_vl_processor(processor_class: Any, video_class: Any, patch: int, tokenizer: Any, template: str,
+                       released: dict[str, Any] | None) -> Any:
+    """A Qwen-VL-line processor: the PIL image processor on ``patch`` px patches merged 2 x 2, at the
+    tiny pixel bounds (4 to 64 image tokens) or the released ones."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    factor = patch * 2
+    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
+    image = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=low,
+                                     max_pixels=high)  # fmt: skip
+    return processor_class(image_processor=image, tokenizer=tokenizer, video_processor=video_class(),
+                           chat_template=template)  # fmt: skip
+
+
 def _qwen3vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
     from transformers import Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    factor = 32  # patch 16 x merge 2
-    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
-    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=low,
-                                     max_pixels=high)  # fmt: skip
-    return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(),
-                            chat_template=template)  # fmt: skip
+    return _qwen_vl_processor(Qwen3VLProcessor, Qwen3VLVideoProcessor, 16, tokenizer, template, released)
 
 
 def _qwen3vl_vision() -> dict[str, Any]:
@@ -271,15 +279,9 @@ def _qwen4_exp_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
 # qwen2_vl family encodes after the official fine-tuning code instead)
 def _qwen25vl_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
     from transformers import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    factor = 28  # patch 14 x merge 2
-    low, high = (released["min_pixels"], released["max_pixels"]) if released else (4 * factor**2, 64 * factor**2)
-    image = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=low,
-                                     max_pixels=high)  # fmt: skip
-    return Qwen2_5_VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(),
-                               chat_template=template)  # fmt: skip
+    return _qwen_vl_processor(Qwen2_5_VLProcessor, Qwen2VLVideoProcessor, 14, tokenizer, template, released)
 
 
 def _qwen25vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
