@@ -13,7 +13,10 @@ from tests.support.auto_checkpoints import CLASSES, GAPS, adapter, checkpoint
 
 # the mode each class runs in the default suite (the other one is behind the slow marker)
 DEFAULT_MODE = {kind: ("full", "lora")[k % 2] for k, kind in enumerate(CLASSES)}
-SFT_GAPS = GAPS.get("sft", {})  # keyed by case id, "<class>-<mode>"
+SFT_GAPS = GAPS.get("sft", {})
+#: classes whose fused expert weights peft puts LoRA on (as parameters, which take no dropout): start-up
+#: refuses the default dropout there (test_lora_on_fused_experts_refuses_dropout_naming_the_setting)
+LORA_WITHOUT_DROPOUT = {"glm4v_moe"}  # keyed by case id, "<class>-<mode>"
 CASES = [pytest.param(kind, mode, id=f"{kind}-{mode}",
                       marks=([] if DEFAULT_MODE[kind] == mode else [pytest.mark.slow])
                       + ([pytest.mark.xfail(strict=True, reason=SFT_GAPS[f"{kind}-{mode}"])]
@@ -45,7 +48,8 @@ def _names(recipe, group):
 @pytest.mark.parametrize("kind, mode", CASES)
 def test_a_few_steps_train_what_the_config_says(kind, mode, tmp_path, synthetic_dir, tiny_overrides):
     settings = (["training.vision.train=false", "training.lr=1e-3"] if mode == "full" else
-                ["peft=lora", "peft.r=4", "training.vision.train=true", "training.lr=1e-2"])
+                ["peft=lora", "peft.r=4", "training.vision.train=true", "training.lr=1e-2",
+                 *(["peft.dropout=0.0"] if kind in LORA_WITHOUT_DROPOUT else [])])
     overrides = tiny_overrides(tmp_path / "run", synthetic_dir, f"model={kind}_tiny", f"model.path={checkpoint(kind)}",
                                "training.max_steps=2", "training.warmup_ratio=0.0", "training.lr_scheduler=constant",
                                "collator.max_length=1024", *_batching(kind), *settings)
@@ -99,7 +103,7 @@ def test_packing_is_refused_at_start_up_for_a_model_that_refuses_the_packed_posi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe", "qwen4_exp", "kimi_k25"])
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe", "qwen4_exp", "kimi_k25", "glm4v_moe"])
 def test_moe_classes_train_on_two_ranks(kind, engine, tmp_path, synthetic_dir, tiny_overrides):
     """The MoE classes (experts in every layer) through the SFT recipe on 2 gloo ranks under DDP and
     FSDP2, LoRA on the default targets: finite losses, a final checkpoint."""
@@ -133,3 +137,14 @@ def test_janus_trains_in_full_on_two_ranks(engine, tmp_path, synthetic_dir, tiny
                                           "collator.max_length=1024", f"training.backend.engine={engine}")])
     losses = [m["train/loss"] for m in read_jsonl(run / "metrics.jsonl") if "train/loss" in m]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_lora_on_fused_experts_refuses_dropout_naming_the_setting(tmp_path, synthetic_dir, tiny_overrides):
+    """GLM-4.5V's experts hold their weights as parameters; peft wraps them without dropout, so the
+    default ``peft.dropout`` stops at start-up with the setting to change, not peft's bare error."""
+    overrides = tiny_overrides(tmp_path / "run", synthetic_dir, "model=glm4v_moe_tiny",
+                               f"model.path={checkpoint('glm4v_moe')}", "training.max_steps=1", "peft=lora")
+    recipe = SFTRecipe(to_sft_config(compose_sft_config(overrides)))
+    with pytest.raises(ValueError, match=r"peft.dropout=0.05: peft puts LoRA on this model's fused expert weights.*"
+                                         r"set peft.dropout=0.0"):
+        recipe.setup()

@@ -7,10 +7,11 @@ read that one mapping.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mmtune.models.qwen2_vl.template import QWEN2_VL_CHAT_TEMPLATE
-from mmtune.testing.classes_first import _AYA_VISION_TEMPLATE
+from mmtune.testing.classes_first import _AYA_VISION_TEMPLATE, FIRST, _glm4v_config
 from mmtune.testing.kind import TinyKind
 
 __all__ = ["CLASSES"]
@@ -529,6 +530,33 @@ def _gemma4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "eoa_token_index": ids("<audio|>")}  # fmt: skip
 
 
+
+# -- GLM-4.5V (zai-org/GLM-4.5V: Glm4vMoeForConditionalGeneration, Glm4vProcessor): GLM-4.1V's turns and images;
+# an answer written "\n<think></think>\n" + its stripped content (its reasoning, where the record has one,
+# only in answers after the last user turn; these records have none, so the template is prefix-stable)
+_GLM45V_TEMPLATE = (
+    "[gMASK]<sop>{%- for msg in messages %}{{- '<|' + msg['role'] + '|>' }}"
+    "{%- set content = namespace(text='') %}{%- if msg['content'] is string %}{%- set content.text = msg['content'] %}"
+    "{%- else %}{%- for item in msg['content'] %}{%- if item['type'] == 'image' %}"
+    "{%- set content.text = content.text + '<|begin_of_image|><|image|><|end_of_image|>' %}"
+    "{%- elif item['type'] == 'text' %}{%- set content.text = content.text + item['text'] %}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- if msg['role'] == 'assistant' %}{{- '\n<think></think>' }}"
+    "{%- if content.text.strip() %}{{- '\n' + content.text.strip() }}{%- endif %}"
+    "{%- else %}{{- '\n' + content.text }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+def _glm45v_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    config = _glm4v_config(tokenizer, text)
+    experts = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+    # the released rotary factor 0.5: M-RoPE splits the 4 rotary half-dimensions of a 16-wide head
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+    return {**config, "text_config": {**config["text_config"], **experts, "rope_parameters": rope}}
+
+
 CLASSES: dict[str, TinyKind] = {
     "janus": TinyKind("janus", _JANUS_TEMPLATE, "deepseek-ai/Janus-Pro-1B (transformers' conversion)",
                       (_BOS, _EOS, _PAD, "<image_placeholder>", "<begin_of_image>", "<end_of_image>"),
@@ -617,4 +645,6 @@ CLASSES: dict[str, TinyKind] = {
                        generation_eos=("<eos>", "<turn|>", "<|tool_response>"),
                        processor=_gemma4_processor, config=_gemma4_config,
                        released_sizes={"patch_size": 16, "max_soft_tokens": 280}),
+    "glm4v_moe": replace(FIRST["glm4v"], model_type="glm4v_moe", template=_GLM45V_TEMPLATE,
+                         released="zai-org/GLM-4.5V (its template without tools and reasoning)", config=_glm45v_config),
 }

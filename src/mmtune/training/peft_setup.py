@@ -85,7 +85,15 @@ def apply_lora(model: nn.Module, groups: ModuleGroups, peft_cfg: "PeftConfig", d
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     config = LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                         target_modules=names, bias="none")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        if "lora_dropout != 0" not in str(err):
+            raise
+        # peft also puts LoRA on the fused expert weights of the MoE classes it knows (GLM-4.5V's
+        # experts hold them as parameters), and its ParamWrapper takes no dropout
+        raise ValueError(f"peft.dropout={peft_cfg.dropout}: peft puts LoRA on this model's fused expert weights too "
+                         f"(parameters, not linear layers), which take no dropout ({err}); set peft.dropout=0.0") from err
 
 
 def is_peft_model(model: nn.Module) -> bool:
