@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from mmtune.models.qwen2_vl.template import QWEN2_VL_CHAT_TEMPLATE
-from mmtune.testing.classes_first import _AYA_VISION_TEMPLATE, FIRST, _glm4v_config
+from mmtune.testing.classes_first import _AYA_VISION_TEMPLATE, FIRST, _glm4v_config, glm_vision_processor
 from mmtune.testing.kind import TinyKind
 
 __all__ = ["CLASSES"]
@@ -531,23 +531,8 @@ def _gemma4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
 
 
 
-# -- GLM-4.5V (zai-org/GLM-4.5V: Glm4vMoeForConditionalGeneration, Glm4vProcessor): GLM-4.1V's turns and images;
-# an answer written "\n<think></think>\n" + its stripped content (its reasoning, where the record has one,
-# only in answers after the last user turn; these records have none, so the template is prefix-stable)
-_GLM45V_TEMPLATE = (
-    "[gMASK]<sop>{%- for msg in messages %}{{- '<|' + msg['role'] + '|>' }}"
-    "{%- set content = namespace(text='') %}{%- if msg['content'] is string %}{%- set content.text = msg['content'] %}"
-    "{%- else %}{%- for item in msg['content'] %}{%- if item['type'] == 'image' %}"
-    "{%- set content.text = content.text + '<|begin_of_image|><|image|><|end_of_image|>' %}"
-    "{%- elif item['type'] == 'text' %}{%- set content.text = content.text + item['text'] %}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{%- if msg['role'] == 'assistant' %}{{- '\n<think></think>' }}"
-    "{%- if content.text.strip() %}{{- '\n' + content.text.strip() }}{%- endif %}"
-    "{%- else %}{{- '\n' + content.text }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
-)
-
-
+# -- GLM-4.5V (zai-org/GLM-4.5V: Glm4vMoeForConditionalGeneration, Glm4vProcessor): GLM-4.1V's images and
+# GLM-4.6V's template logic (below), its own text model of experts
 def _glm45v_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     config = _glm4v_config(tokenizer, text)
     experts = {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
@@ -555,6 +540,61 @@ def _glm45v_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     # the released rotary factor 0.5: M-RoPE splits the 4 rotary half-dimensions of a 16-wide head
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
     return {**config, "text_config": {**config["text_config"], **experts, "rope_parameters": rope}}
+
+
+# -- GLM-4.6V (zai-org/GLM-4.6V: Glm46VProcessor; its text model GLM-4.5-Air's mixture of experts) -----
+# The logic of the GLM-4.5V / 4.6V template, reduced to images and text: "[gMASK]<sop>", "<|role|>\n"
+# headers (an answer's header "<|assistant|>" without the newline), images in begin / end markers;
+# every answer written after a thinking block ("\n<think></think>" when it has none; its own reasoning
+# kept only after the last user turn) and then "\n" and its stripped text; no stop token after an
+# answer (the next turn's "<|user|>" is one of the generation config's stops). The generation prompt
+# is "<|assistant|>\n"; enable_thinking=false adds "/nothink" to user turns and "<think></think>\n" to it.
+_GLM46V_TEMPLATE = (
+    "[gMASK]<sop>{%- set ns = namespace(last_user_index=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user_index = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{%- set visible = namespace(text='') %}"
+    "{%- if m['content'] is string %}{%- set visible.text = m['content'] %}{%- else %}"
+    "{%- for item in m['content'] %}{%- if item['type'] == 'text' %}"
+    "{%- set visible.text = visible.text + item['text'] %}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if m['role'] == 'user' %}{{- '<|user|>\\n' }}"
+    "{%- if m['content'] is string %}{{- m['content'] }}{%- else %}{%- for item in m['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if enable_thinking is defined and not enable_thinking and not visible.text.endswith('/nothink') %}"
+    "{{- '/nothink' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' %}{{- '<|assistant|>' }}{%- set reasoning = '' %}"
+    "{%- set content = visible.text %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user_index and reasoning %}{{- '\\n<think>' + reasoning.strip() + '</think>' }}"
+    "{%- else %}{{- '\\n<think></think>' }}{%- endif %}"
+    "{%- if content.strip() %}{{- '\\n' + content.strip() }}{%- endif %}"
+    "{%- elif m['role'] == 'system' %}{{- '<|system|>\\n' + visible.text }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think></think>\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def _glm46v_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
+    from transformers import Glm46VImageProcessor, Glm46VProcessor, Glm46VVideoProcessor
+
+    return glm_vision_processor((Glm46VImageProcessor, Glm46VProcessor, Glm46VVideoProcessor), tokenizer, template,
+                                released)
+
+
+def _glm46v_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
+    config = _glm4v_config(tokenizer, text)
+    # GLM-4.5-Air's text model: half of each head rotary (M-RoPE sections in the released 8:12:12), a
+    # dense first layer, then routed experts with a shared one (the released: 128 routed, 8 a token, 1 shared)
+    config["text_config"] = {**text, "model_type": "glm4v_moe_text", "head_dim": 32,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5},
+                             "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                             "n_shared_experts": 1, "first_k_dense_replace": 1}
+    return config
 
 
 CLASSES: dict[str, TinyKind] = {
@@ -645,6 +685,14 @@ CLASSES: dict[str, TinyKind] = {
                        generation_eos=("<eos>", "<turn|>", "<|tool_response>"),
                        processor=_gemma4_processor, config=_gemma4_config,
                        released_sizes={"patch_size": 16, "max_soft_tokens": 280}),
-    "glm4v_moe": replace(FIRST["glm4v"], model_type="glm4v_moe", template=_GLM45V_TEMPLATE,
-                         released="zai-org/GLM-4.5V (its template without tools and reasoning)", config=_glm45v_config),
+    "glm4v_moe": replace(FIRST["glm4v"], model_type="glm4v_moe", template=_GLM46V_TEMPLATE,
+                         released="zai-org/GLM-4.5V (the GLM-4.5V / 4.6V template's logic)", config=_glm45v_config,
+                         special_tokens=FIRST["glm4v"].special_tokens + ("<|observation|>", "<think>", "</think>"),
+                         generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>")),
+    "glm46v": TinyKind("glm46v", _GLM46V_TEMPLATE, "zai-org/GLM-4.6V (its template's logic)",
+                       FIRST["glm4v"].special_tokens + ("<|observation|>", "<think>", "</think>"),
+                       eos="<|endoftext|>", pad="<|endoftext|>",
+                       generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"), projector_in_vision=True,
+                       processor=_glm46v_processor, config=_glm46v_config,
+                       released_sizes={"min_pixels": 112 * 112, "max_pixels": 28 * 28 * 12288}),
 }

@@ -194,14 +194,23 @@ def _llava_next_processor(tokenizer: Any, template: str, released: dict[str, Any
                               chat_template=template)  # fmt: skip
 
 
+def glm_vision_processor(classes: tuple[Any, Any, Any], tokenizer: Any, template: str,
+                         released: dict[str, Any] | None) -> Any:
+    """A GLM-V processor from its ``(image processor, processor, video processor)`` classes: 14 px
+    patches merged 2 x 2, at the tiny pixel bounds (4 to 16 image tokens) or the released ones."""
+    image_class, processor_class, video_class = classes
+    values = released or {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}
+    image = image_class(size={"shortest_edge": values["min_pixels"], "longest_edge": values["max_pixels"]},
+                        patch_size=14, temporal_patch_size=2, merge_size=2)
+    return processor_class(image_processor=image, tokenizer=tokenizer, video_processor=video_class(),
+                           chat_template=template)  # fmt: skip
+
+
 def _glm4v_processor(tokenizer: Any, template: str, released: dict[str, Any] | None) -> Any:
     from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
-    values = released or {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16}
-    image = Glm4vImageProcessor(size={"shortest_edge": values["min_pixels"], "longest_edge": values["max_pixels"]},
-                                patch_size=14, temporal_patch_size=2, merge_size=2)
-    return Glm4vProcessor(image_processor=image, tokenizer=tokenizer, video_processor=Glm4vVideoProcessor(),
-                          chat_template=template)  # fmt: skip
+    classes = (Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor)
+    return glm_vision_processor(classes, tokenizer, template, released)
 
 
 # -- configs: ``(tokenizer, text config defaults) -> the keyword arguments of the class's config`` --------
