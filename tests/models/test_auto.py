@@ -311,8 +311,8 @@ def test_a_processor_output_that_cannot_be_stored_names_the_input_the_model_and_
 
 
 def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_renders_next():
-    """GLM-4.1V's template ends an answer with the next turn's ``<|user|>`` (a generation stop
-    token), Janus's writes its EOS only between an answer and the next turn: it is labelled with
+    """GLM-4.1V's template (and GLM-4.5V / 4.6V's) ends an answer with the next turn's ``<|user|>`` (a
+    generation stop token), Janus's writes its EOS only between an answer and the next turn: it is labelled with
     the answer, appended after the last one; the classes whose answers carry their own
     end-of-turn stop token are left as they are."""
     from tests.support.auto_checkpoints import CLASSES
@@ -324,7 +324,10 @@ def test_an_answer_without_its_own_stop_token_learns_the_one_the_template_render
     glm = auto_adapter("glm4v")
     user = glm.tokenizer.convert_tokens_to_ids("<|user|>")
     janus = auto_adapter("janus").tokenizer.eos_token_id
-    assert found == {kind: {"glm4v": user, "janus": janus}.get(kind) for kind in CLASSES}
+    # the GLM-V templates (GLM-4.1V's, GLM-4.5V / 4.6V's) end an answer with the next turn's <|user|>
+    glm_user = {kind: auto_adapter(kind).tokenizer.convert_tokens_to_ids("<|user|>")
+                for kind in ("glm4v", "glm4v_moe", "glm46v")}
+    assert found == {kind: {**glm_user, "janus": janus}.get(kind) for kind in CLASSES}
     assert user in glm.stop_token_ids  # generation stops at it
     example = encode_example(glm, dialogue, max_length=None)
     runs = [glm.tokenizer.decode(run) for run in labelled_runs(example.labels)]
