@@ -126,7 +126,8 @@ class ProfileStage:
     def _image_index_rule(self, replaced: list[str], one_by_one: list[str], image: Any) -> tuple[str, int] | None:
         """The rule by which the k-th image's text differs from its text alone: the same text with the
         decimal number after a fixed lead counting up from the first image's; checked on a call of
-        twelve images (numbers of two digits). ``None`` where the difference is no such number."""
+        twelve copies of ``image`` (numbers of two digits), whose text alone is ``one_by_one[0]``.
+        ``None`` where the difference is no such number."""
         if len(replaced) != len(one_by_one):
             return None
         alone, second = one_by_one[1], replaced[1]
@@ -139,8 +140,7 @@ class ProfileStage:
         count = 12
         try:
             joint = self._replacements(self._call([image] * count), [image] * count)
-            single = self._replacements(self._call([image]), [image])[0]
-            numbered = [self._numbered(single, k, rule) for k in range(count)]
+            numbered = [self._numbered(one_by_one[0], k, rule) for k in range(count)]
         except Exception:  # noqa: BLE001 - the processor's refusal of the longer call, or no number: no rule
             return None
         return rule if numbered == joint else None
