@@ -259,7 +259,6 @@ def _qwen_kind(model_type: str, template: str, released: str, config: Any, tagge
                     fidelity_reference_template=tagged, projector_in_vision=True)
 
 
-
 # -- Qwen4-Exp (Qwen4ExpForConditionalGeneration, Qwen3VLProcessor): Qwen3.5-MoE's layout with
 # hyper-connections, per-layer n-gram embeddings (PLE) and QSA-indexed full attention; its template
 # logic is Qwen3.5's
@@ -294,7 +293,6 @@ def _qwen25vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             **_qwen_ids(tokenizer)}
 
 
-
 # -- LFM2-VL (LiquidAI/LFM2-VL-1.6B): ChatML after the tokenizer's BOS; images as tiles of 512 px in a row /
 # column grid with a thumbnail; its language model mixes short-convolution and attention layers
 _LFM2_VL_TEMPLATE = (
@@ -326,7 +324,6 @@ def _lfm2_vl_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "image_token_id": tokenizer.convert_tokens_to_ids("<image>"), "projector_hidden_size": 64}
 
 
-
 # -- Kimi K2.5 (moonshotai/Kimi-K2.5: Kimi_K25ForConditionalGeneration, a DeepSeek-V3 text model with
 # multi-head latent attention and experts): its turn markers, an image as
 # <|media_begin|>image<|media_content|><|media_pad|><|media_end|>; the thinking parts left out
@@ -356,15 +353,15 @@ def _kimi_processor(tokenizer: Any, template: str, released: dict[str, Any] | No
 def _kimi_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     ids = tokenizer.convert_tokens_to_ids
     latent = {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-              "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-              "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
+              "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
+              "topk_group": 1}
     return {"text_config": {**text, "model_type": "deepseek_v3", **latent},
             "vision_config": {"patch_size": 14, "num_attention_heads": 2, "num_hidden_layers": 2, "hidden_size": 32,
                               "intermediate_size": 64, "pos_emb_height": 16, "pos_emb_width": 16},
             "projection_hidden_size": 32, "image_token_id": ids("<|media_pad|>"),
             "video_token_id": ids("<|kimi_k25_video_placeholder|>"), "vision_start_token_id": ids("<|media_begin|>"),
             "vision_end_token_id": ids("<|media_end|>")}
-
 
 
 # -- MiniCPM-V 4.6 (MiniCPMV4_6ForConditionalGeneration: a Qwen3.5 text model): ChatML turns; its processor
@@ -378,7 +375,8 @@ def _minicpm_processor(tokenizer: Any, template: str, released: dict[str, Any] |
     from transformers import MiniCPMV4_6ImageProcessor, MiniCPMV4_6Processor, MiniCPMV4_6VideoProcessor
 
     values = released or {"scale_resolution": 112, "max_slice_nums": 2}
-    image = MiniCPMV4_6ImageProcessor(scale_resolution=values["scale_resolution"], max_slice_nums=values["max_slice_nums"])
+    image = MiniCPMV4_6ImageProcessor(scale_resolution=values["scale_resolution"],
+                                      max_slice_nums=values["max_slice_nums"])
     return MiniCPMV4_6Processor(image_processor=image, tokenizer=tokenizer, video_processor=MiniCPMV4_6VideoProcessor(),
                                 chat_template=template)  # fmt: skip
 
@@ -389,7 +387,6 @@ def _minicpm_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
                               "num_attention_heads": 2, "patch_size": 14, "image_size": 112, "insert_layer_id": 0},
             "image_size": 112, "insert_layer_id": 0, "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
             "video_token_id": tokenizer.convert_tokens_to_ids("<video_token>")}
-
 
 
 # -- Command A Vision (CohereLabs/command-a-vision-07-2025: Cohere2VisionForConditionalGeneration): Aya
@@ -452,7 +449,6 @@ def _molmo2_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "frame_start_token_id": ids("<frame_start>"), "frame_end_token_id": ids("<frame_end>")}  # fmt: skip
 
 
-
 # -- Step3p7 (stepfun-ai/Step-3.7-Flash: Step3p7ForConditionalGeneration): a global view per image and local
 # crops for images far from its shape, whose input (pixel_values_local) the processor leaves out for an image
 # without crops; MoE text model
@@ -473,8 +469,9 @@ def _step3p7_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
     # one sliding-window and one full-attention layer (its model builds both masks whatever the layers)
     return {"text_config": {**text, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
                             "sliding_window": 16, **experts},
-            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                              "image_size": 112, "patch_size": 14, "max_position_embeddings": 64, "mlp_ratio": 2.0},
+            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 2, "image_size": 112, "patch_size": 14,
+                              "max_position_embeddings": 64, "mlp_ratio": 2.0},
             "image_token_id": tokenizer.convert_tokens_to_ids("<im_patch>")}
 
 
@@ -528,7 +525,6 @@ def _gemma4_config(tokenizer: Any, text: dict[str, Any]) -> dict[str, Any]:
             "image_token_id": ids("<|image|>"), "boi_token_id": ids("<|image>"), "eoi_token_id": ids("<image|>"),
             "video_token_id": ids("<|video|>"), "audio_token_id": ids("<|audio|>"), "boa_token_id": ids("<|audio>"),
             "eoa_token_index": ids("<audio|>")}  # fmt: skip
-
 
 
 # -- GLM-4.5V (zai-org/GLM-4.5V: Glm4vMoeForConditionalGeneration, Glm4vProcessor): GLM-4.1V's images and
@@ -640,7 +636,8 @@ CLASSES: dict[str, TinyKind] = {
                                "Qwen/Qwen3-VL-30B-A3B-Instruct (ChatML)", _qwen3vl_moe_config),
     "qwen4_exp": _qwen_kind("qwen4_exp", _QWEN35_TEMPLATE.replace("{GEN}", "").replace("{END}", ""),
                             "Qwen4-Exp (Qwen3.5's template logic)", _qwen4_exp_config,
-                            _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}").replace("{END}", "{% endgeneration %}")),
+                            _QWEN35_TEMPLATE.replace("{GEN}", "{% generation %}")
+                            .replace("{END}", "{% endgeneration %}")),
     "qwen2_5_vl": TinyKind("qwen2_5_vl", QWEN2_VL_CHAT_TEMPLATE, "Qwen/Qwen2.5-VL-7B-Instruct",
                            ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                             "<|image_pad|>", "<|video_pad|>"), add_bos=False,
@@ -658,7 +655,8 @@ CLASSES: dict[str, TinyKind] = {
                          _KIMI_TOKENS, bos="[BOS]", eos="<|im_end|>", pad="[PAD]", add_bos=False,
                          named_tokens={"image_token": "<|media_pad|>"}, processor=_kimi_processor, config=_kimi_config,
                          released_sizes={"max_side": 512, "max_patches": 16384}),
-    "minicpmv4_6": TinyKind("minicpmv4_6", _MOLMO2_TEMPLATE.replace("<|image|>", "<image>"), "openbmb/MiniCPM-V-4.6 (ChatML)",
+    "minicpmv4_6": TinyKind("minicpmv4_6", _MOLMO2_TEMPLATE.replace("<|image|>", "<image>"),
+                            "openbmb/MiniCPM-V-4.6 (ChatML)",
                             ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", *_MINICPM_NAMED.values()),
                             add_bos=False, named_tokens={"image_token": "<image>", **_MINICPM_NAMED},
                             processor=_minicpm_processor, config=_minicpm_config,
@@ -670,7 +668,8 @@ CLASSES: dict[str, TinyKind] = {
                                 "<|IMG_LINE_BREAK|>"),
                                bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", pad="<PAD>",
                                named_tokens={"image_token": "<|IMG_PATCH|>", "boi_token": "<|START_OF_IMG|>",
-                                             "eoi_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>"},
+                                             "eoi_token": "<|END_OF_IMG|>",
+                                             "img_line_break_token": "<|IMG_LINE_BREAK|>"},
                                processor=_cohere2_vision_processor, config=_cohere2_vision_config,
                                released_sizes={"size": 512, "max_patches": 12, "patch_size": 16}),
     "step3p7": TinyKind("step3p7", _STEP3P7_TEMPLATE, "stepfun-ai/Step-3.7-Flash (ChatML)",

@@ -93,7 +93,8 @@ def apply_lora(model: nn.Module, groups: ModuleGroups, peft_cfg: "PeftConfig", d
         # peft also puts LoRA on the fused expert weights of the MoE classes it knows (GLM-4.5V's
         # experts hold them as parameters), and its ParamWrapper takes no dropout
         raise ValueError(f"peft.dropout={peft_cfg.dropout}: peft puts LoRA on this model's fused expert weights too "
-                         f"(parameters, not linear layers), which take no dropout ({err}); set peft.dropout=0.0") from err
+                         f"(parameters, not linear layers), which take no dropout ({err}); "
+                         "set peft.dropout=0.0") from err
 
 
 def is_peft_model(model: nn.Module) -> bool:
