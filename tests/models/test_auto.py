@@ -426,7 +426,7 @@ def test_image_inputs_keep_the_processors_dtype_through_the_pixel_cache_format()
 def test_a_text_change_mmtune_does_not_reproduce_is_refused_at_the_first_differing_token(monkeypatch):
     """Janus saved as transformers' conversion saves it prepends its default system prompt in its
     processor's call: without adding it, the start-up check names the first differing token."""
-    import mmtune.models.auto.authority as authority
+    import mmtune.models.authority as authority
     from mmtune.models.auto import UnsupportedProcessorError
     from tests.support.auto_checkpoints import adapter as auto_adapter
 
@@ -435,4 +435,4 @@ def test_a_text_change_mmtune_does_not_reproduce_is_refused_at_the_first_differi
     monkeypatch.setattr(authority, "_CHECKED", set())
     monkeypatch.setattr(janus, "_text_change", ("", ""))
     with pytest.raises(UnsupportedProcessorError, match=r"at token 1: the processor gives 'You', mmtune"):
-        janus._check_against_processor()
+        janus._check_authority()

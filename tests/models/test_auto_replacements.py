@@ -39,7 +39,7 @@ def test_the_text_the_tokenizer_is_handed_gives_the_offsets_replacements(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_processor_without_offsets_passes_the_start_up_check_with_the_same_tokens(kind, monkeypatch):
-    import mmtune.models.auto.authority as authority
+    import mmtune.models.authority as authority
 
     adapter = build_adapter(ModelConfig(family="auto", path=checkpoint(kind)))
     image = PILImage.new("RGB", (37, 53), (10, 200, 30))
@@ -50,7 +50,7 @@ def test_a_processor_without_offsets_passes_the_start_up_check_with_the_same_tok
     AutoAdapter._count.cache_clear()
     assert adapter._replacement(53, 37) == expected
     monkeypatch.setattr(authority, "_CHECKED", set())
-    adapter._check_against_processor()  # the probe dialogue, token for token and input for input
+    adapter._check_authority()  # the probe dialogue, token for token and input for input
 
 
 def test_a_processor_whose_image_text_depends_on_its_neighbours_is_refused_at_start_up(tmp_path):

@@ -110,7 +110,7 @@ def _template_ids(adapter, messages, add_generation_prompt=False):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_tiny_models_are_small_and_use_their_own_classes(model_type, adapters, models):
     adapter, model = adapters[model_type], models[model_type]
-    generation_class, _ = model_classes(model_type)
+    generation_class = model_classes(model_type)
     assert type(model) is generation_class and model.config.model_type == model_type
     text = adapter.text_config(model.config)
     assert text is model.config.text_config and text.num_hidden_layers == 2 and text.hidden_size <= 64

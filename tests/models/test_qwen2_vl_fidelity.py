@@ -209,7 +209,7 @@ class Reference:
             self.template = json.load(handle)["chat_template"]
         self.processor = AutoImageProcessor.from_pretrained(directory, backend="pil")
         config = AutoConfig.from_pretrained(directory)
-        generation_class, _ = model_classes(config.model_type)
+        generation_class = model_classes(config.model_type)
         self.model = generation_class._from_config(config).model  # the full model's own rope index
         self.config = config
         self.image_pad = "<|image_pad|>"

@@ -5,7 +5,7 @@ architecture; ``load_dtype_and_attention`` reads the load-time settings every ad
 ``load_model`` accepts and ``build_random_model`` builds a random-weight model;
 ``state_fingerprint`` hashes what an adapter's ``fingerprint()`` covers.
 
-:class:`PieceAdapter` is the rendering path of the families that build their chat
+:class:`PieceText` is the text stage of the families that build their chat
 template themselves (LLaVA-1.5, InternLM-XComposer2, the Qwen2-VL family): a dialogue is first rendered into
 :class:`Piece` objects (text, fixed ids, images), then the text of many dialogues is
 tokenized in one batched call, then the pieces become chunks. ``load_sentencepiece`` and
@@ -18,11 +18,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAdapter, TokenChunk
+from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, TokenChunk
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmtune.core.dialogue import Dialogue
@@ -36,7 +36,7 @@ __all__ = [
     "Piece",
     "Plan",
     "iter_pieces",
-    "PieceAdapter",
+    "PieceText",
     "find_sentencepiece_model",
     "check_template_words",
     "load_sentencepiece",
@@ -264,8 +264,9 @@ def iter_pieces(prefix: list[Piece], rendered: list[tuple[str, list[Piece]]], su
     yield from suffix
 
 
-class PieceAdapter(ModelAdapter):
-    """An adapter that renders dialogues into pieces and tokenizes their text in batches.
+class PieceText(ABC):
+    """The text stage of an adapter that renders dialogues into pieces and tokenizes their text in
+    batches (mixed into the adapter, before its encoder).
 
     Subclasses implement :meth:`_pieces` (the chat template) and :meth:`_tokenize_many`
     (how text pieces become ids); each image becomes :meth:`image_token_count` tokens.

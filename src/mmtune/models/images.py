@@ -34,10 +34,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mmtune.core.images import ImageLimits
 
-__all__ = ["SquareImage", "SquareImageAdapter", "oriented_size"]
+__all__ = ["SquareImage", "SquareImageAdapter", "noise_image", "oriented_size"]
 
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def noise_image(width: int, height: int, seed: int):
+    """A PIL image of seeded uniform noise: the start-up probes' images (no two rows alike, so a
+    processor that reorders or crops them shows it)."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return PILImage.fromarray(pixels, "RGB")
 
 
 def oriented_size(path: str) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     Piece,
-    PieceAdapter,
+    PieceText,
     Plan,
     check_template_words,
     deep_update,
@@ -44,15 +44,14 @@ from mmtune.models._utils import (
     sentencepiece_from_fast_tokenizer,
     state_fingerprint,
 )
-from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
-from mmtune.models.hooks import TransformersModelHooks
+from mmtune.models.config import FamilySettings, positive_or_null
+from mmtune.models.encoder import Encoder
 from mmtune.models.images import SquareImage, SquareImageAdapter
 from mmtune.models.registry import register_adapter
 from mmtune.models.vicuna import VICUNA_V1_CHAT_TEMPLATE, VICUNA_V1_SYSTEM, vicuna_v1_chat_template
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from torch import nn
 
     from mmtune.core.dialogue import Dialogue
 
@@ -130,8 +129,12 @@ class LlavaSettings(FamilySettings):
 
 
 @register_adapter
-class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
-    """LLaVA-1.5 adapter: Vicuna v1 template, fixed image token count, pad-to-square images.
+class LlavaAdapter(SquareImageAdapter, PieceText, Encoder):
+    """LLaVA-1.5: the one encoder (:mod:`mmtune.models.encoder`) with the stages where the official
+    training code differs from the processor replaced: the profile (a random-weight tiny model, or a
+    checkpoint's tokenizer and config), the images (pad to a square with the mean colour, cached as
+    squared uint8 images) and the text (Vicuna v1 turns in SentencePiece chunks). Positions, model
+    hooks and the image check against the processor are the encoder's.
 
     ``encode_dialogue`` / ``encode_many`` render with the Vicuna v1 template: a leading
     system turn of the dialogue wins over ``system_prompt``; ``system_prompt`` (``""`` =
@@ -146,6 +149,8 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     #: peft ``exclude_modules`` regex keeping LoRA off the vision tower and projector
     lora_exclude_modules = r".*(vision_tower|multi_modal_projector).*"
+    text_authority = "LLaVA-1.5's training code (conv_vicuna_v1, preprocess_v1, tokenizer_image_token)"
+    pixel_tolerance = 1e-6  # normalize_uint8: one multiply-add per value, within 1e-6 of the processor's
     #: the public LLaVA-1.5 checkpoints the shipped configs name (``mmtune plan`` sizes them offline)
     known_architectures = {
         "llava-hf/llava-1.5-7b-hf": {
@@ -172,15 +177,12 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
         },
     }
 
-    def __init__(self, config: ModelConfig):
+    def _load_profile(self) -> None:
+        """The tokenizer and model config: a random-weight tiny LLaVA's (``model.path=null``, sizes
+        from ``model.architecture``) or the checkpoint's; the image and stop tokens checked against them."""
         from transformers import AutoConfig, AutoProcessor, LlavaConfig
 
-        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-
-        config.validate()
-        self.config = config
-        settings = config.settings
-        pad = (settings.image_aspect_ratio or "pad") == "pad"  # LLaVA-1.5 training padded to a square
+        config, settings = self.config, self.config.settings
         if config.path is None:
             arch = deep_update(TINY_ARCHITECTURE, config.architecture)
             vocab_size = int(arch["text_config"].pop("vocab_size", 512))
@@ -203,8 +205,7 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
             arch["text_config"].setdefault("eos_token_id", self.tokenizer.eos_token_id)
             arch.setdefault("image_token_id", self.tokenizer.convert_tokens_to_ids("<image>"))
             self.model_config = LlavaConfig(**arch)
-            size = self.model_config.vision_config.image_size
-            base_processor = None
+            self._source_image_processor = None
         else:
             processor = AutoProcessor.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
             self.tokenizer = processor.tokenizer
@@ -214,18 +215,38 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
                     f"{config.path} is not a LLaVA checkpoint (config type {type(self.model_config).__name__}); "
                     "use model.family=auto for other image-text models"
                 )
-            base_processor = processor.image_processor
+            self._source_image_processor = processor.image_processor
             size = self.model_config.vision_config.image_size
             if settings.image_size is not None and settings.image_size != size:
                 raise ValueError(
                     f"model.llava.image_size={settings.image_size} but the checkpoint {config.path} was trained at "
                     f"{size} px; leave model.llava.image_size null for LLaVA checkpoints"
                 )
+        image_token = "<image>"
+        self.image_token_id = int(self.model_config.image_token_id)
+        if self.tokenizer.convert_ids_to_tokens(self.image_token_id) != image_token:
+            raise ValueError(
+                f"the config's image_token_id {self.image_token_id} is "
+                f"{self.tokenizer.convert_ids_to_tokens(self.image_token_id)!r} in the tokenizer, expected "
+                f"{image_token!r}; the tokenizer and model config of {config.path or 'model.architecture'} do not "
+                "belong together"
+            )
+        if self.tokenizer.eos_token_id is None or self.tokenizer.bos_token_id is None:
+            raise ValueError(f"the tokenizer of {config.path} needs bos and eos tokens for the Vicuna v1 template")
+        self._bos_id = int(self.tokenizer.bos_token_id)
+        self._eos_id = int(self.tokenizer.eos_token_id)
+        self.stop_token_ids = [self._eos_id]
 
-        # LLaVA-1.5's "pad": expand to a square with the mean colour, then the CLIP
-        # resize/crop (a no-op crop on a square). Built from the checkpoint's settings.
-        mean = list(getattr(base_processor, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
-        std = list(getattr(base_processor, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
+    def _setup_images(self) -> None:
+        """LLaVA-1.5's "pad": expand to a square with the mean colour, then the CLIP resize/crop (a
+        no-op crop on a square), with the checkpoint's mean and std; ``resize`` stretches instead."""
+        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+        pad = (self.config.settings.image_aspect_ratio or "pad") == "pad"  # LLaVA-1.5 training padded to a square
+        source = self._source_image_processor
+        size = self.model_config.vision_config.image_size
+        mean = list(getattr(source, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
+        std = list(getattr(source, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
         self.image_processor = LlavaImageProcessorPil(
             size={"shortest_edge": size},
             crop_size={"height": size, "width": size},
@@ -237,28 +258,16 @@ class LlavaAdapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
             # square resize without crop, so the whole image stays visible
             self.image_processor.size = {"height": size, "width": size}
             self.image_processor.do_center_crop = False
-        # the same pixels as that processor (a test checks it bit for bit), decoded and
+        # the same pixels as that processor (checked at start-up: the authority stage), decoded and
         # squared once into the pixel cache; normalize_uint8 does the rest per batch
-        self.image_transform = SquareImage(size, pad=pad,
-                                           fill=tuple(int(x * 255) for x in mean))
-
-        image_token = "<image>"
-        self.image_token_id = int(self.model_config.image_token_id)
-        if self.tokenizer.convert_ids_to_tokens(self.image_token_id) != image_token:
-            raise ValueError(
-                f"the config's image_token_id {self.image_token_id} is "
-                f"{self.tokenizer.convert_ids_to_tokens(self.image_token_id)!r} in the tokenizer, expected "
-                f"{image_token!r}; the tokenizer and model config of {config.path or 'model.architecture'} do not "
-                "belong together"
-            )
+        self.image_transform = SquareImage(size, pad=pad, fill=tuple(int(x * 255) for x in mean))
         vc = self.model_config.vision_config
         strategy = self.model_config.vision_feature_select_strategy
         self.num_image_tokens = (vc.image_size // vc.patch_size) ** 2 + (0 if strategy == "default" else 1)
-        if self.tokenizer.eos_token_id is None or self.tokenizer.bos_token_id is None:
-            raise ValueError(f"the tokenizer of {config.path} needs bos and eos tokens for the Vicuna v1 template")
-        self._bos_id = int(self.tokenizer.bos_token_id)
-        self._eos_id = int(self.tokenizer.eos_token_id)
-        self.stop_token_ids = [self._eos_id]
+
+    def _setup_text(self) -> None:
+        """The SentencePiece model the official code tokenized with, and where its word marks fall."""
+        config = self.config
         # LLaVA-1.5 tokenized with the slow SentencePiece tokenizer: use the checkpoint's
         # model file, else the model rebuilt from its fast tokenizer (which by itself
         # differs from SentencePiece where spaces meet words).

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["RopeIndex", "RopePositions"]
+__all__ = ["RopeIndex", "RopePositions", "packed_layout_problem", "rope_index_for"]
 
 
 class RopeIndex:
@@ -131,11 +131,60 @@ class RopeIndex:
         return positions[:, 0], int(deltas.reshape(-1)[0])
 
 
+def rope_index_for(model_config: Any, image_token_id: int, marked_ids: "Sequence[int] | None" = None
+                   ) -> "RopeIndex | None":
+    """The :class:`RopeIndex` of the model class transformers pairs with ``model_config`` (its
+    ``MODEL_MAPPING`` entry) where that class has its own ``get_rope_index`` (M-RoPE: the Qwen-VL
+    line, GLM-4.1V, ...); ``None`` for a model that counts one running position."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        model_class = MODEL_MAPPING[type(model_config)]
+    except KeyError:
+        return None
+    if not hasattr(model_class, "get_rope_index"):
+        return None
+    vision = getattr(model_config, "vision_config", None)
+    return RopeIndex(model_config, model_class, image_token_id, int(getattr(vision, "spatial_merge_size", 1)),
+                     marked_ids)
+
+
+def packed_layout_problem(text_config: Any, rows: int) -> str:
+    """Why the language model of ``text_config`` refuses a running-position row before its ``rows``
+    position rows (``[1 + rows, B, L]``, where transformers' M-RoPE models read packed boundaries),
+    "" when it takes it. Asked of the model class itself: one layer of it built on the meta device
+    (no memory, no weights) runs a 4-token forward in that layout; a ``ValueError`` is its refusal
+    of the shape (an error on reading a meta value means the layout check passed)."""
+    import copy
+
+    import torch
+    from transformers import MODEL_MAPPING
+
+    text_config = copy.deepcopy(text_config)
+    try:
+        model_class = MODEL_MAPPING[type(text_config)]
+    except KeyError:
+        return ""
+    text_config.num_hidden_layers = 1
+    if getattr(text_config, "layer_types", None):
+        text_config.layer_types = list(text_config.layer_types)[:1]
+    try:
+        with torch.device("meta"):
+            model_class(text_config)(input_ids=torch.zeros(1, 4, dtype=torch.long),
+                                     position_ids=torch.zeros(1 + rows, 1, 4, dtype=torch.long), use_cache=False)
+    except ValueError as err:
+        return (f"{model_class.__name__} refuses position ids laid out [1 + {rows}, B, L], the running "
+                f"position first, from which transformers' M-RoPE models read where packed samples start "
+                f"({err}), so packed samples would attend to each other")
+    except Exception:  # noqa: BLE001 - past the layout check (a meta tensor has no values to read)
+        return ""
+    return ""
+
+
 class RopePositions:
-    """The batch-positions stage shared by the families whose model has its own rope index (the
-    ``auto`` family's M-RoPE classes, the ``qwen2_vl`` family): an adapter mixin over a
-    :class:`RopeIndex` in ``_rope`` (``None``: the model counts one running position, the base
-    class's default). A family differs only in :meth:`_prompt_grid`, where a generation
+    """The positions stage of the one encoder (:class:`~mmtune.models.encoder.Encoder`): an adapter
+    mixin over a :class:`RopeIndex` in ``_rope`` (``None``: the model counts one running position,
+    the base class's default). A family differs only in :meth:`_prompt_grid`, where a generation
     prompt's image grids come from."""
 
     _rope: "RopeIndex | None"

@@ -219,7 +219,7 @@ def save_tiny_checkpoint(
         with open(os.path.join(directory, "chat_template.json"), "w", encoding="utf-8") as handle:
             json.dump({"chat_template": CHAT_TEMPLATES[model_type]}, handle, indent=2)
     if weights:
-        model_class, _ = model_classes(model_type)
+        model_class = model_classes(model_type)
         model = build_random_model(
             model_class, copy.deepcopy(config), seed=seed, attn_implementation="sdpa", dtype=None
         )

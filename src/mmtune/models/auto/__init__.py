@@ -48,15 +48,18 @@ An image the processor refuses (too small, extreme aspect ratio) raises
 :class:`UnsupportedImageError` naming file, dialogue and turn, so data validation skips or
 refuses it per ``data.validation.mode``. A checkpoint whose classes need code shipped with
 
-The package is the encoder in stages, one job each (see ``docs/architecture.md``):
+The package is every stage of the one encoder (:mod:`mmtune.models.encoder`) taken from the
+processor, one job each (see ``docs/architecture.md``):
 
 - :mod:`.profile`: the checkpoint's processor and template loaded (:func:`load_processor_and_template`),
   its stop tokens, and the start-up probes of its image inputs' joins;
 - :mod:`.render`: the chat template's rendering of a dialogue into turn / header / answer spans;
 - :mod:`.image_text`: each image placeholder's text as the processor puts it, and the tokens;
 - :mod:`.stops`: the stop token every answer is trained to end with;
-- :mod:`.batch`: image inputs, token inputs and positions of the batch;
-- :mod:`.adapter`: :class:`AutoAdapter`, the contract of :mod:`mmtune.models.base` over those stages.
+- :mod:`.batch`: image inputs and token inputs of the batch;
+- :mod:`.authority`: the start-up check of ids and image inputs against the processor's whole call;
+- :mod:`.adapter`: :class:`AutoAdapter`, those stages in the encoder. Positions and the model hooks
+  are the encoder's own, shared with every family.
 """
 
 from mmtune.models.auto.adapter import AutoAdapter, AutoSettings

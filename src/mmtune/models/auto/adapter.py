@@ -10,22 +10,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mmtune.models._utils import state_fingerprint
-from mmtune.models.auto.authority import AuthorityStage
+from mmtune.models.auto.authority import ProcessorCallAuthority
 from mmtune.models.auto.batch import BatchStage
 from mmtune.models.auto.image_text import ImageTextStage
 from mmtune.models.auto.profile import (
-    LoadedProcessor,
     ProfileStage,
     check_remote_code,
     load_processor_and_template,
 )
 from mmtune.models.auto.render import RenderStage
 from mmtune.models.auto.stops import AnswerStopStage
-from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, ModelAdapter, TokenChunk
+from mmtune.models.base import EncodedDialogue, EncodedTurn, ImageChunk, TokenChunk
 from mmtune.models.checkpoint_guard import check_chat_template, check_model_folder
 from mmtune.models.config import FamilySettings, ModelConfig
-from mmtune.models.hooks import TransformersModelHooks
-from mmtune.models.positions import RopePositions
+from mmtune.models.encoder import Encoder
 from mmtune.models.registry import register_adapter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,51 +58,19 @@ class AutoSettings(FamilySettings):
 
 
 @register_adapter
-class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, RopePositions,
-                  AuthorityStage, TransformersModelHooks, ModelAdapter):
-    """Processor-driven adapter for transformers image-text-to-text checkpoints."""
+class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, BatchStage, ProcessorCallAuthority,
+                  Encoder):
+    """The one encoder with every stage from the checkpoint's processor (see the package doc)."""
 
     family = "auto"
     settings_class = AutoSettings
     default_lora_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora_exclude_modules = r".*(vision_tower|visual|vision_model|multi_modal_projector|connector|merger).*"
 
-    def __init__(self, config: ModelConfig):
-        config.validate()
-        self.config = config
-        loaded, self.model_config = self._load_profile()
-        self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
-        self.chat_template, self.image_token = loaded.chat_template, loaded.image_token
-        self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
-        # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
-        # not the <start_of_image> placeholder its template renders)
-        feature_id = getattr(self.model_config, "image_token_id", None)
-        if feature_id is None:
-            feature_id = getattr(self.model_config, "image_token_index", None)
-        self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
-        self.stop_token_ids = self._stop_tokens()
-        self._joins = self._probe_joins()
-        self.image_input_names = tuple(self._joins)
-        self._rope = self._rope_index()
-        self.position_id_rows = self._rope.rows if self._rope is not None else 1
-        self.packing_problem = self._text_row_problem() if self.position_id_rows > 1 else ""
-        if config.settings.answer_stop == "eos" and self.tokenizer.eos_token_id is None:
-            raise ValueError(f"model.auto.answer_stop=eos: the tokenizer of model.path={config.path} has no EOS token "
-                             "to append; set its eos_token, or model.auto.answer_stop=template")
-        if self._template_answer_end[0] == "none" and config.settings.answer_stop == "template":
-            log.warning(
-                "model.path=%s: its chat template renders no stop token (%s) in or right after an assistant "
-                "answer, so a model trained on it as rendered does not learn to end its answers; set "
-                "model.auto.answer_stop=eos to append %r to every answer, labelled", config.path,
-                self.tokenizer.convert_ids_to_tokens(self.stop_token_ids), self.tokenizer.eos_token)
-        self.prefix_stable = self._prefix_stable
-        self._state_policy()
-        self._check_against_processor()
-
-    def _load_profile(self) -> tuple[LoadedProcessor, Any]:
-        """The step a family specialisation replaces: the processor (with its tokenizer, chat
-        template and image placeholder) and the model config, here read from ``model.path`` after
-        the folder's checks (sizes and depths, remote code, a bounded render of its template)."""
+    def _load_profile(self) -> None:
+        """The processor (with its tokenizer, chat template and image placeholder) and the model
+        config, read from ``model.path`` after the folder's checks (sizes and depths, remote code, a
+        bounded render of its template); the image and stop tokens from them."""
         from transformers import AutoConfig
 
         config = self.config
@@ -117,7 +83,37 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         check_remote_code(config.path, config.trust_remote_code)
         loaded = load_processor_and_template(config.path, config.trust_remote_code)
         check_chat_template(loaded.chat_template, config.path, loaded.tokenizer.special_tokens_map)  # renders, bounded
-        return loaded, AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
+        self.chat_template, self.image_token = loaded.chat_template, loaded.image_token
+        self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
+        # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
+        # not the <start_of_image> placeholder its template renders)
+        feature_id = getattr(self.model_config, "image_token_id", None)
+        if feature_id is None:
+            feature_id = getattr(self.model_config, "image_token_index", None)
+        self.image_token_id = int(feature_id if feature_id is not None else self._placeholder_id)
+        self.stop_token_ids = self._stop_tokens()
+
+    def _setup_images(self) -> None:
+        """The join of each image input (and the processor's token marks), probed on two images."""
+        self._joins = self._probe_joins()
+        self.image_input_names = tuple(self._joins)
+
+    def _setup_text(self) -> None:
+        """The answer-stop rule and prefix stability, checked and stated."""
+        config = self.config
+        if config.settings.answer_stop == "eos" and self.tokenizer.eos_token_id is None:
+            raise ValueError(f"model.auto.answer_stop=eos: the tokenizer of model.path={config.path} has no EOS token "
+                             "to append; set its eos_token, or model.auto.answer_stop=template")
+        if self._template_answer_end[0] == "none" and config.settings.answer_stop == "template":
+            log.warning(
+                "model.path=%s: its chat template renders no stop token (%s) in or right after an assistant "
+                "answer, so a model trained on it as rendered does not learn to end its answers; set "
+                "model.auto.answer_stop=eos to append %r to every answer, labelled", config.path,
+                self.tokenizer.convert_ids_to_tokens(self.stop_token_ids), self.tokenizer.eos_token)
+        self.prefix_stable = self._prefix_stable
+        self._state_policy()
 
     def _state_policy(self) -> None:
         """Say at start-up how answers are labelled where that is not the obvious rule."""

@@ -1,6 +1,6 @@
-"""Stage 5: the batch's image inputs (as the processor made them, joined as it joins them), its
-token inputs (Gemma 3's ``token_type_ids``) and the model's own rope index (the positions from it:
-:class:`~mmtune.models.positions.RopePositions`, shared with the ``qwen2_vl`` family)."""
+"""Stage 5: the batch's image inputs (as the processor made them, joined as it joins them) and its
+token inputs (Gemma 3's ``token_type_ids``). Positions are the encoder's shared stage
+(:class:`~mmtune.models.positions.RopePositions`)."""
 
 from __future__ import annotations
 
@@ -45,57 +45,7 @@ def from_array(value: Any, dtype: "torch.dtype | None") -> "torch.Tensor":
 
 
 class BatchStage:
-    """Image inputs, token inputs and positions (mixed into the adapter)."""
-
-    def _rope_index(self):
-        """transformers' own ``get_rope_index`` of the model class, for M-RoPE models; else None."""
-        from transformers import MODEL_MAPPING
-
-        try:
-            model_class = MODEL_MAPPING[type(self.model_config)]
-        except KeyError:
-            return None
-        if not hasattr(model_class, "get_rope_index"):
-            return None
-        from mmtune.models.positions import RopeIndex
-
-        vision = getattr(self.model_config, "vision_config", None)
-        # the processor's own marks: each image one run, of the length the class's rule gives
-        marked = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
-        return RopeIndex(self.model_config, model_class, self.image_token_id,
-                         int(getattr(vision, "spatial_merge_size", 1)), marked)
-
-    def _text_row_problem(self) -> str:
-        """Why the language model refuses a running-position row before its position rows
-        (``[1 + rows, B, L]``, where transformers' M-RoPE models read packed boundaries), "" when it
-        takes it. Asked of the model class itself: one layer of it built on the meta device (no
-        memory, no weights) runs a 4-token forward in that layout; a ``ValueError`` is its refusal of
-        the shape (an error on reading a meta value means the layout check passed)."""
-        import copy
-
-        import torch
-        from transformers import MODEL_MAPPING
-
-        text_config = copy.deepcopy(self.text_config(self.model_config))
-        try:
-            model_class = MODEL_MAPPING[type(text_config)]
-        except KeyError:
-            return ""
-        text_config.num_hidden_layers = 1
-        if getattr(text_config, "layer_types", None):
-            text_config.layer_types = list(text_config.layer_types)[:1]
-        rows = self.position_id_rows
-        try:
-            with torch.device("meta"):
-                model_class(text_config)(input_ids=torch.zeros(1, 4, dtype=torch.long),
-                                         position_ids=torch.zeros(1 + rows, 1, 4, dtype=torch.long), use_cache=False)
-        except ValueError as err:
-            return (f"{model_class.__name__} refuses position ids laid out [1 + {rows}, B, L], the running "
-                    f"position first, from which transformers' M-RoPE models read where packed samples start "
-                    f"({err}), so packed samples would attend to each other")
-        except Exception:  # noqa: BLE001 - past the layout check (a meta tensor has no values to read)
-            return ""
-        return ""
+    """Image inputs and token inputs from the processor (the image stage of the ``auto`` family)."""
 
     # -- the batch: image inputs -----------------------------------------------------------------
     def image_input_joins(self) -> dict[str, InputJoin]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mmtune.core.images import UnsupportedImageError as BaseUnsupportedImageError
+from mmtune.models.authority import ProcessorMismatchError
 
 __all__ = ["RemoteCodeError", "TemplateNotPrefixStableError", "UnsupportedImageError", "UnsupportedProcessorError"]
 
@@ -11,7 +12,7 @@ class TemplateNotPrefixStableError(ValueError):
     """Rendering more turns changed the text of earlier turns."""
 
 
-class UnsupportedProcessorError(ValueError):
+class UnsupportedProcessorError(ProcessorMismatchError):
     """The checkpoint's processor cannot be reproduced image by image (see the module doc)."""
 
 

@@ -17,22 +17,14 @@ from typing import Any
 from mmtune.models.auto.errors import RemoteCodeError, UnsupportedProcessorError
 from mmtune.models.auto.render import common_prefix
 from mmtune.models.base import InputJoin
+from mmtune.models.images import noise_image
 
-__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "noise_image"]
+__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template"]
 
 #: processor outputs that are text inputs, not image inputs (PaliGemma's processor also returns
 #: ``labels`` of its own, which the collator builds itself)
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids",
                         "text_replacement_offsets", "labels"})
-
-
-
-def noise_image(width: int, height: int, seed: int):
-    import numpy as np
-    from PIL import Image as PILImage
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return PILImage.fromarray(pixels, "RGB")
 
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from mmtune.core.dialogue import Image
 from mmtune.models._utils import (
     Piece,
-    PieceAdapter,
+    PieceText,
     Plan,
     build_random_model,
     check_template_words,
@@ -24,7 +24,7 @@ from mmtune.models._utils import (
     load_dtype_and_attention,
     state_fingerprint,
 )
-from mmtune.models.base import ModuleGroups, unwrap_model
+from mmtune.models.base import ModelAdapter, ModuleGroups, unwrap_model
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
 from mmtune.models.hooks import TransformersModelHooks
 from mmtune.models.images import SquareImage, SquareImageAdapter
@@ -121,7 +121,7 @@ class InternLMXComposer2Settings(FamilySettings):
 
 
 @register_adapter
-class InternLMXComposer2Adapter(SquareImageAdapter, TransformersModelHooks, PieceAdapter):
+class InternLMXComposer2Adapter(SquareImageAdapter, TransformersModelHooks, PieceText, ModelAdapter):
     """InternLM-XComposer2 adapter (official fine-tuning format).
 
     Rendering (no system prompt in the official fine-tuning data)::

@@ -34,16 +34,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from mmtune.core.dialogue import Image
-from mmtune.models._utils import (
-    PieceAdapter,
-    Plan,
-    state_fingerprint,
-)
+from mmtune.models._utils import PieceText, Plan, state_fingerprint
 from mmtune.models.base import ModuleGroups
 from mmtune.models.config import FamilySettings, ModelConfig, positive_or_null
-from mmtune.models.hooks import TransformersModelHooks
+from mmtune.models.encoder import Encoder
 from mmtune.models.qwen2_vl.images import QwenVLImages
-from mmtune.models.positions import RopeIndex, RopePositions
 from mmtune.models.qwen2_vl.published import KNOWN_ARCHITECTURES
 from mmtune.models.qwen2_vl.template import CHAT_TEMPLATES, IMAGE_PAD, renderer_for_template
 from mmtune.models.qwen2_vl.classes import MODEL_TYPES, model_classes, routed_model_types
@@ -97,9 +92,13 @@ class Qwen2VLSettings(FamilySettings):
 
 
 @register_adapter
-class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the checkpoint's ChatML template, dynamic image
-    token counts, M-RoPE positions, official fine-tuning labels (see the package docs).
+class Qwen2VLAdapter(PieceText, Encoder):
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the one encoder (:mod:`mmtune.models.encoder`) with the
+    text stage replaced by the official fine-tuning code's (the checkpoint's ChatML template rendered
+    turn by turn, its labels), the profile read without the processor class (tokenizer, PIL image
+    processor, template file) and the image stage keeping the image processor's numbers through a
+    uint8 pixel cache (checked against the image processor at start-up). Positions (M-RoPE from the
+    model's own rope index) and the model hooks are the encoder's.
 
     ``system_prompt`` (when the dialogue has no system turn) replaces the template's default
     system prompt; ``""`` renders an empty system message.
@@ -117,8 +116,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
     #: switch trains); the tower's other children (patch embedding, blocks, Qwen3-VL's position
     #: embedding and DeepStack mergers) are vision
     vision_projector_children = ("merger",)
-    #: rows of ``position_ids`` per sample: M-RoPE's temporal, height and width
-    position_id_rows = 3
+    text_authority = "the Qwen-VL fine-tuning code (qwen-vl-finetune's conversation text and labels)"
     #: the model inputs images become (both concatenate along dim 0 in image order)
     image_input_names = ("pixel_values", "image_grid_thw")
     #: the released checkpoints the shipped configs name, for ``mmtune plan`` offline
@@ -134,7 +132,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
         from transformers import AutoConfig
 
         model_type = checkpoint_config.get("model_type")
-        generation_class, _ = model_classes(str(model_type))
+        generation_class = model_classes(str(model_type))
         model_config = AutoConfig.for_model(**checkpoint_config)
         with torch.device("meta"):
             model = generation_class._from_config(model_config)
@@ -164,10 +162,12 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
         vc = model_config.vision_config
         return int(max_pixels) // (int(vc.patch_size) * int(vc.spatial_merge_size)) ** 2
 
-    def __init__(self, config: ModelConfig):
-        config.validate()
-        self.config = config
-        where = config.path or "the random-weight model (model.path=null)"
+    def _load_profile(self) -> None:
+        """The tokenizer, model config, PIL image processor (``model.qwen2_vl`` pixel bounds applied)
+        and chat template: a random-weight tiny model's of ``architecture.model_type``, or the
+        checkpoint's; the image and stop tokens checked against them."""
+        config = self.config
+        self._where = where = config.path or "the random-weight model (model.path=null)"
         if config.path is None:
             model_type = str(config.architecture.get("model_type", "qwen2_vl"))
             if model_type not in MODEL_TYPES:
@@ -205,9 +205,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
                 )
         self.model_type = model_type
         self.chat_template = template
-        self.images = QwenVLImages(image_processor, self.model_config.vision_config, where, config.image_limits)
         self.image_processor = image_processor
-        self.renderer = renderer_for_template(template, self.tokenizer, where)
         self.image_token_id = int(self.model_config.image_token_id)
         problems = []
         for key, token in (("image_token_id", IMAGE_PAD), ("vision_start_token_id", "<|vision_start|>"),
@@ -222,14 +220,19 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
             )
         stops = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.stop_token_ids = [int(i) for i in stops if i is not None]
-        _, inner_class = model_classes(model_type)
-        self._rope = RopeIndex(
-            self.model_config, inner_class, self.image_token_id, self.model_config.vision_config.spatial_merge_size
-        )
-        # A tokenizer of our own that keeps control-token strings inside dialogue text as plain
-        # text (a literal "<|im_end|>" in an answer cannot end the turn or fake an image).
+
+    def _setup_images(self) -> None:
+        """Image grids from file headers and pixels from the image processor's settings."""
+        self.images = QwenVLImages(self.image_processor, self.model_config.vision_config, self._where,
+                                   self.config.image_limits)
+
+    def _setup_text(self) -> None:
+        """The renderer of the checkpoint's template (its layout checked on probe conversations), and
+        a tokenizer of our own that keeps control-token strings inside dialogue text as plain text (a
+        literal "<|im_end|>" in an answer cannot end the turn or fake an image)."""
         from tokenizers import Tokenizer
 
+        self.renderer = renderer_for_template(self.chat_template, self.tokenizer, self._where)
         self._encoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
         self._encoder.encode_special_tokens = True
 
@@ -345,7 +348,7 @@ class Qwen2VLAdapter(RopePositions, TransformersModelHooks, PieceAdapter):
     # -- model (the hooks of models/hooks.py) ------------------------------------------------------
     def generation_class(self) -> type:
         """The class of the checkpoint's ``model_type``."""
-        return model_classes(self.model_type)[0]
+        return model_classes(self.model_type)
 
     @property
     def _dummy_image_inputs(self) -> dict[str, "torch.Tensor"]:

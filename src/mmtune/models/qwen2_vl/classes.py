@@ -27,16 +27,17 @@ def routed_model_types() -> tuple[str, ...]:
     pairs = PROCESSOR_MAPPING_NAMES.items()
     return tuple(sorted(t for t, name in pairs if name in PROCESSORS and t not in MODEL_TYPES))
 
-# model_type -> (generation class, inner model class owning get_rope_index)
+# model_type -> generation class (the rope index is the inner model's, found by the encoder's
+# positions stage from the config: mmtune.models.positions.rope_index_for)
 _CLASSES = {
-    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"),
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"),
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"),
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 
-def model_classes(model_type: str) -> tuple[type, type]:
-    """transformers' ``(…ForConditionalGeneration, …Model)`` classes of ``model_type``."""
+def model_classes(model_type: str) -> type:
+    """transformers' ``…ForConditionalGeneration`` class of ``model_type``."""
     import transformers
 
     if model_type not in _CLASSES:
@@ -44,6 +45,5 @@ def model_classes(model_type: str) -> tuple[type, type]:
             f"model_type {model_type!r} is not covered by the qwen2_vl adapter; it covers {list(MODEL_TYPES)} "
             "(transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL classes)"
         )
-    generation, inner = _CLASSES[model_type]
-    return getattr(transformers, generation), getattr(transformers, inner)
+    return getattr(transformers, _CLASSES[model_type])
 

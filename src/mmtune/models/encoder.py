@@ -1,0 +1,89 @@
+"""The models layer's one encoder: a dialogue and its images become ids, labels, image inputs and
+position ids in stages, each with one job, run in this order at start-up.
+
+======================  ====================================================  =========================
+stage                   job                                                   where a family replaces it
+======================  ====================================================  =========================
+1. profile              tokenizer, processor, chat template, model config,   ``_load_profile``
+                        the image and stop token ids
+2. images               each image's model inputs (what the pixel cache       ``_setup_images`` and the
+                        stores), joined per batch as the processor joins them  image methods
+3. text                 a dialogue's text and labels, image tokens in place   ``_setup_text`` and
+                        (``encode_dialogue`` / ``encode_many`` / the length   ``encode_dialogue``
+                        pass's ``measure_many``)
+4. positions            one running position, or the model class's own        never (shared:
+                        ``get_rope_index`` (M-RoPE); packed-row layout check   :mod:`.positions`)
+5. authority            the stages against the checkpoint's processor on a    ``_check_probe``
+                        probe dialogue, once per checkpoint (:mod:`.authority`)
+model hooks             load, module groups, loss modules, dummy vision pass  never (shared:
+                                                                              :mod:`.hooks`)
+======================  ====================================================  =========================
+
+Every transformers family is this class with stages chosen:
+
+- ``auto`` (:mod:`.auto`): the processor decides everything: its chat template rendered into
+  spans, each image's text and inputs from the processor itself, and ids as well as images checked
+  against ``processor(text=[apply_chat_template(...)], images=...)``;
+- ``llava`` (:mod:`.llava`): replaces the text stage (Vicuna v1 turns tokenized in SentencePiece
+  chunks, as LLaVA-1.5's ``preprocess_v1``) and the image stage (pad to a square with the mean colour,
+  as its training did, kept as squared uint8 images);
+- ``qwen2_vl`` (:mod:`.qwen2_vl`): replaces the text stage (the Qwen-VL fine-tuning code's
+  conversation text and labels) and keeps the image processor's numbers through a uint8 pixel cache
+  (resize once, patchify per batch), checked against the image processor at start-up.
+
+InternLM-XComposer2 is not in transformers: it stays a native adapter on the same model hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmtune.models.authority import ProcessorAuthority
+from mmtune.models.base import ModelAdapter
+from mmtune.models.config import ModelConfig
+from mmtune.models.hooks import TransformersModelHooks
+from mmtune.models.positions import RopePositions, packed_layout_problem, rope_index_for
+
+__all__ = ["Encoder"]
+
+
+class Encoder(RopePositions, ProcessorAuthority, TransformersModelHooks, ModelAdapter):
+    """The stages in order (see the module doc); a family overrides the steps it replaces.
+
+    After ``__init__`` an adapter has ``config``, ``tokenizer``, ``model_config``,
+    ``image_token_id``, ``stop_token_ids`` (profile), its image inputs (images), its text stage
+    ready (text), ``_rope`` / ``position_id_rows`` / ``packing_problem`` (positions), and has been
+    checked against its processor (authority).
+    """
+
+    model_config: Any
+
+    def __init__(self, config: ModelConfig):
+        config.validate()
+        self.config = config
+        self._load_profile()
+        self._setup_images()
+        self._setup_text()
+        self._setup_positions()
+        self._check_authority()
+
+    def _load_profile(self) -> None:
+        """Stage 1: set ``tokenizer``, ``model_config``, ``image_token_id`` and ``stop_token_ids``
+        (and what the family's later stages read: its processor, its chat template)."""
+        raise NotImplementedError(f"{type(self).__name__} does not load its profile")
+
+    def _setup_images(self) -> None:
+        """Stage 2: what the image methods need (probes of the processor, an image transform)."""
+
+    def _setup_text(self) -> None:
+        """Stage 3: what the text stage needs (a renderer, a tokenizer of its own, start-up checks)."""
+
+    def _setup_positions(self) -> None:
+        """Stage 4, the same for every family: the model's own rope index where its class has one
+        (the processor's ``mm_token_type_ids`` marks where the profile found them), and why packed
+        rows cannot carry the running position before the rope rows, if the model refuses it."""
+        marks = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
+        self._rope = rope_index_for(self.model_config, self.image_token_id, marks)
+        self.position_id_rows = self._rope.rows if self._rope is not None else 1
+        self.packing_problem = (packed_layout_problem(self.text_config(self.model_config), self.position_id_rows)
+                                if self.position_id_rows > 1 else "")
