@@ -242,7 +242,7 @@ def test_sentencepiece_style_tokenizer_checkpoint(tmp_path, images, caplog):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from mmtune.models.llava import VICUNA_V1_CHAT_TEMPLATE
-    from mmtune.models.tiny_tokenizer import _BASE_CORPUS
+    from mmtune.testing.tokenizers import _BASE_CORPUS
 
     backend = Tokenizer(models.BPE(byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")

@@ -26,9 +26,9 @@ from mmtune.models.qwen2_vl import (
     TemplateMismatchError,
     UnsupportedImageError,
     model_classes,
-    save_tiny_checkpoint,
 )
 from mmtune.models.registry import build_adapter
+from mmtune.testing.qwen2_vl import save_tiny_checkpoint
 
 
 def _adapter(model_type, **kwargs):

@@ -41,7 +41,8 @@ from mmtune.data.encoding import encode_example, flatten
 from mmtune.data.readers import parse_record
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
-from mmtune.models.qwen2_vl import MODEL_TYPES, model_classes, save_tiny_checkpoint
+from mmtune.models.qwen2_vl import MODEL_TYPES, model_classes
+from mmtune.testing.qwen2_vl import save_tiny_checkpoint
 from mmtune.models.registry import build_adapter
 
 N_DIALOGUES = 36

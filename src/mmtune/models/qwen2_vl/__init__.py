@@ -6,8 +6,8 @@
   image processor's (``pixel_values`` + ``image_grid_thw``);
 - M-RoPE position ids: :class:`~mmtune.models.positions.RopeIndex` (shared with the ``auto`` family);
 - :mod:`.adapter`: :class:`Qwen2VLAdapter` (``model.family: qwen2_vl``);
-- tiny random-weight checkpoints for tests and CPU runs: :mod:`mmtune.testing.qwen2_vl` (its names
-  are looked up here on first use, so the registry's import of this package does not load them).
+- tiny random-weight checkpoints for tests and CPU runs live in :mod:`mmtune.testing.qwen2_vl`, which
+  the adapter imports only for ``model.path=null``.
 
 See ``docs/qwen2_vl.md``.
 """
@@ -42,22 +42,4 @@ __all__ = [
     "renderer_for_template",
     "user_runs",
     "MODEL_TYPES",
-    "SPECIAL_TOKENS",
-    "TINY_ARCHITECTURES",
-    "save_tiny_checkpoint",
-    "tiny_image_processor",
-    "tiny_model_config",
-    "tiny_tokenizer",
 ]
-
-_TESTING = frozenset({"SPECIAL_TOKENS", "TINY_ARCHITECTURES", "save_tiny_checkpoint", "tiny_image_processor",
-                      "tiny_model_config", "tiny_tokenizer"})
-
-
-def __getattr__(name: str):
-    # the tiny builders live in mmtune.testing, imported only when asked for
-    if name in _TESTING:
-        from mmtune.testing import qwen2_vl
-
-        return getattr(qwen2_vl, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
