@@ -116,7 +116,8 @@ class Qwen2VLAdapter(PieceText, Encoder):
     #: switch trains); the tower's other children (patch embedding, blocks, Qwen3-VL's position
     #: embedding and DeepStack mergers) are vision
     vision_projector_children = ("merger",)
-    text_authority = "the Qwen-VL fine-tuning code (qwen-vl-finetune's conversation text and labels)"
+    text_authority = ("the Qwen-VL fine-tuning code (qwen-vl-finetune's conversation text and labels; its layout "
+                      "checked against the checkpoint's chat template on probe conversations)")
     #: the model inputs images become (both concatenate along dim 0 in image order)
     image_input_names = ("pixel_values", "image_grid_thw")
     #: the released checkpoints the shipped configs name, for ``mmtune plan`` offline
