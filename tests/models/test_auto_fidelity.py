@@ -38,6 +38,7 @@ from mmtune.data.encoding import encode_example, flatten
 from mmtune.data.images import ImagePipeline
 from mmtune.models.base import IGNORE_INDEX
 from mmtune.models.config import ModelConfig
+from mmtune.models.positions import rope_image_params
 from mmtune.models.registry import build_adapter
 from mmtune.testing.checkpoints import KINDS, save_tiny_checkpoint
 from tests.support.auto_checkpoints import labelled_runs
@@ -159,9 +160,8 @@ class Reference:
         ids = out["input_ids"]
         if self.rope is None:
             return torch.arange(ids.shape[1])[None]
-        positions, _ = self.rope.get_rope_index(
-            ids, mm_token_type_ids=out["mm_token_type_ids"], image_grid_thw=out.get("image_grid_thw")
-        )
+        given = {name: out[name] for name in rope_image_params(type(self.rope)) if name in out}
+        positions, _ = self.rope.get_rope_index(ids, mm_token_type_ids=out["mm_token_type_ids"], **given)
         return positions[:, 0]
 
     def labels(self, messages, out, text, tagged=None):

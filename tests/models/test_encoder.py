@@ -29,10 +29,10 @@ REPLACED = {
     Qwen2VLAdapter: {"profile", "images", "text"},
 }
 #: what no family replaces: positions and the model hooks (a family names the class it loads,
-#: ``generation_class``, and where a prompt's image grids come from, ``_prompt_grid``)
+#: ``generation_class``, and where a prompt's image inputs come from, ``_prompt_inputs``)
 SHARED = [name for owner in (RopePositions, TransformersModelHooks) for name in vars(owner)
           if callable(vars(owner)[name]) and not name.startswith("__")
-          and name not in ("generation_class", "_prompt_grid")]
+          and name not in ("generation_class", "_prompt_inputs")]
 SHARED += ["_setup_positions", "_check_authority", "_compare_images"]
 
 

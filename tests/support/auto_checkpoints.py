@@ -22,13 +22,26 @@ GAPS: dict[str, dict[str, str]] = {
 }
 
 
+#: classes whose run of a test is in the slow suite only (CI runs it): each beside a class of the same
+#: line and kind of layers that the default suite runs it for (named as the value)
+SLOW: dict[str, dict[str, str]] = {
+    "packing": {"smolvlm": "idefics3", "aya_vision": "cohere2_vision", "gemma4": "gemma3", "glm46v": "glm4v_moe",
+                "llava_next": "llava_onevision", "qwen3_5_moe": "qwen3_5"},
+}
+
+
 def cases(test: str) -> list:
-    """:data:`CLASSES` as pytest parameters, the :data:`GAPS` of ``test`` marked xfail (strict)."""
+    """:data:`CLASSES` as pytest parameters, the :data:`GAPS` of ``test`` marked xfail (strict) and its
+    :data:`SLOW` classes marked slow."""
     import pytest
 
-    gaps = GAPS.get(test, {})
-    return [pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=gaps[kind])) if kind in gaps else kind
-            for kind in CLASSES]
+    gaps, slow = GAPS.get(test, {}), SLOW.get(test, {})
+
+    def marks(kind: str) -> list:
+        return ([pytest.mark.xfail(strict=True, reason=gaps[kind])] if kind in gaps else []) + (
+            [pytest.mark.slow] if kind in slow else [])
+
+    return [pytest.param(kind, marks=marks(kind)) for kind in CLASSES]
 
 _ROOT = tempfile.mkdtemp(prefix="mmtune-auto-checkpoints-")
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)

@@ -82,7 +82,8 @@ class Encoder(RopePositions, ProcessorAuthority, TransformersModelHooks, ModelAd
         """Stage 4, the same for every family: the model's own rope index where its class has one
         (the processor's ``mm_token_type_ids`` marks where the profile found them), and why packed
         rows cannot carry the running position before the rope rows, if the model refuses it."""
-        marks = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
+        table = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
+        marks = None if table is None else [token for token, value in table.items() if value == 1]
         self._rope = rope_index_for(self.model_config, self.image_token_id, marks)
         self.position_id_rows = self._rope.rows if self._rope is not None else 1
         self.packing_problem = (packed_layout_problem(self.text_config(self.model_config), self.position_id_rows)

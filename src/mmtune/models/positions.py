@@ -20,8 +20,23 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["RopeIndex", "RopePositions", "packed_layout_problem", "rope_index_for"]
 
 
+#: parameters of a ``get_rope_index`` that are not image inputs of the sample
+_NOT_IMAGE_INPUTS = frozenset({"self", "input_ids", "mm_token_type_ids", "attention_mask", "downsample_mode"})
+
+
+def rope_image_params(model_class: type) -> tuple[str, ...]:
+    """The image inputs the class's ``get_rope_index`` reads, by its signature: ``image_grid_thw`` for
+    the Qwen-VL line and GLM-V, ``target_sizes`` for MiniCPM-V 4.7 (video inputs left out: no videos)."""
+    import inspect
+
+    parameters = inspect.signature(model_class.get_rope_index).parameters.values()
+    return tuple(p.name for p in parameters if p.name not in _NOT_IMAGE_INPUTS and "video" not in p.name
+                 and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 class RopeIndex:
-    """``position_ids`` [3, L] of one sample (``input_ids`` [L] + its images' ``image_grid_thw``).
+    """``position_ids`` [rows, L] of one sample (``input_ids`` [L] + its images' inputs that the
+    class's ``get_rope_index`` reads: :attr:`image_params`).
 
     Args:
         model_config: the full model config (the rope index reads its vision config).
@@ -41,6 +56,7 @@ class RopeIndex:
         self.image_token_id = int(image_token_id)
         self.merge_size = int(merge_size)
         self.marked_ids = None if marked_ids is None else tuple(int(i) for i in marked_ids)
+        self.image_params = rope_image_params(model_class)
         self._model = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -99,19 +115,20 @@ class RopeIndex:
                 f"image(s) of {want} tokens; pass the image inputs of exactly this sample's images, in order"
             )
 
-    def __call__(self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None" = None) -> "torch.Tensor":
-        """``position_ids`` [3, L] (long) for ``input_ids`` [L].
+    def __call__(self, input_ids: "torch.Tensor", image_inputs: "dict[str, torch.Tensor] | None" = None
+                 ) -> "torch.Tensor":
+        """``position_ids`` [rows, L] (long) for ``input_ids`` [L] and the sample's image inputs.
 
         Raises:
             ValueError: ``input_ids`` is not 1-D, or its image-token runs do not match
                 ``image_grid_thw`` (both counts named).
         """
-        return self.with_delta(input_ids, image_grid_thw)[0]
+        return self.with_delta(input_ids, image_inputs)[0]
 
     def with_delta(
-        self, input_ids: "torch.Tensor", image_grid_thw: "torch.Tensor | None" = None
+        self, input_ids: "torch.Tensor", image_inputs: "dict[str, torch.Tensor] | None" = None
     ) -> tuple["torch.Tensor", int]:
-        """``position_ids`` [3, L] and the rope delta ``get_rope_index`` returns with them
+        """``position_ids`` [rows, L] and the rope delta ``get_rope_index`` returns with them
         (``positions.max() + 1 - L``: a token appended at index ``i`` has position ``i + delta``).
         Raises as :meth:`__call__`."""
         import torch
@@ -119,15 +136,15 @@ class RopeIndex:
         if input_ids.ndim != 1:
             raise ValueError(f"input_ids must be one sample [L], got shape {tuple(input_ids.shape)}")
         input_ids = input_ids.long()
-        grid = None if image_grid_thw is None or len(image_grid_thw) == 0 else image_grid_thw.long().cpu()
-        self._check(input_ids.cpu(), grid)
+        given = {name: value.long().to(input_ids.device) for name, value in (image_inputs or {}).items()
+                 if name in self.image_params and value is not None and len(value)}
+        if "image_grid_thw" in self.image_params:
+            grid = given.get("image_grid_thw")
+            self._check(input_ids.cpu(), None if grid is None else grid.cpu())
         if input_ids.numel() == 0:
-            return torch.zeros(3, 0, dtype=torch.long, device=input_ids.device), 0
+            return torch.zeros(self.rows, 0, dtype=torch.long, device=input_ids.device), 0
         mm_token_type_ids = self._marks(input_ids).int()[None]  # 1 = image, as the processor marks it
-        positions, deltas = self.model.get_rope_index(
-            input_ids[None], mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=None if grid is None else grid.to(input_ids.device),
-        )  # fmt: skip
+        positions, deltas = self.model.get_rope_index(input_ids[None], mm_token_type_ids=mm_token_type_ids, **given)
         return positions[:, 0], int(deltas.reshape(-1)[0])
 
 
@@ -184,8 +201,8 @@ def packed_layout_problem(text_config: Any, rows: int) -> str:
 class RopePositions:
     """The positions stage of the one encoder (:class:`~mmtune.models.encoder.Encoder`): an adapter
     mixin over a :class:`RopeIndex` in ``_rope`` (``None``: the model counts one running position,
-    the base class's default). A family differs only in :meth:`_prompt_grid`, where a generation
-    prompt's image grids come from."""
+    the base class's default). A family differs only in :meth:`_prompt_inputs`, where a generation
+    prompt's image inputs come from."""
 
     _rope: "RopeIndex | None"
 
@@ -197,17 +214,17 @@ class RopePositions:
         row concatenates the per-sample results, each starting again at 0."""
         if self._rope is None:
             return super().position_ids(input_ids, image_inputs)
-        return self._rope(input_ids, (image_inputs or {}).get("image_grid_thw"))
+        return self._rope(input_ids, image_inputs)
 
     def prompt_positions(self, input_ids: "torch.Tensor", image_paths: Sequence[str]) -> tuple["torch.Tensor", int]:
-        """:meth:`position_ids` of a generation prompt and the rope delta ``get_rope_index``
-        returns with them (what transformers' ``generate`` keeps in ``model.rope_deltas``): a
-        generated token at index ``i`` has position ``i + delta`` in every row."""
+        """:meth:`position_ids` of a generation prompt and the rope delta ``get_rope_index`` returns
+        with them (what transformers' ``generate`` keeps in ``model.rope_deltas``): a generated token
+        at index ``i`` has position ``i + delta`` in every row."""
         if self._rope is None:
             return super().prompt_positions(input_ids, image_paths)
-        return self._rope.with_delta(input_ids, self._prompt_grid(image_paths))
+        return self._rope.with_delta(input_ids, self._prompt_inputs(image_paths))
 
-    def _prompt_grid(self, image_paths: Sequence[str]) -> "torch.Tensor | None":
-        """The ``image_grid_thw`` of a prompt's images: the processor's own, from :meth:`image_inputs`."""
-        inputs = self.image_inputs(image_paths) if image_paths else None
-        return None if inputs is None else inputs.get("image_grid_thw")
+    def _prompt_inputs(self, image_paths: Sequence[str]) -> "dict[str, torch.Tensor]":
+        """The image inputs of a prompt's images that the rope index reads: the processor's own, from
+        :meth:`image_inputs`."""
+        return self.image_inputs(image_paths) if image_paths else {}

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mmtune.models._utils import state_fingerprint
 from mmtune.models.auto.authority import ProcessorCallAuthority
 from mmtune.models.auto.batch import BatchStage
+from mmtune.models.auto.errors import UnsupportedProcessorError
 from mmtune.models.auto.image_text import ImageTextStage
 from mmtune.models.auto.profile import (
     ProfileStage,
     check_remote_code,
     load_processor_and_template,
+    template_placeholder,
 )
 from mmtune.models.auto.render import RenderStage
 from mmtune.models.auto.stops import AnswerStopStage
@@ -85,7 +87,8 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         check_chat_template(loaded.chat_template, config.path, loaded.tokenizer.special_tokens_map)  # renders, bounded
         self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
         self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
-        self.chat_template, self.image_token = loaded.chat_template, loaded.image_token
+        self.chat_template = loaded.chat_template
+        self.image_token = template_placeholder(loaded.chat_template, loaded.tokenizer, loaded.image_token)
         self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
         # not the <start_of_image> placeholder its template renders)
@@ -99,6 +102,26 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         """The join of each image input (and the processor's token marks), probed on two images."""
         self._joins = self._probe_joins()
         self.image_input_names = tuple(self._joins)
+        self._check_model_takes_images()
+
+    def _check_model_takes_images(self) -> None:
+        """Refuse a model class whose ``forward`` does not name every image input the processor makes:
+        a text model listed as image-text-to-text (Mistral 4's ``Mistral4ForCausalLM``) would drop the
+        images without a word."""
+        import inspect
+
+        from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+        model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(self.model_config), None)
+        if model_class is None:
+            return  # AutoModelForImageTextToText names the problem when it loads
+        taken = inspect.signature(model_class.forward).parameters
+        missing = [name for name in self.image_input_names if name not in taken]
+        if missing:
+            raise UnsupportedProcessorError(
+                f"model.path={self.config.path!r}: {model_class.__name__}.forward takes no {missing}, image inputs its "
+                f"processor ({type(self.processor).__name__}) makes, so the images would never reach the model; "
+                "use a checkpoint whose config names an image-text model class")
 
     def _setup_text(self) -> None:
         """The answer-stop rule and prefix stability, checked and stated."""

@@ -25,9 +25,20 @@ class ProcessorCallAuthority(ProcessorAuthority):
     mismatch_error = UnsupportedProcessorError
 
     def _check_probe(self, dialogue: Dialogue) -> None:
+        import torch
+
         theirs = self._processor_call(dialogue)
         self._compare_ids(self._probe_ids(dialogue), theirs["input_ids"][0].tolist())
-        self._compare_images(self.image_inputs(probe_paths(dialogue)), theirs)
+        mine = self.image_inputs(probe_paths(dialogue))
+        self._compare_images(mine, theirs)
+        for name, values in self.token_inputs(theirs["input_ids"]).items():
+            if name in theirs and not torch.equal(values, theirs[name].long()):
+                k = int((values != theirs[name]).flatten().nonzero()[0])
+                raise UnsupportedProcessorError(
+                    f"model.path={self.config.path!r}: on a probe dialogue mmtune's {name!r} differs from the "
+                    f"processor's at token {k} ({int(values.flatten()[k])} vs {int(theirs[name].flatten()[k])})")
+        if self._rope is not None:
+            self._compare_positions(mine, theirs)
 
     def _probe_ids(self, dialogue: Dialogue) -> list[int]:
         """mmtune's ids of the whole dialogue, as rendered (before answer stops are relabelled)."""
@@ -42,12 +53,40 @@ class ProcessorCallAuthority(ProcessorAuthority):
         from transformers.image_utils import load_image
 
         messages = [self._message(t.role, t.segments) for t in dialogue.turns]
-        text = self.processor.apply_chat_template(messages, tokenize=False)
+        # a processor that keeps no template of its own (Chameleon's: the tokenizer holds it) is handed
+        # the one mmtune loaded, as its own apply_chat_template would be
+        own = {} if getattr(self.processor, "chat_template", None) else {"chat_template": self.chat_template}
+        text = self.processor.apply_chat_template(messages, tokenize=False, **own)
         images = [load_image(path) for path in probe_paths(dialogue)]
         bos = self.tokenizer.bos_token
         # no second BOS where the template renders one, as the processor's own apply_chat_template
         kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
         return self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
+
+    def _compare_positions(self, mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+        """mmtune's positions of the probe (its own image inputs) against the model class's
+        ``get_rope_index`` on the processor's whole call, as the model's forward computes them."""
+        import torch
+
+        rope, ids = self._rope, theirs["input_ids"]
+        marks = theirs.get("mm_token_type_ids")
+        if marks is None:
+            marks = rope._marks(ids[0]).int()[None]
+        given = {name: theirs[name] for name in rope.image_params if name in theirs}
+        try:
+            want = rope.model.get_rope_index(ids, mm_token_type_ids=marks, **given)[0][:, 0]
+            got = self.position_ids(ids[0], mine)
+        except Exception as err:  # noqa: BLE001 - named as the start-up refusal it is
+            raise UnsupportedProcessorError(
+                f"model.path={self.config.path!r}: the position ids of a probe dialogue cannot be computed with "
+                f"{rope.model_class.__name__}.get_rope_index from the image inputs {sorted(mine)} "
+                f"(it reads {list(rope.image_params)}): {type(err).__name__}: {err}") from err
+        if got.shape != want.shape or not torch.equal(got, want):
+            k = int((got != want).any(0).nonzero()[0]) if got.shape == want.shape else 0
+            raise UnsupportedProcessorError(
+                f"model.path={self.config.path!r}: on a probe dialogue mmtune's position ids {tuple(got.shape)} differ "
+                f"from {rope.model_class.__name__}.get_rope_index on the processor's call {tuple(want.shape)}, first "
+                f"at token {k}")
 
     def _compare_ids(self, mine: list[int], theirs: list[int]) -> None:
         if mine == theirs:

@@ -121,12 +121,19 @@ class BatchStage:
         return inputs["pixel_values"]
 
     def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
-        """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image
-        tokens), computed from ``input_ids`` as the processor marks them."""
+        """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image tokens;
+        ERNIE-4.5-VL's ``moe_mm_token_type_ids``), computed from ``input_ids`` as the processor gives
+        each token id its value (0 for an id it gives none)."""
         import torch
 
-        return {name: torch.isin(input_ids, torch.tensor(marked, dtype=input_ids.dtype)).long()
-                for name, marked in self._token_marks.items()}
+        out = {}
+        for name, table in self._token_marks.items():
+            values = torch.zeros_like(input_ids, dtype=torch.long)
+            for value in set(table.values()):
+                marked = torch.tensor([t for t, v in table.items() if v == value], dtype=input_ids.dtype)
+                values[torch.isin(input_ids, marked)] = value
+            out[name] = values
+        return out
 
     @functools.cached_property
     def _dummy_image_inputs(self) -> dict:

@@ -19,7 +19,7 @@ from mmtune.models.auto.render import common_prefix
 from mmtune.models.base import InputJoin
 from mmtune.models.images import noise_image
 
-__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template"]
+__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "template_placeholder"]
 
 #: processor outputs that are text inputs, not image inputs (PaliGemma's processor also returns
 #: ``labels`` of its own, which the collator builds itself)
@@ -65,6 +65,30 @@ def load_processor_and_template(path: str, trust_remote_code: bool) -> LoadedPro
             f"model.path={path!r} cannot be used with model.family=auto: " + "; ".join(problems)
         )
     return LoadedProcessor(processor, tokenizer, template, image_token)
+
+
+def template_placeholder(template: str, tokenizer: Any, image_token: str) -> str:
+    """The image placeholder the chat template renders: ``image_token`` where an image item's text
+    holds it (every class but one tried), else the one special token that text holds (QianfanOCR
+    renders ``<image>``, its ``image_placeholder_token``, and expands it into ``<IMG_CONTEXT>`` runs,
+    its ``image_token``); ``image_token`` where neither is found (the start-up probes then name the
+    problem)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(content: list[dict]) -> str:
+        return render_jinja_template(conversations=[[{"role": "user", "content": content}]], chat_template=template,
+                                     **tokenizer.special_tokens_map)[0][0]
+
+    try:
+        with_image, without = render([{"type": "image"}]), render([{"type": "text", "text": ""}])
+    except Exception:  # noqa: BLE001 - a template that cannot render this is named by the probes
+        return image_token
+    if with_image.count(image_token) > without.count(image_token):
+        return image_token
+    added = [t for t in tokenizer.get_added_vocab() if t and with_image.count(t) > without.count(t)]
+    # the longest of them: "<image>" also holds any added token that is a piece of it
+    special = [t for t in added if not any(t != u and t in u for u in added)]
+    return special[0] if len(special) == 1 else image_token
 
 
 def check_remote_code(path: str, trust_remote_code: bool) -> None:
@@ -252,6 +276,36 @@ class ProfileStage:
         at = texts[0].index(marker)
         return texts[0][:at], texts[0][at + len(marker):]
 
+    def _text_aligned_values(self, first: Any, second: Any, problems: list[str]) -> dict[str, dict[int, int]]:
+        """Per text-aligned input (every integer output but the ids shaped as the ids: Gemma 3's
+        ``token_type_ids``, ``mm_token_type_ids``, ERNIE-4.5-VL's ``moe_mm_token_type_ids``), the
+        value the processor gives each token id (ids it gives 0 left out), read off its call on the
+        template's rendering of a user message of two images, so that the tokens the template puts
+        around an image are seen too. An input that gives one id two values is a problem."""
+        import torch
+
+        message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+        text = self._render(message, add_generation_prompt=True)
+        bos = self.tokenizer.bos_token
+        kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
+        out = self.processor(text=[text], images=[first, second], return_tensors="pt", **kwargs)
+        ids = out["input_ids"]
+        tables = {}
+        for name, values in out.items():
+            if (name in ("input_ids", "attention_mask", "labels") or not isinstance(values, torch.Tensor)
+                    or values.shape != ids.shape or values.is_floating_point()):
+                continue
+            table = {}
+            for token in ids.unique().tolist():
+                seen = values[ids == token].unique().tolist()
+                if len(seen) != 1:
+                    problems.append(f"its {name!r} gives token id {token} the values {seen}, not one value per id")
+                    break
+                if seen[0]:
+                    table[token] = int(seen[0])
+            tables[name] = table
+        return tables
+
     def _probe_joins(self) -> dict[str, InputJoin]:
         """Per image input, the join that makes two images' one-by-one outputs the joint output."""
         import torch
@@ -272,17 +326,10 @@ class ProfileStage:
             self._index_rule = self._image_index_rule(replaced, one_by_one, first)
             if self._index_rule is None:
                 problems.append("the text that replaces an image depends on the other images of the call")
-        self._token_marks = {}
-        ids = joint["input_ids"]
-        for name in ("token_type_ids", "mm_token_type_ids"):  # text-aligned inputs the processor returns
-            if name in joint:
-                marked = ids[joint[name] == 1].unique()
-                if not torch.equal(joint[name], torch.isin(ids, marked).to(joint[name].dtype)):
-                    problems.append(f"its {name!r} is not 1 exactly on a set of token ids")
-                self._token_marks[name] = marked.tolist()
+        self._token_marks = self._text_aligned_values(first, second, problems)
         joins: dict[str, InputJoin] = {}
         self._input_dtypes, self._empty_parts = {}, {}
-        for name in [k for k in joint if k not in _TEXT_KEYS]:
+        for name in [k for k in joint if k not in _TEXT_KEYS and k not in self._token_marks]:
             value = joint[name]
             parts = [a.get(name) for a in alone]
             if not isinstance(value, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):

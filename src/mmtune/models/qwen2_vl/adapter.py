@@ -338,13 +338,13 @@ class Qwen2VLAdapter(PieceText, Encoder):
             "use adapter.image_inputs(paths), which returns pixel_values and image_grid_thw"
         )
 
-    # positions: RopePositions (models/positions.py), the prompt's grids from the file headers
-    def _prompt_grid(self, image_paths: Sequence[str]) -> "torch.Tensor":
+    def _prompt_inputs(self, image_paths: Sequence[str]) -> dict[str, "torch.Tensor"]:
         """The grids of a prompt's images from the file headers (what the processor gives them;
-        no pixel decode)."""
+        no pixel decode): all the rope index reads."""
         import torch
 
-        return torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
+        grid = torch.tensor([self.images.grid(path) for path in image_paths], dtype=torch.long).reshape(-1, 3)
+        return {"image_grid_thw": grid}
 
     # -- model (the hooks of models/hooks.py) ------------------------------------------------------
     def generation_class(self) -> type:
