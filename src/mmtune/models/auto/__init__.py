@@ -23,7 +23,8 @@ and labels the assistant turns as the template renders them:
   the every-prefix result on probe dialogues (checked once per checkpoint) and the joined
   turns equal the whole dialogue's render (checked per dialogue); otherwise every prefix is
   rendered.
-- **images**: each image placeholder (``processor.image_token``) is replaced by the text the
+- **images**: each image placeholder (``processor.image_token``, or the one special token the
+  template renders for an image item where that is another: QianfanOCR's ``<image>``) is replaced by the text the
   processor itself puts there (``return_text_replacement_offsets``, or, where its own ``__call__``
   gives none, read off the text it hands its tokenizer), which depends only on the
   image's size: it is computed once per size on a blank image, and the image's size is read
@@ -36,10 +37,17 @@ and labels the assistant turns as the template renders them:
   for every input, the concatenation axis or stack (with padding) that reproduces the joint
   call (:class:`~mmtune.models.base.InputJoin`); an input no join reproduces, or expansion
   text that depends on the other images, is refused then (:class:`UnsupportedProcessorError`).
-- **token inputs**: the processor's text-aligned inputs (Gemma 3's ``token_type_ids``), 1 on
-  the token ids the processor marks (found at start-up), computed per batch from the ids.
+- **token inputs**: the processor's text-aligned inputs (every integer output shaped as the ids:
+  Gemma 3's ``token_type_ids``, ERNIE-4.5-VL's ``moe_mm_token_type_ids``), the value the processor
+  gives each token id (read at start-up off its call on the template's rendering of two images, so
+  the tokens the template puts around an image count), computed per batch from the ids.
 - **positions**: one running position, or, for a model whose transformers class has its own
-  ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample.
+  ``get_rope_index`` (M-RoPE: GLM-4.1V, Qwen2-VL), that function on the sample and the image inputs
+  its signature names (``image_grid_thw``; MiniCPM-V 4.7's ``target_sizes``).
+- **the start-up check**: a probe dialogue's ids, image inputs, token inputs and positions against
+  the processor's whole call (positions: the model class's ``get_rope_index`` on that call). A model
+  class whose ``forward`` takes none of the processor's image inputs by name (Mistral 4's
+  ``Mistral4ForCausalLM``, a text model listed as image-text-to-text) is refused.
 - **packed rows** of a model with sliding-window layers keep transformers' block mask; its
   sliding-window mask is taken as the full-attention one within the window
   (:func:`_packed_window_masks`: transformers misplaces Gemma 3's bidirectional image blocks there).
