@@ -276,19 +276,24 @@ class ProfileStage:
         at = texts[0].index(marker)
         return texts[0][:at], texts[0][at + len(marker):]
 
-    def _text_aligned_values(self, first: Any, second: Any, problems: list[str]) -> dict[str, dict[int, int]]:
+    def _text_aligned_values(self, first: Any, second: Any, joint: dict[str, Any],
+                             problems: list[str]) -> dict[str, dict[int, int]]:
         """Per text-aligned input (every integer output but the ids shaped as the ids: Gemma 3's
         ``token_type_ids``, ``mm_token_type_ids``, ERNIE-4.5-VL's ``moe_mm_token_type_ids``), the
         value the processor gives each token id (ids it gives 0 left out), read off its call on the
         template's rendering of a user message of two images, so that the tokens the template puts
-        around an image are seen too. An input that gives one id two values is a problem."""
+        around an image are seen too (``joint``, the call on the placeholders alone, where the template
+        renders no such message). An input that gives one id two values is a problem."""
         import torch
 
         message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
-        text = self._render(message, add_generation_prompt=True)
-        bos = self.tokenizer.bos_token
-        kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
-        out = self.processor(text=[text], images=[first, second], return_tensors="pt", **kwargs)
+        try:
+            text = self._render(message, add_generation_prompt=True)
+            bos = self.tokenizer.bos_token
+            kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
+            out = self.processor(text=[text], images=[first, second], return_tensors="pt", **kwargs)
+        except Exception:  # noqa: BLE001 - a template that renders no lone user message: the placeholders' call
+            out = joint
         ids = out["input_ids"]
         tables = {}
         for name, values in out.items():
@@ -326,7 +331,7 @@ class ProfileStage:
             self._index_rule = self._image_index_rule(replaced, one_by_one, first)
             if self._index_rule is None:
                 problems.append("the text that replaces an image depends on the other images of the call")
-        self._token_marks = self._text_aligned_values(first, second, problems)
+        self._token_marks = self._text_aligned_values(first, second, joint, problems)
         joins: dict[str, InputJoin] = {}
         self._input_dtypes, self._empty_parts = {}, {}
         for name in [k for k in joint if k not in _TEXT_KEYS and k not in self._token_marks]:
