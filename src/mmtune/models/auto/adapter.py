@@ -18,7 +18,6 @@ from mmtune.models.auto.profile import (
     ProfileStage,
     check_remote_code,
     load_processor_and_template,
-    template_placeholder,
 )
 from mmtune.models.auto.render import RenderStage
 from mmtune.models.auto.stops import AnswerStopStage
@@ -88,7 +87,7 @@ class AutoAdapter(ProfileStage, RenderStage, ImageTextStage, AnswerStopStage, Ba
         self.model_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
         self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.image_token = template_placeholder(loaded.chat_template, loaded.tokenizer, loaded.image_token)
+        self.image_token = self._template_placeholder(loaded.image_token)
         self._placeholder_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         # the token whose embeddings the model replaces with image features (Gemma 3: <image_soft_token>,
         # not the <start_of_image> placeholder its template renders)

@@ -58,9 +58,7 @@ class ProcessorCallAuthority(ProcessorAuthority):
         own = {} if getattr(self.processor, "chat_template", None) else {"chat_template": self.chat_template}
         text = self.processor.apply_chat_template(messages, tokenize=False, **own)
         images = [load_image(path) for path in probe_paths(dialogue)]
-        bos = self.tokenizer.bos_token
-        # no second BOS where the template renders one, as the processor's own apply_chat_template
-        kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
+        kwargs = {} if self._add_special_tokens(text) else {"add_special_tokens": False}
         return self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
 
     def _compare_positions(self, mine: dict[str, Any], theirs: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from mmtune.models.auto.render import common_prefix
 from mmtune.models.base import InputJoin
 from mmtune.models.images import noise_image
 
-__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template", "template_placeholder"]
+__all__ = ["LoadedProcessor", "ProfileStage", "load_processor_and_template"]
 
 #: processor outputs that are text inputs, not image inputs (PaliGemma's processor also returns
 #: ``labels`` of its own, which the collator builds itself)
@@ -65,30 +65,6 @@ def load_processor_and_template(path: str, trust_remote_code: bool) -> LoadedPro
             f"model.path={path!r} cannot be used with model.family=auto: " + "; ".join(problems)
         )
     return LoadedProcessor(processor, tokenizer, template, image_token)
-
-
-def template_placeholder(template: str, tokenizer: Any, image_token: str) -> str:
-    """The image placeholder the chat template renders: ``image_token`` where an image item's text
-    holds it (every class but one tried), else the one special token that text holds (QianfanOCR
-    renders ``<image>``, its ``image_placeholder_token``, and expands it into ``<IMG_CONTEXT>`` runs,
-    its ``image_token``); ``image_token`` where neither is found (the start-up probes then name the
-    problem)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    def render(content: list[dict]) -> str:
-        return render_jinja_template(conversations=[[{"role": "user", "content": content}]], chat_template=template,
-                                     **tokenizer.special_tokens_map)[0][0]
-
-    try:
-        with_image, without = render([{"type": "image"}]), render([{"type": "text", "text": ""}])
-    except Exception:  # noqa: BLE001 - a template that cannot render this is named by the probes
-        return image_token
-    if with_image.count(image_token) > without.count(image_token):
-        return image_token
-    added = [t for t in tokenizer.get_added_vocab() if t and with_image.count(t) > without.count(t)]
-    # the longest of them: "<image>" also holds any added token that is a piece of it
-    special = [t for t in added if not any(t != u and t in u for u in added)]
-    return special[0] if len(special) == 1 else image_token
 
 
 def check_remote_code(path: str, trust_remote_code: bool) -> None:
@@ -236,6 +212,30 @@ class ProfileStage:
         return [seen[len(head):len(seen) - len(tail)]]
 
     @functools.cached_property
+    def _image_item_renders(self) -> tuple[str, str]:
+        """The template's rendering of a user message of one image item, and of one of an empty text."""
+        return (self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False),
+                self._render([{"role": "user", "content": [{"type": "text", "text": ""}]}],
+                             add_generation_prompt=False))
+
+    def _template_placeholder(self, image_token: str) -> str:
+        """The image placeholder the chat template renders: ``image_token`` where an image item's text
+        holds it (every class but one tried), else the one added token that text holds (QianfanOCR
+        renders ``<image>``, its ``image_placeholder_token``, and expands it into ``<IMG_CONTEXT>`` runs,
+        its ``image_token``); ``image_token`` where neither is found (the start-up probes then name the
+        problem)."""
+        try:
+            with_image, without = self._image_item_renders
+        except Exception:  # noqa: BLE001 - a template that cannot render this is named by the probes
+            return image_token
+        if with_image.count(image_token) > without.count(image_token):
+            return image_token
+        added = [t for t in self.tokenizer.get_added_vocab() if t and with_image.count(t) > without.count(t)]
+        # the longest of them: "<image>" also holds any added token that is a piece of it
+        special = [t for t in added if not any(t != u and t in u for u in added)]
+        return special[0] if len(special) == 1 else image_token
+
+    @functools.cached_property
     def _image_item_text(self) -> str:
         """The placeholder alone where the processor accepts it (every class tested before HunYuan-VL);
         else what the chat template renders for one image item: a user message of one image against
@@ -245,9 +245,7 @@ class ProfileStage:
             return self.image_token
         except Exception:  # noqa: BLE001 - the processor's refusal: try the template's rendering
             pass
-        with_image = self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
-        without = self._render([{"role": "user", "content": [{"type": "text", "text": ""}]}],
-                               add_generation_prompt=False)
+        with_image, without = self._image_item_renders
         head = common_prefix(with_image, without)
         tail = 0
         while tail < min(len(with_image), len(without)) - head and with_image[-1 - tail] == without[-1 - tail]:
@@ -289,8 +287,7 @@ class ProfileStage:
         message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
         try:
             text = self._render(message, add_generation_prompt=True)
-            bos = self.tokenizer.bos_token
-            kwargs = {"add_special_tokens": False} if bos is not None and text.startswith(bos) else {}
+            kwargs = {} if self._add_special_tokens(text) else {"add_special_tokens": False}
             out = self.processor(text=[text], images=[first, second], return_tensors="pt", **kwargs)
         except Exception:  # noqa: BLE001 - a template that renders no lone user message: the placeholders' call
             out = joint
