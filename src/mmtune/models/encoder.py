@@ -78,13 +78,16 @@ class Encoder(RopePositions, ProcessorAuthority, TransformersModelHooks, ModelAd
     def _setup_text(self) -> None:
         """Stage 3: what the text stage needs (a renderer, a tokenizer of its own, start-up checks)."""
 
+    def _image_marks(self) -> list[int] | None:
+        """The token ids the processor marks 1 in ``mm_token_type_ids`` (where the profile read
+        them: the ``auto`` family); ``None``: the image token alone."""
+        return None
+
     def _setup_positions(self) -> None:
         """Stage 4, the same for every family: the model's own rope index where its class has one
-        (the processor's ``mm_token_type_ids`` marks where the profile found them), and why packed
-        rows cannot carry the running position before the rope rows, if the model refuses it."""
-        table = getattr(self, "_token_marks", {}).get("mm_token_type_ids")
-        marks = None if table is None else [token for token, value in table.items() if value == 1]
-        self._rope = rope_index_for(self.model_config, self.image_token_id, marks)
+        (on :meth:`_image_marks`), and why packed rows cannot carry the running position before the
+        rope rows, if the model refuses it."""
+        self._rope = rope_index_for(self.model_config, self.image_token_id, self._image_marks())
         self.position_id_rows = self._rope.rows if self._rope is not None else 1
         self.packing_problem = (packed_layout_problem(self.text_config(self.model_config), self.position_id_rows)
                                 if self.position_id_rows > 1 else "")

@@ -120,6 +120,12 @@ class BatchStage:
             )
         return inputs["pixel_values"]
 
+    def _image_marks(self) -> list[int] | None:
+        """The token ids the processor marks 1 in its ``mm_token_type_ids`` (each image one run, of
+        the length the class's rule gives), for the rope index; ``None`` where it returns none."""
+        table = self._token_marks.get("mm_token_type_ids")
+        return None if table is None else [token for token, value in table.items() if value == 1]
+
     def token_inputs(self, input_ids: "torch.Tensor") -> dict[str, "torch.Tensor"]:
         """The processor's text-aligned inputs (Gemma 3's ``token_type_ids``: 1 on its image tokens;
         ERNIE-4.5-VL's ``moe_mm_token_type_ids``), computed from ``input_ids`` as the processor gives
